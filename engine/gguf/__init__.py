@@ -1,0 +1,1 @@
+"""Reading GGUF files: metadata, tensors, and the model description built from them."""

@@ -1,0 +1,70 @@
+"""The data that crosses the Engine contract: requests in, events out. No tensors here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling import SamplingParams, TokenLogprob
+
+
+@dataclass
+class Request:
+    """One generation request. Give `messages` (chat, rendered with the model's template), or
+    `prompt` (raw text, tokenized with the model's BOS rule), or `prompt_ids`."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session: str | None = None            # conversation/agent id (prefix reuse keys on it later)
+    images: list[Any] = field(default_factory=list)
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)   # e.g. enable_thinking
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Timings:
+    queued_ms: float = 0.0
+    prompt_ms: float = 0.0          # submit -> first token
+    decode_ms: float = 0.0          # first token -> finish
+    prompt_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+@dataclass
+class TokenEvent:
+    text: str                                   # newly completed text (may be "" mid-character)
+    ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class FinishEvent:
+    reason: str                                 # "stop" | "length" | "cancelled" | "error"
+    usage: Usage
+    timings: Timings
+    error: str | None = None
+    stop_string: str | None = None
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take a request (bad parameters, context too long, engine stopped)."""
+
+
+class ContextTooLongError(EngineError, ValueError):
+    def __init__(self, n_prompt: int, limit: int):
+        self.n_prompt, self.limit = n_prompt, limit
+        super().__init__(f"the prompt has {n_prompt} tokens but the context holds {limit} "
+                         f"({n_prompt - limit + 1} too many to generate even one token)")

@@ -1,0 +1,1 @@
+"""Compute kernels: torch references and Triton kernels. No model knowledge."""

