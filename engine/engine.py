@@ -23,7 +23,8 @@ from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
-from engine.types import (ContextTooLongError, EngineError, FinishEvent, Request, Timings, TokenEvent, Usage)
+from engine.types import (ContextTooLongError, EngineError, FinishEvent, QueueFullError, Request, Timings,
+                          TokenEvent, Usage)
 
 log = logging.getLogger("hivejet.engine")
 
@@ -169,7 +170,7 @@ class Engine:
         if len(ids) >= self.ctx_size:
             raise ContextTooLongError(len(ids), self.ctx_size)
         if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
-            raise EngineError(f"too many waiting requests ({self.config.max_queue}); try again later")
+            raise QueueFullError(f"too many waiting requests ({self.config.max_queue}); try again later")
         rid = next(self._ids)
         handle = RequestHandle(rid, len(ids))
         seq = _Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, self.model.new_kv())
@@ -304,7 +305,16 @@ class Engine:
 
     def _on_logits(self, s: _Sequence, logits: torch.Tensor) -> None:
         p = s.params
-        tok, lp = s.sampler.sample_with_logprobs(logits, s.tokens)
+        constraint = s.req.constraint
+        if constraint is not None:
+            raw = logits
+            logits = logits.clone()
+            constraint.mask(logits)
+            tok, _ = s.sampler.sample_with_logprobs(logits, s.tokens)
+            lp = s.sampler.logprob_of(raw, tok) if p.logprobs is not None else None
+            constraint.accept(tok)
+        else:
+            tok, lp = s.sampler.sample_with_logprobs(logits, s.tokens)
         now = time.monotonic()
         if s.t_first is None:
             s.t_first = now
@@ -319,7 +329,9 @@ class Engine:
         s.tokens.append(tok)
         text, stopped = s.stopper.feed(s.decoder.push(tok))
         self._emit_text(s, text, [tok], [lp] if lp is not None else None)
-        if stopped:
+        if stopped or (constraint is not None and constraint.is_done()):
+            if not stopped:
+                self._emit_text(s, s.stopper.feed(s.decoder.flush())[0] + s.stopper.flush(), [], None)
             self._finish(s, "stop")
         elif s.n_generated >= p.max_tokens or len(s.tokens) >= self.ctx_size:
             self._emit_text(s, s.stopper.feed(s.decoder.flush())[0] + s.stopper.flush(), [], None)

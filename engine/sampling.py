@@ -322,19 +322,24 @@ class Sampler:
         penalties and temperature). None when params.logprobs is None."""
         raw = self._row(logits)
         token = self.sample(raw, history)
-        k = self.params.logprobs
-        if k is None:
+        if self.params.logprobs is None:
             return token, None
+        return token, self.logprob_of(raw, token)
+
+    def logprob_of(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        """Logprob of `token` and the top `params.logprobs` alternatives under the raw logits."""
+        raw = self._row(logits)
+        k = self.params.logprobs or 0
         lp = torch.log_softmax(raw.to(torch.float32), dim=0)
         chosen = lp[token].reshape(1)
         if k == 0:
-            return token, TokenLogprob(token, float(chosen.item()), [])
+            return TokenLogprob(token, float(chosen.item()), [])
         top_v, top_i = torch.topk(lp, min(k, lp.shape[0]), sorted=True)
         # One device->host transfer; float64 holds token ids exactly.
         packed = torch.cat([chosen.to(torch.float64), top_v.to(torch.float64), top_i.to(torch.float64)]).tolist()
         n = top_v.shape[0]
         top = [(int(i), float(v)) for v, i in zip(packed[1:1 + n], packed[1 + n:])]
-        return token, TokenLogprob(token, float(packed[0]), top)
+        return TokenLogprob(token, float(packed[0]), top)
 
 
 class StopChecker:

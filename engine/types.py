@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.sampling import SamplingParams, TokenLogprob
+
+
+class TokenConstraint(Protocol):
+    """Constrained decoding (JSON schema, grammar): the engine calls `mask` on each step's logits
+    before sampling (set forbidden tokens to -inf in place), `accept` with the sampled token, and
+    finishes the request with reason "stop" once `is_done()` is true."""
+
+    def mask(self, logits) -> None: ...
+    def accept(self, token_id: int) -> None: ...
+    def is_done(self) -> bool: ...
 
 
 @dataclass
@@ -21,6 +31,7 @@ class Request:
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # e.g. enable_thinking
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -61,6 +72,10 @@ class FinishEvent:
 
 class EngineError(RuntimeError):
     """The engine cannot take a request (bad parameters, context too long, engine stopped)."""
+
+
+class QueueFullError(EngineError):
+    """Too many requests are waiting; the caller should retry later (HTTP 429)."""
 
 
 class ContextTooLongError(EngineError, ValueError):

@@ -123,3 +123,36 @@ def test_many_threads_submit(engine):
     for t in ts:
         t.join(60)
     assert len(results) == 4 and all(r[2].reason == "length" for r in results)
+
+
+class _OnlyDigits:
+    """A toy constraint: digits only, done after 3 tokens."""
+
+    def __init__(self, tokenizer):
+        self.allowed = [i for i in range(tokenizer.vocab_size)
+                        if tokenizer.token_bytes(i).decode("utf-8", "replace").strip().isdigit()]
+        self.n = 0
+
+    def mask(self, logits):
+        keep = logits[self.allowed].clone()
+        logits.fill_(float("-inf"))
+        logits[self.allowed] = keep
+
+    def accept(self, token_id):
+        self.n += 1
+
+    def is_done(self):
+        return self.n >= 3
+
+
+def test_constraint_masks_and_finishes(engine):
+    c = _OnlyDigits(engine.tokenizer)
+    req = Request(prompt="My favourite colour is", constraint=c,
+                  sampling=SamplingParams(max_tokens=20, temperature=0.0, logprobs=2))
+    events = list(engine.submit(req))
+    fin = events[-1]
+    toks = [e for e in events if isinstance(e, TokenEvent) and e.ids]
+    assert fin.reason == "stop" and len(toks) == 3
+    assert all(set(ids) <= set(c.allowed) for ids in (t.ids for t in toks))
+    # logprobs describe the model's own distribution, not the masked one
+    assert all(t.logprobs and t.logprobs[0].logprob <= 0 and len(t.logprobs[0].top) == 2 for t in toks)
