@@ -34,9 +34,6 @@ class ModelSpec:
         return bool(self.swa_layers) and self.swa_layers[layer]
 
 
-SUPPORTED_ARCHS = ("llama", "gemma3")
-
-
 def _get(md: dict, path, key: str, default=None, required: bool = False):
     if key in md:
         return md[key]
@@ -92,7 +89,7 @@ def spec_from_gguf(f: GGUFFile) -> ModelSpec:
         # q scaled by 1/sqrt(head_dim) (27B: 1/sqrt(n_embd/n_head)); embeddings scaled by sqrt(n_embd).
         spec.sliding_window = int(_get(md, p, a + "attention.sliding_window", 0))
         spec.swa_layers = tuple(il % 6 < 5 for il in range(n_layer)) if spec.sliding_window else ()
-        spec.rope_base_swa = 10000.0
+        spec.rope_base_swa = float(_get(md, p, a + "rope.freq_base_swa", 10000.0))
         spec.embd_scale = float(n_embd) ** 0.5
         is_27b = n_layer == 62
         spec.attn_scale = (n_embd / n_head) ** -0.5 if is_27b else head_dim ** -0.5

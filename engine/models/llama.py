@@ -70,3 +70,15 @@ class LlamaModel(DecoderModel):
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
         f = F.silu(L["gate"].matmul(h)) * L["up"].matmul(h)
         return x + L["down"].matmul(f)
+
+
+class Qwen2Model(LlamaModel):
+    """qwen2 (llama.cpp src/models/qwen2.cpp): the llama block with Q/K/V biases and NEOX rope."""
+
+    rope_neox = True
+
+
+class Qwen3Model(LlamaModel):
+    """qwen3 (llama.cpp src/models/qwen3.cpp): per-head Q/K RMSNorm before rope, no biases, NEOX rope."""
+
+    rope_neox = True
