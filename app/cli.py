@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,9 +127,9 @@ def cmd_perplexity(args) -> int:
     from engine.models import open_model
     from engine.perplexity import load_base, perplexity
     from engine.tokenizer import Tokenizer
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+    import torch
+    from engine.engine import default_threads
+    torch.set_num_threads(args.threads or default_threads())
     model = open_model(ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr)))
     try:
         tok = Tokenizer.from_metadata(model.file.metadata)
@@ -242,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    # Before torch loads OpenMP: idle threads sleep instead of spinning, so a busy machine does not
+    # stall every parallel region.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

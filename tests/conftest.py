@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see engine.default_threads)
+
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
