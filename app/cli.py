@@ -51,8 +51,9 @@ def _engine(args):
                   progress=lambda msg: print(msg, file=sys.stderr))
 
 
-def _stream(handle, out=sys.stdout) -> object:
+def _stream(handle, out=None) -> object:
     from engine.types import FinishEvent, TokenEvent
+    out = out or sys.stdout
     fin = None
     for ev in handle:
         if isinstance(ev, TokenEvent):

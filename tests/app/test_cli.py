@@ -1,0 +1,67 @@
+"""The `hivejet` command: tokenize like llama-tokenize, generation, clear errors for bad input."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from app import __version__
+from app.cli import main
+from engine.catalog import CatalogError, ensure_model
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_tokenize_ids_match_llamacpp(model, model_paths, reference_dir, capsys):
+    for text in ("gpl3", "unicode_mix"):
+        assert main(["tokenize", "-m", str(model_paths[model]), "-f",
+                     str(reference_dir / "texts" / f"{text}.txt"), "--ids"]) == 0
+        out = capsys.readouterr().out.strip()
+        assert out == (reference_dir / f"{model}.{text}.tokens.txt").read_text().strip()
+
+
+def test_version():
+    r = subprocess.run([sys.executable, "-m", "app.cli", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and __version__ in r.stdout
+
+
+def test_generate_greedy(smollm2_path, capsys):
+    assert main(["generate", "-m", str(smollm2_path), "-p", "The capital of France is", "--temp", "0",
+                 "-n", "6", "--no-echo", "--ignore-eos"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip() and "[length]" in cap.err and "generated 6 tokens" in cap.err
+
+
+def test_broken_model_is_one_clear_line(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    for cmd in (["generate", "-p", "x"], ["tokenize", "-p", "x"], ["perplexity", "-f", str(bad)]):
+        assert main([cmd[0], "-m", str(bad)] + cmd[1:]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hivejet: error: ") and str(bad) in err and "\n" not in err
+
+
+def test_bad_sampling_value(smollm2_path, capsys):
+    assert main(["generate", "-m", str(smollm2_path), "-p", "x", "--top-p", "1.5"]) == 1
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_unknown_model_name(capsys):
+    assert main(["tokenize", "-m", "no-such-model", "-p", "x"]) == 1
+    assert "neither a file nor a catalog model" in capsys.readouterr().err
+    with pytest.raises(CatalogError):
+        ensure_model("no-such-model")
+
+
+def test_catalog_passes_paths_through(smollm2_path):
+    assert ensure_model(str(smollm2_path)) == smollm2_path
+    assert ensure_model("demo") == smollm2_path  # already fetched: no download
+
+
+def test_terminal_chat(smollm2_path, monkeypatch, capsys):
+    """`hivejet` without a GUI: a terminal chat that answers and quits on an empty line."""
+    lines = iter(["Say hi.", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "-m", str(smollm2_path), "-n", "4", "--temp", "0"]) == 0
+    cap = capsys.readouterr()
+    assert "chatting with" in cap.err and cap.out.strip()
