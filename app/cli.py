@@ -66,6 +66,10 @@ def _stream(handle, out=None) -> object:
 
 def cmd_generate(args) -> int:
     from engine.types import Request
+    if args.prompt is None:
+        if not args.chat:
+            raise ValueError("give -p TEXT, or --chat for an interactive chat")
+        return cmd_chat(args)
     with _engine(args) as eng:
         if args.chat:
             msgs = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -199,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     _add_model(g)
-    g.add_argument("-p", "--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("-p", "--prompt", help="the prompt (with --chat: the first user message)")
+    g.add_argument("--chat", action="store_true",
+                   help="use the chat template: with -p one reply to that message, without -p an interactive chat")
     g.add_argument("--system", default=None)
     g.add_argument("--no-echo", action="store_true", help="do not print the prompt first")
     g.add_argument("-c", "--ctx-size", type=int, default=0)

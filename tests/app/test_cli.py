@@ -65,3 +65,15 @@ def test_terminal_chat(smollm2_path, monkeypatch, capsys):
     assert main(["chat", "-m", str(smollm2_path), "-n", "4", "--temp", "0"]) == 0
     cap = capsys.readouterr()
     assert "chatting with" in cap.err and cap.out.strip()
+
+
+def test_generate_needs_prompt_or_chat(capsys):
+    assert main(["generate", "-m", "demo"]) == 1
+    assert "-p TEXT, or --chat" in capsys.readouterr().err
+
+
+def test_generate_chat_interactive(smollm2_path, monkeypatch, capsys):
+    lines = iter(["Hi", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["generate", "-m", str(smollm2_path), "--chat", "-n", "3", "--temp", "0"]) == 0
+    assert capsys.readouterr().out.strip()
