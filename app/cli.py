@@ -238,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--list", action="store_true")
     d.set_defaults(func=cmd_download)
 
+    from engine import bench
+    b = sub.add_parser("bench", help="benchmarks on the GPU")
+    bench.add_bench_args(b)
+    b.set_defaults(func=bench.run_bench)
+
     try:
         from engine import synth
         s = sub.add_parser("synth", help="write a synthetic GGUF model (random weights) for tests and benchmarks")

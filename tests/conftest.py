@@ -6,6 +6,12 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see engine.default_threads)
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on the CPU (set before any kernel is defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent

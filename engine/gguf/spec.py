@@ -29,9 +29,21 @@ class ModelSpec:
     attn_scale: float | None = None          # q scaling; None -> 1/sqrt(head_dim)
     embd_scale: float = 1.0                  # gemma multiplies embeddings by sqrt(n_embd)
     extra: dict[str, Any] = field(default_factory=dict)
+    # qwen35 (hybrid Gated DeltaNet + gated attention); n_layer counts the main layers only
+    n_layer_nextn: int = 0                   # MTP (NextN) blocks stored after the main layers
+    recurrent_layers: tuple[bool, ...] = ()  # per main layer: True where the layer is Gated DeltaNet
+    rope_sections: tuple[int, ...] = ()      # M-RoPE sections (t, h, w, e) in rotated-dim pairs
+    ssm_d_conv: int = 0                      # depthwise causal conv kernel
+    ssm_d_state: int = 0                     # linear-attention K (and V) head dim
+    ssm_n_group: int = 0                     # linear-attention K heads
+    ssm_dt_rank: int = 0                     # linear-attention V heads
+    ssm_d_inner: int = 0                     # V heads x V head dim
 
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent_layers) and layer < len(self.recurrent_layers) and self.recurrent_layers[layer]
 
 
 def _get(md: dict, path, key: str, default=None, required: bool = False):
@@ -93,4 +105,39 @@ def spec_from_gguf(f: GGUFFile) -> ModelSpec:
         spec.embd_scale = float(n_embd) ** 0.5
         is_27b = n_layer == 62
         spec.attn_scale = (n_embd / n_head) ** -0.5 if is_27b else head_dim ** -0.5
+    if arch == "qwen35":
+        _qwen35_hparams(spec, md, a, p, n_layer)
     return spec
+
+
+def _qwen35_hparams(spec: ModelSpec, md: dict, a: str, p, n_layer_all: int) -> None:
+    """llama.cpp src/models/qwen35.cpp load_arch_hparams. block_count includes the MTP blocks
+    (nextn_predict_layers of them, stored after the main layers); spec.n_layer is the main layers."""
+    n_nextn = int(_get(md, p, a + "nextn_predict_layers", 0))
+    if not 0 <= n_nextn < n_layer_all:
+        raise GGUFError(p, f"bad nextn_predict_layers {n_nextn} for {n_layer_all} blocks")
+    n_main = n_layer_all - n_nextn
+    spec.n_layer = n_main
+    spec.n_layer_nextn = n_nextn
+    spec.ssm_d_conv = int(_get(md, p, a + "ssm.conv_kernel", required=True))
+    spec.ssm_d_inner = int(_get(md, p, a + "ssm.inner_size", required=True))
+    spec.ssm_d_state = int(_get(md, p, a + "ssm.state_size", required=True))
+    spec.ssm_dt_rank = int(_get(md, p, a + "ssm.time_step_rank", required=True))
+    spec.ssm_n_group = int(_get(md, p, a + "ssm.group_count", required=True))
+    if (spec.ssm_n_group <= 0 or spec.ssm_dt_rank % spec.ssm_n_group
+            or spec.ssm_d_inner != spec.ssm_d_state * spec.ssm_dt_rank):
+        raise GGUFError(p, f"bad linear-attention shape: {spec.ssm_n_group} K heads, {spec.ssm_dt_rank} V heads, "
+                           f"state {spec.ssm_d_state}, inner {spec.ssm_d_inner} (V head dim must equal K head dim)")
+    rec = md.get(a + "attention.recurrent_layers")
+    if rec is not None:
+        if len(rec) < n_main:
+            raise GGUFError(p, f"attention.recurrent_layers has {len(rec)} entries for {n_main} layers")
+        spec.recurrent_layers = tuple(bool(r) for r in rec[:n_main])
+    else:
+        interval = int(_get(md, p, a + "full_attention_interval", 4))
+        spec.recurrent_layers = tuple((il + 1) % interval != 0 for il in range(n_main))
+    sections = _get(md, p, a + "rope.dimension_sections", required=True)
+    sections = [int(x) for x in (sections if isinstance(sections, list) else [sections])]
+    spec.rope_sections = tuple((sections + [0, 0, 0, 0])[:4])
+    if sum(spec.rope_sections) <= 0:
+        raise GGUFError(p, f"bad rope.dimension_sections {sections}")

@@ -8,12 +8,14 @@ from engine.gguf.spec import spec_from_gguf
 from engine.models.common import DecoderModel
 from engine.models.gemma3 import Gemma3Model
 from engine.models.llama import LlamaModel, Qwen2Model, Qwen3Model
+from engine.models.qwen35 import Qwen35Model
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": LlamaModel,
     "gemma3": Gemma3Model,
     "qwen2": Qwen2Model,
     "qwen3": Qwen3Model,
+    "qwen35": Qwen35Model,
 }
 
 

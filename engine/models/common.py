@@ -125,13 +125,19 @@ class Rope:
 
 
 class SequenceKV:
-    """Per-sequence KV cache for the CPU path: per layer, K and V in f16 (llama.cpp's default cache
-    type) in a buffer that grows by doubling. The paged pool (engine/kv) replaces this later."""
+    """Per-sequence cache for the CPU path: per layer, K and V (f16 by default, llama.cpp's default
+    cache type; `dtype=torch.float32` for exact comparisons) in a buffer that grows by doubling, and,
+    for recurrent layers (Gated DeltaNet), that layer's state in `recurrent[layer]` (a tuple of
+    float32 tensors, e.g. (conv window, state matrix)) after `recurrent_length` tokens. The paged
+    pool (engine/kv) replaces this later."""
 
-    def __init__(self, n_layer: int):
+    def __init__(self, n_layer: int, dtype: torch.dtype = torch.float16):
         self.k: list[torch.Tensor | None] = [None] * n_layer
         self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.dtype = dtype
         self.length = 0  # tokens stored (committed after each forward)
+        self.recurrent: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.recurrent_length = 0  # tokens the recurrent states have consumed
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [n, Hkv, D] at positions start..start+n; return all K, V up to the end (f32)."""
@@ -140,18 +146,32 @@ class SequenceKV:
         buf_k, buf_v = self.k[layer], self.v[layer]
         if buf_k is None or buf_k.shape[0] < end:
             cap = max(end, 2 * (buf_k.shape[0] if buf_k is not None else 64))
-            new_k = torch.empty((cap,) + tuple(k.shape[1:]), dtype=torch.float16)
-            new_v = torch.empty((cap,) + tuple(v.shape[1:]), dtype=torch.float16)
+            new_k = torch.empty((cap,) + tuple(k.shape[1:]), dtype=self.dtype)
+            new_v = torch.empty((cap,) + tuple(v.shape[1:]), dtype=self.dtype)
             if buf_k is not None:
                 new_k[:start] = buf_k[:start]
                 new_v[:start] = buf_v[:start]
             self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
-        buf_k[start:end] = k.to(torch.float16)
-        buf_v[start:end] = v.to(torch.float16)
+        buf_k[start:end] = k.to(self.dtype)
+        buf_v[start:end] = v.to(self.dtype)
         return buf_k[:end].float(), buf_v[:end].float()
 
     def truncate(self, length: int) -> None:
+        """Forget tokens from `length` on. KV entries simply get overwritten; recurrent states cannot
+        be rewound, so a hybrid model needs `restore(snapshot)` to go back (its forward refuses a
+        chunk that does not start where its recurrent states are)."""
         self.length = min(self.length, length)
+
+    def snapshot(self) -> dict:
+        """What `restore` needs to return to this point: lengths and copies of the recurrent states
+        (K/V beyond the restored length are overwritten by later appends, so they are not copied)."""
+        return {"length": self.length, "recurrent_length": self.recurrent_length,
+                "recurrent": {il: tuple(t.clone() for t in st) for il, st in self.recurrent.items()}}
+
+    def restore(self, snap: dict) -> None:
+        self.length = snap["length"]
+        self.recurrent_length = snap["recurrent_length"]
+        self.recurrent = {il: tuple(t.clone() for t in st) for il, st in snap["recurrent"].items()}
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
@@ -184,6 +204,7 @@ class SeqChunk:
     start: int
     kv: SequenceKV
     logits: str | int = "last"    # "last", "all", "none", or an int k: rows k.. of this chunk
+    positions: torch.Tensor | None = None  # RoPE positions if not start..start+n: [n], or [n, 3] (M-RoPE t,h,w)
 
 
 @dataclass
@@ -270,8 +291,8 @@ class DecoderModel:
             outs.append(attention(q[lo:hi], k_all, v_all, c.start, scale, window))
         return torch.cat(outs, dim=0)
 
-    def new_kv(self) -> SequenceKV:
-        return SequenceKV(self.spec.n_layer)
+    def new_kv(self, dtype: torch.dtype = torch.float16) -> SequenceKV:
+        return SequenceKV(self.spec.n_layer, dtype)
 
     def close(self) -> None:
         self.w = None

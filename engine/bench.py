@@ -1,0 +1,88 @@
+"""Benchmarks (`hivejet bench SCENARIO`). Speed is measured here, on a GPU, never in unit tests.
+
+Scenarios so far:
+  matmul  the 4-bit quantized matmul on the 27B model's Q4_K shapes, rows M = 1..64: time per call,
+          weight bytes streamed per second, against the card's copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# (name, N, K): the Q4_K matrices of a Qwen3.5-27B Q4_K_M (engine/synth.py's 27b-q4_k_m preset)
+SHAPES_27B = [
+    ("ffn_gate/up", 17408, 5120),
+    ("ffn_down", 5120, 17408),
+    ("gdn attn_qkv", 10240, 5120),
+    ("gdn attn_gate", 6144, 5120),
+    ("gdn ssm_out", 5120, 6144),
+    ("attn_q+gate", 12288, 5120),
+]
+ROWS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def _copy_bandwidth(torch, nbytes: int) -> float:
+    from triton.testing import do_bench
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200)
+    return 2 * nbytes / (ms * 1e-3)  # read + write
+
+
+def bench_matmul(rows=ROWS, shapes=SHAPES_27B) -> dict:
+    import torch
+    from gguf import GGMLQuantizationType as QT
+    from triton.testing import do_bench
+
+    from kernels.quant.q4_gemm import pack_q4, q4_matmul
+    if not torch.cuda.is_available():
+        raise RuntimeError("the matmul benchmark needs a CUDA GPU")
+    dev = torch.cuda.get_device_name()
+    copy_bw = _copy_bandwidth(torch, 1 << 30)
+    results = []
+    for name, n, k in shapes:
+        raw = torch.randint(0, 256, (n * k // 256 * 144,), dtype=torch.uint8, device="cuda")
+        raw.view(-1, 144).view(torch.int16)[:, :2] = torch.tensor(0.001, dtype=torch.float16).view(torch.int16)
+        p = pack_q4(raw, QT.Q4_K, n, k)
+        gguf_bytes = raw.numel()
+        dense = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda")
+            ms = do_bench(lambda: q4_matmul(x, p), warmup=25, rep=100)
+            xh = x.half()
+            ms_fp16 = do_bench(lambda: xh @ dense.T, warmup=25, rep=100)
+            results.append(dict(shape=name, n=n, k=k, m=m, ms=ms, packed_tbps=p.nbytes / (ms * 1e-3) / 1e12,
+                                gguf_tbps=gguf_bytes / (ms * 1e-3) / 1e12, fp16_cublas_ms=ms_fp16,
+                                fp16_tbps=2 * n * k / (ms_fp16 * 1e-3) / 1e12))
+        del raw, p, dense
+    return dict(device=dev, copy_tbps=copy_bw / 1e12, results=results)
+
+
+def _print_matmul(res: dict) -> None:
+    print(f"device: {res['device']}; copy bandwidth {res['copy_tbps']:.2f} TB/s (read+write)")
+    print(f"{'shape':14s} {'N':>6s} {'K':>6s} {'M':>3s} {'ms':>8s} {'TB/s packed':>11s} {'TB/s gguf':>9s} "
+          f"{'fp16 cuBLAS ms':>14s} {'(TB/s)':>7s}")
+    for r in res["results"]:
+        print(f"{r['shape']:14s} {r['n']:6d} {r['k']:6d} {r['m']:3d} {r['ms']:8.4f} {r['packed_tbps']:11.2f} "
+              f"{r['gguf_tbps']:9.2f} {r['fp16_cublas_ms']:14.4f} {r['fp16_tbps']:7.2f}")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", choices=["matmul"])
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def run_bench(args) -> int:
+    res = bench_matmul()
+    _print_matmul(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    add_bench_args(ap)
+    sys.exit(run_bench(ap.parse_args()))
