@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.gguf.reader import GGUFError
-from engine.models.common import Batch, DecoderModel, SeqChunk, SequenceKV, default_attn_scale, rms_norm
+from engine.models.common import Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm
 from kernels.quant import dequantize_rows
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
 
 
-class MRope:
+class MRope(Rope):
     """Interleaved multi-axis RoPE (llama.cpp GGML_ROPE_TYPE_IMROPE; HF Qwen3_5TextRotaryEmbedding)
     over the first `dim` dims of each head, NEOX rotation (x_i, x_{i+dim/2}). Frequency pair i uses
     one position axis, chosen as in ggml's ggml_mrope_cache_init: with sector = i % sum(sections),
@@ -40,8 +40,7 @@ class MRope:
     Text tokens have the same position on every axis, which reduces to ordinary NEOX rope."""
 
     def __init__(self, dim: int, base: float, sections: tuple[int, ...], freq_scale: float = 1.0):
-        self.dim = dim
-        self.inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim) * freq_scale
+        super().__init__(dim, base, freq_scale, neox=True)
         s = tuple(sections) + (0,) * (4 - len(sections))
         n_sect = sum(s)
         axis = []
@@ -69,15 +68,6 @@ class MRope:
                 raise ValueError(f"M-RoPE positions must be [N], [N, 3] or [N, 4], got {tuple(positions.shape)}")
             theta = p[:, self.axis] * self.inv_freq[None, :]
         return theta.cos().float(), theta.sin().float()
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N, H, D]; cos/sin [N, dim/2]."""
-        d = self.dim
-        rot, rest = x[..., :d], x[..., d:]
-        c, s = cos[:, None, :], sin[:, None, :]
-        a, b = rot[..., : d // 2], rot[..., d // 2:]
-        out = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
