@@ -1,0 +1,62 @@
+"""Verifying drafts against the target model's distributions.
+
+Greedy: accept drafts while each equals the target's argmax; the first mismatch is replaced by the
+argmax, and when every draft is accepted the argmax after the last one is a bonus token.
+
+Sampled (speculative sampling, Leviathan et al. / Chen et al.): draft x_i ~ q_i is accepted with
+probability min(1, p_i(x_i) / q_i(x_i)); the first rejected position is resampled from
+normalize(max(p_i - q_i, 0)); when all are accepted a bonus token is drawn from p_k. The tokens that
+come out are distributed exactly as if sampled from p one at a time. n-gram drafts are deterministic:
+q_i is one-hot on x_i, so acceptance is p_i(x_i) and the residual is p_i with x_i removed.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    """target_logits [k+1, V] for the rows (last token, draft 1..k). Returns the tokens to append:
+    the accepted drafts plus one target token (correction or bonus)."""
+    best = target_logits.argmax(-1).tolist()
+    out = []
+    for i, d in enumerate(drafts):
+        if best[i] != d:
+            out.append(best[i])
+            return out
+        out.append(d)
+    out.append(best[len(drafts)])
+    return out
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One categorical draw by inverse CDF with one uniform number from the request's generator."""
+    u = torch.rand((), generator=gen, dtype=torch.float64).item()
+    cdf = torch.cumsum(probs.double(), 0)
+    idx = int(torch.searchsorted(cdf, torch.tensor(u * cdf[-1].item(), dtype=torch.float64), right=True).item())
+    return min(idx, probs.shape[0] - 1)
+
+
+def verify_sampled(p: torch.Tensor, drafts: list[int], gen: torch.Generator,
+                   q: torch.Tensor | None = None) -> list[int]:
+    """p [k+1, V]: the target's sampling distributions (after the request's temperature, top-k/p,
+    min-p, penalties) for the rows (last token, draft 1..k). q [k, V]: the drafter's distributions,
+    or None for deterministic (one-hot) drafts. Returns accepted drafts + one target token."""
+    out = []
+    for i, x in enumerate(drafts):
+        px = float(p[i, x])
+        qx = 1.0 if q is None else float(q[i, x])
+        accept = px >= qx or torch.rand((), generator=gen, dtype=torch.float64).item() < px / max(qx, 1e-30)
+        if accept:
+            out.append(x)
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (p[i] - q[i]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p and q agree up to rounding: fall back to p
+            residual = p[i]
+        out.append(_draw(residual, gen))
+        return out
+    out.append(_draw(p[len(drafts)], gen))
+    return out
