@@ -187,6 +187,19 @@ def cmd_download(args) -> int:
     return 0
 
 
+def _gui_possible() -> bool:
+    try:
+        from app.gui import display_available
+    except ImportError:
+        return False
+    return display_available()
+
+
+def _run_gui(model: str | None) -> int:
+    from app.gui import run_gui
+    return run_gui(model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hivejet", description="Run large open models on your own GPU.")
     p.add_argument("--version", action="version", version=f"hivejet {__version__}")
@@ -238,6 +251,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--list", action="store_true")
     d.set_defaults(func=cmd_download)
 
+    from app.server import add_serve_args, run_serve
+    sv = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible API server for editors and agents")
+    add_serve_args(sv)
+    sv.set_defaults(func=run_serve)
+
+    from engine import planner
+    pl = sub.add_parser("plan", help="memory plan: weights, KV per cache type, largest context that fits")
+    planner.add_plan_args(pl)
+    pl.set_defaults(func=planner.run_plan)
+
+    gui = sub.add_parser("gui", help="open the desktop app (the default when a display is available)")
+    gui.add_argument("-m", "--model", default=None, help="model to load (default: the last one, else the demo)")
+    gui.set_defaults(func=lambda a: _run_gui(a.model))
+
     from engine import bench
     b = sub.add_parser("bench", help="benchmarks on the GPU")
     bench.add_bench_args(b)
@@ -261,7 +288,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if not args.cmd:
-        # No GUI yet: the app opens as an interactive terminal chat on the demo model.
+        # The desktop app where there is a display; otherwise a chat in the terminal.
+        if _gui_possible():
+            return _run_gui(None)
+        print("hivejet: no display (or no Qt): opening the chat in the terminal", file=sys.stderr)
         args = parser.parse_args(["chat"] + (argv or []))
     try:
         return int(args.func(args) or 0)

@@ -1,0 +1,839 @@
+"""The Chat page: conversation list, the visible branch of a conversation, the composer, and the
+conversation's own settings (system prompt, sampling) with a context meter.
+
+Replies stream into the store as they arrive (state 'streaming', flushed every 0.5 s), so a crash keeps
+what was produced. Regenerate and edit-and-resend add siblings (branches, see app/store.py); each
+message with alternatives shows ‹ n/m › to switch between them.
+"""
+from __future__ import annotations
+
+import base64
+import mimetypes
+import time
+from pathlib import Path
+
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication, QImage, QPixmap
+from PySide6.QtWidgets import (QApplication, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QLabel,
+                               QLineEdit, QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QProgressBar,
+                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QTextEdit,
+                               QVBoxLayout, QWidget)
+
+from app.gui.markdown_view import render
+from app.gui.theme import is_dark
+from app.store import Message, Store
+from engine.sampling import SamplingParams
+
+MAX_TEXT_ATTACHMENT = 2 << 20
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp"}
+DEFAULT_SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=40, min_p=0.05, max_tokens=1024,
+                        repetition_penalty=1.0, seed=-1)
+
+
+def sampling_params(d: dict) -> SamplingParams:
+    s = {**DEFAULT_SAMPLING, **(d or {})}
+    seed = int(s.get("seed", -1))
+    return SamplingParams(max_tokens=int(s["max_tokens"]), temperature=float(s["temperature"]),
+                          top_p=float(s["top_p"]), top_k=int(s["top_k"]), min_p=float(s["min_p"]),
+                          repetition_penalty=float(s["repetition_penalty"]), seed=None if seed < 0 else seed)
+
+
+def content_for_model(m: Message) -> str:
+    """What the model reads for a message: its text plus the attached text files."""
+    parts = [m.content]
+    for a in m.attachments:
+        if a.get("kind") == "text":
+            parts.append(f"\n\n--- attached file: {a['name']} ---\n```\n{a['text']}\n```")
+    return "".join(parts)
+
+
+def load_attachment(path: str | Path) -> dict:
+    """A file becomes an attachment dict; raises ValueError with a message for the user."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p.name}: not a file")
+    if p.suffix.lower() in IMAGE_SUFFIXES:
+        img = QImage(str(p))
+        if img.isNull():
+            raise ValueError(f"{p.name}: not a readable image")
+        return image_attachment(img, p.name)
+    if p.stat().st_size > MAX_TEXT_ATTACHMENT:
+        raise ValueError(f"{p.name}: {p.stat().st_size // 1024} KB is more than the 2 MB limit for text files")
+    raw = p.read_bytes()
+    if b"\0" in raw[:8192]:
+        raise ValueError(f"{p.name}: not a text file (binary content)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{p.name}: not UTF-8 text") from None
+    return {"kind": "text", "name": p.name, "text": text}
+
+
+def image_attachment(img: QImage, name: str = "pasted image.png") -> dict:
+    if img.width() > 2048 or img.height() > 2048:
+        img = img.scaled(2048, 2048, Qt.KeepAspectRatio, Qt.SmoothTransformation)
+    ba = QByteArray()
+    buf = QBuffer(ba)
+    buf.open(QIODevice.WriteOnly)
+    img.save(buf, "PNG")
+    return {"kind": "image", "name": name, "mime": "image/png", "width": img.width(), "height": img.height(),
+            "data": base64.b64encode(bytes(ba)).decode()}
+
+
+def attachment_pixmap(a: dict, size: int = 96) -> QPixmap:
+    img = QImage.fromData(base64.b64decode(a["data"]))
+    return QPixmap.fromImage(img).scaled(size, size, Qt.KeepAspectRatio, Qt.SmoothTransformation)
+
+
+class AutoBrowser(QTextBrowser):
+    """A QTextBrowser as tall as its content; links `copy:N` copy code block N."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setOpenLinks(False)
+        self.setReadOnly(True)
+        self.setFrameShape(QFrame.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
+        self.blocks: list[str] = []
+        self.anchorClicked.connect(self._anchor)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+
+    def set_markdown(self, text: str, dark: bool) -> None:
+        html, self.blocks = render(text, dark)
+        self.setHtml(html)
+        self._fit()
+
+    def _anchor(self, url):
+        s = url.toString()
+        if s.startswith("copy:"):
+            i = int(s.split(":", 1)[1])
+            if 0 <= i < len(self.blocks):
+                QGuiApplication.clipboard().setText(self.blocks[i])
+                w = self.window()
+                if hasattr(w, "statusBar"):
+                    w.statusBar().showMessage("Code copied to the clipboard", 2500)
+
+    def _fit(self, *_):
+        self.document().setTextWidth(max(self.viewport().width(), 50))
+        self.setFixedHeight(int(self.document().size().height()) + 6)
+
+    def resizeEvent(self, e):
+        super().resizeEvent(e)
+        self._fit()
+
+
+class MessageWidget(QFrame):
+    def __init__(self, page: "ChatPage", m: Message, n_sib: int, i_sib: int):
+        super().__init__()
+        self.page, self.message = page, m
+        self.setObjectName("MsgUser" if m.role == "user" else "MsgAssistant")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 10, 14, 8)
+        lay.setSpacing(4)
+        role = QLabel("You" if m.role == "user" else (m.meta.get("model") or "Assistant"))
+        role.setObjectName("MsgRole")
+        lay.addWidget(role)
+        self.view = AutoBrowser()
+        lay.addWidget(self.view)
+        self.editor: QPlainTextEdit | None = None
+        if m.attachments:
+            row = QHBoxLayout()
+            for a in m.attachments:
+                chip = QLabel()
+                if a.get("kind") == "image":
+                    chip.setPixmap(attachment_pixmap(a))
+                    chip.setToolTip(f"{a['name']} ({a.get('width')}x{a.get('height')})")
+                else:
+                    chip.setText(f"📄 {a['name']} · {len(a.get('text', ''))} chars")
+                    chip.setObjectName("Muted")
+                row.addWidget(chip)
+            row.addStretch(1)
+            lay.addLayout(row)
+        bar = QHBoxLayout()
+        bar.setSpacing(2)
+        self.status = QLabel()
+        self.status.setObjectName("MsgStatus")
+        if n_sib > 1:
+            prev = QPushButton("‹")
+            prev.setObjectName("Link")
+            nxt = QPushButton("›")
+            nxt.setObjectName("Link")
+            lab = QLabel(f"{i_sib + 1}/{n_sib}")
+            lab.setObjectName("MsgStatus")
+            prev.setEnabled(i_sib > 0)
+            nxt.setEnabled(i_sib < n_sib - 1)
+            prev.clicked.connect(lambda: page.show_sibling(m.id, -1))
+            nxt.clicked.connect(lambda: page.show_sibling(m.id, +1))
+            bar.addWidget(prev)
+            bar.addWidget(lab)
+            bar.addWidget(nxt)
+        bar.addWidget(self.status)
+        bar.addStretch(1)
+        self.buttons: dict[str, QPushButton] = {}
+        actions = [("Copy", lambda: QGuiApplication.clipboard().setText(self.message.content))]
+        if m.role == "user":
+            actions.append(("Edit", self.start_edit))
+        else:
+            actions.append(("Regenerate", lambda: page.regenerate(m.id)))
+        actions.append(("Delete", lambda: page.delete_message(m.id)))
+        for name, fn in actions:
+            b = QPushButton(name)
+            b.setObjectName("Link")
+            b.clicked.connect(fn)
+            bar.addWidget(b)
+            self.buttons[name] = b
+        lay.addLayout(bar)
+        self.render()
+
+    def render(self, text: str | None = None, streaming: bool = False):
+        m = self.message
+        t = m.content if text is None else text
+        if streaming and not t:
+            t = "…"
+        self.view.set_markdown(t, is_dark(QApplication.instance()))
+        st = m.meta.get("status", "")
+        if streaming:
+            st = "generating…"
+        elif m.state == "interrupted":
+            st = "interrupted (the app stopped while this reply was being written)"
+        elif m.state == "stopped":
+            st = "stopped · " + st if st else "stopped"
+        elif m.state == "error":
+            st = "error: " + m.meta.get("error", "")
+        self.status.setText(st)
+        self.status.setObjectName("ErrorText" if m.state == "error" else "MsgStatus")
+
+    def start_edit(self):
+        if self.editor is not None:
+            return
+        self.editor = QPlainTextEdit(self.message.content)
+        self.editor.setMinimumHeight(80)
+        lay: QVBoxLayout = self.layout()
+        lay.insertWidget(2, self.editor)
+        self.view.hide()
+        row = QHBoxLayout()
+        send = QPushButton("Send")
+        send.setObjectName("Primary")
+        cancel = QPushButton("Cancel")
+        row.addStretch(1)
+        row.addWidget(cancel)
+        row.addWidget(send)
+        self._edit_row = QWidget()
+        self._edit_row.setLayout(row)
+        lay.insertWidget(3, self._edit_row)
+        send.clicked.connect(lambda: self.page.edit_and_resend(self.message.id, self.editor.toPlainText()))
+        cancel.clicked.connect(self.cancel_edit)
+        self.editor.setFocus()
+
+    def cancel_edit(self):
+        if self.editor is not None:
+            self.editor.deleteLater()
+            self._edit_row.deleteLater()
+            self.editor = None
+            self.view.show()
+
+
+class Composer(QTextEdit):
+    """Enter sends, Shift+Enter is a new line; pasting an image or files attaches them."""
+
+    sendRequested = Signal()
+    attachRequested = Signal(object)   # a path (str) or a QImage
+
+    def __init__(self):
+        super().__init__()
+        self.setAcceptRichText(False)
+        self.setPlaceholderText("Message the model…  (Enter to send, Shift+Enter for a new line; paste or drop files)")
+        self.setFixedHeight(84)
+        self.setObjectName("Composer")
+
+    def keyPressEvent(self, e):
+        if e.key() in (Qt.Key_Return, Qt.Key_Enter) and not e.modifiers() & Qt.ShiftModifier:
+            self.sendRequested.emit()
+            return
+        super().keyPressEvent(e)
+
+    def canInsertFromMimeData(self, md):
+        return md.hasImage() or md.hasUrls() or super().canInsertFromMimeData(md)
+
+    def insertFromMimeData(self, md):
+        if md.hasImage():
+            img = QImage(md.imageData())
+            if not img.isNull():
+                self.attachRequested.emit(img)
+                return
+        if md.hasUrls() and all(u.isLocalFile() for u in md.urls()):
+            for u in md.urls():
+                self.attachRequested.emit(u.toLocalFile())
+            return
+        super().insertFromMimeData(md)
+
+
+class ChatPage(QWidget):
+    replyFinished = Signal(str)       # assistant message id
+    conversationChanged = Signal(str)
+
+    def __init__(self, store: Store, controller, parent=None):
+        super().__init__(parent)
+        self.setObjectName("Page")
+        self.store, self.ctl = store, controller
+        self.current_id: str | None = None
+        self.pending: list[dict] = []
+        self.gen = None
+        self.gen_msg: Message | None = None
+        self.gen_widget: MessageWidget | None = None
+        self._gen_text: list[str] = []
+        self._dirty = False
+        self._last_flush = 0.0
+        self._base_tokens = 0
+        self.setAcceptDrops(True)
+        self._build()
+        self._render_timer = QTimer(self, interval=60, timeout=self._tick)
+        self.ctl.loaded.connect(lambda *_: self._update_model_state())
+        self.ctl.unloaded.connect(self._update_model_state)
+        self.reload_conversations()
+
+    # ----- layout -----
+    def _build(self):
+        outer = QHBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        split = QSplitter(Qt.Horizontal)
+        outer.addWidget(split)
+        # conversations
+        side = QWidget()
+        side.setObjectName("SidePanel")
+        sl = QVBoxLayout(side)
+        sl.setContentsMargins(8, 10, 8, 8)
+        self.new_button = QPushButton("+  New chat")
+        self.new_button.setObjectName("Primary")
+        self.new_button.clicked.connect(lambda: self.new_conversation())
+        sl.addWidget(self.new_button)
+        self.search = QLineEdit(placeholderText="Search chats")
+        self.search.textChanged.connect(self.reload_conversations)
+        sl.addWidget(self.search)
+        self.conv_list = QListWidget()
+        self.conv_list.setObjectName("ConvList")
+        self.conv_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.conv_list.setTextElideMode(Qt.ElideRight)
+        self.conv_list.currentItemChanged.connect(self._on_conv_selected)
+        self.conv_list.setContextMenuPolicy(Qt.CustomContextMenu)
+        self.conv_list.customContextMenuRequested.connect(self._conv_menu)
+        sl.addWidget(self.conv_list, 1)
+        side.setMinimumWidth(200)
+        split.addWidget(side)
+        # the conversation
+        center = QWidget()
+        cl = QVBoxLayout(center)
+        cl.setContentsMargins(16, 10, 16, 12)
+        self.title = QLabel("New chat")
+        self.title.setObjectName("H2")
+        cl.addWidget(self.title)
+        self.banner = QLabel()
+        self.banner.setObjectName("InfoBanner")
+        self.banner.setWordWrap(True)
+        self.banner.hide()
+        cl.addWidget(self.banner)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.msg_host = QWidget()
+        self.msg_layout = QVBoxLayout(self.msg_host)
+        self.msg_layout.setContentsMargins(4, 4, 12, 4)
+        self.msg_layout.setSpacing(10)
+        self.msg_layout.addStretch(1)
+        self.scroll.setWidget(self.msg_host)
+        cl.addWidget(self.scroll, 1)
+        self.empty = QLabel("Start a conversation: type a message below.\nAttach text files or images with 📎, "
+                            "by dropping them here, or by pasting.")
+        self.empty.setAlignment(Qt.AlignCenter)
+        self.empty.setObjectName("Muted")
+        self.msg_layout.insertWidget(0, self.empty)
+        self.vision_note = QLabel()
+        self.vision_note.setObjectName("Banner")
+        self.vision_note.setWordWrap(True)
+        self.vision_note.hide()
+        cl.addWidget(self.vision_note)
+        self.attach_row = QHBoxLayout()
+        self.attach_row.addStretch(1)
+        cl.addLayout(self.attach_row)
+        self.composer = Composer()
+        self.composer.sendRequested.connect(lambda: self.send())
+        self.composer.attachRequested.connect(self._attach_any)
+        cl.addWidget(self.composer)
+        row = QHBoxLayout()
+        self.attach_button = QPushButton("📎 Attach")
+        self.attach_button.clicked.connect(self._attach_dialog)
+        row.addWidget(self.attach_button)
+        self.context_bar = QProgressBar()
+        self.context_bar.setTextVisible(False)
+        self.context_bar.setFixedWidth(180)
+        self.context_bar.setFixedHeight(10)
+        self.context_label = QLabel("context: -")
+        self.context_label.setObjectName("Muted")
+        row.addWidget(self.context_bar)
+        row.addWidget(self.context_label)
+        row.addStretch(1)
+        self.error_label = QLabel()
+        self.error_label.setObjectName("ErrorText")
+        self.error_label.setWordWrap(True)
+        row.addWidget(self.error_label, 2)
+        self.stop_button = QPushButton("■ Stop")
+        self.stop_button.clicked.connect(self.stop)
+        self.stop_button.setEnabled(False)
+        row.addWidget(self.stop_button)
+        self.send_button = QPushButton("Send ➤")
+        self.send_button.setObjectName("Primary")
+        self.send_button.clicked.connect(lambda: self.send())
+        row.addWidget(self.send_button)
+        cl.addLayout(row)
+        split.addWidget(center)
+        # conversation settings
+        right = QWidget()
+        right.setObjectName("RightPanel")
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(12, 12, 12, 12)
+        h = QLabel("This conversation")
+        h.setObjectName("H2")
+        rl.addWidget(h)
+        rl.addWidget(QLabel("System prompt"))
+        self.system_edit = QPlainTextEdit()
+        self.system_edit.setPlaceholderText("e.g. You are a concise senior Python reviewer.")
+        self.system_edit.setFixedHeight(110)
+        rl.addWidget(self.system_edit)
+        form = QFormLayout()
+        self.s_temp = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05, decimals=2)
+        self.s_top_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=2)
+        self.s_top_k = QSpinBox(minimum=0, maximum=1000)
+        self.s_min_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=2)
+        self.s_max = QSpinBox(minimum=1, maximum=262144)
+        self.s_rep = QDoubleSpinBox(minimum=0.5, maximum=2.0, singleStep=0.05, decimals=2)
+        self.s_seed = QSpinBox(minimum=-1, maximum=2**31 - 1)
+        self.s_seed.setSpecialValueText("random")
+        for lab, w in (("Temperature", self.s_temp), ("Top-p", self.s_top_p), ("Top-k", self.s_top_k),
+                       ("Min-p", self.s_min_p), ("Max tokens", self.s_max), ("Repeat penalty", self.s_rep),
+                       ("Seed", self.s_seed)):
+            form.addRow(lab, w)
+            (w.valueChanged).connect(self._save_settings)
+        rl.addLayout(form)
+        self.system_edit.textChanged.connect(self._save_settings)
+        note = QLabel("Saved with the conversation. Temperature 0 = always the most likely token.")
+        note.setWordWrap(True)
+        note.setObjectName("Muted")
+        rl.addWidget(note)
+        rl.addStretch(1)
+        right.setMinimumWidth(230)
+        split.addWidget(right)
+        split.setSizes([230, 800, 260])
+        split.setStretchFactor(1, 1)
+        self._loading_settings = False
+
+    # ----- conversations -----
+    def reload_conversations(self, *_):
+        q = self.search.text().strip().lower()
+        self.conv_list.blockSignals(True)
+        self.conv_list.clear()
+        for c in self.store.list_conversations():
+            if q and q not in c.title.lower():
+                continue
+            it = QListWidgetItem(c.title)
+            it.setData(Qt.UserRole, c.id)
+            it.setToolTip(time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated)))
+            self.conv_list.addItem(it)
+            if c.id == self.current_id:
+                self.conv_list.setCurrentItem(it)
+        self.conv_list.blockSignals(False)
+
+    def _on_conv_selected(self, item, _prev=None):
+        if item is not None:
+            self.open_conversation(item.data(Qt.UserRole))
+
+    def _conv_menu(self, pos):
+        it = self.conv_list.itemAt(pos)
+        if it is None:
+            return
+        cid = it.data(Qt.UserRole)
+        menu = QMenu(self)
+        ren = menu.addAction("Rename")
+        dele = menu.addAction("Delete")
+        act = menu.exec(self.conv_list.mapToGlobal(pos))
+        if act == dele:
+            self.delete_conversation(cid)
+        elif act == ren:
+            self.conv_list.openPersistentEditor(it)
+            ed = self.conv_list.itemWidget(it)
+            if isinstance(ed, QLineEdit):
+                ed.editingFinished.connect(lambda: self._rename(cid, it, ed.text()))
+
+    def _rename(self, cid, it, text):
+        self.conv_list.closePersistentEditor(it)
+        if text.strip():
+            self.store.update_conversation(cid, title=text.strip())
+        self.reload_conversations()
+
+    def new_conversation(self) -> str:
+        defaults = self.store.get_setting("default_sampling", DEFAULT_SAMPLING)
+        c = self.store.create_conversation(sampling=dict(defaults),
+                                           system_prompt=self.store.get_setting("default_system_prompt", ""))
+        self.current_id = c.id
+        self.reload_conversations()
+        self.open_conversation(c.id)
+        return c.id
+
+    def delete_conversation(self, cid: str):
+        if self.gen is not None and self.gen_msg and self.gen_msg.conversation_id == cid:
+            self.stop()
+        self.store.delete_conversation(cid)
+        if cid == self.current_id:
+            self.current_id = None
+            convs = self.store.list_conversations()
+            if convs:
+                self.open_conversation(convs[0].id)
+            else:
+                self._clear_messages()
+                self.title.setText("New chat")
+        self.reload_conversations()
+
+    def open_conversation(self, cid: str):
+        c = self.store.get_conversation(cid)
+        if c is None:
+            return
+        self.current_id = cid
+        self._loading_settings = True
+        s = {**DEFAULT_SAMPLING, **c.sampling}
+        self.system_edit.setPlainText(c.system_prompt)
+        self.s_temp.setValue(float(s["temperature"]))
+        self.s_top_p.setValue(float(s["top_p"]))
+        self.s_top_k.setValue(int(s["top_k"]))
+        self.s_min_p.setValue(float(s["min_p"]))
+        self.s_max.setValue(int(s["max_tokens"]))
+        self.s_rep.setValue(float(s["repetition_penalty"]))
+        self.s_seed.setValue(int(s.get("seed", -1)))
+        self._loading_settings = False
+        self.title.setText(c.title)
+        self.rebuild_messages()
+        self.conversationChanged.emit(cid)
+
+    def _save_settings(self, *_):
+        if self._loading_settings or not self.current_id:
+            return
+        self.store.update_conversation(self.current_id, system_prompt=self.system_edit.toPlainText(),
+                                       sampling=self.sampling_dict())
+        self.update_context_meter()
+
+    def sampling_dict(self) -> dict:
+        return dict(temperature=self.s_temp.value(), top_p=self.s_top_p.value(), top_k=self.s_top_k.value(),
+                    min_p=self.s_min_p.value(), max_tokens=self.s_max.value(), repetition_penalty=self.s_rep.value(),
+                    seed=self.s_seed.value())
+
+    # ----- messages -----
+    def _clear_messages(self):
+        while self.msg_layout.count() > 2:
+            w = self.msg_layout.takeAt(1).widget()
+            if w is not None:
+                w.deleteLater()
+        self.empty.show()
+
+    def message_widgets(self) -> list[MessageWidget]:
+        out = []
+        for i in range(self.msg_layout.count()):
+            w = self.msg_layout.itemAt(i).widget()
+            if isinstance(w, MessageWidget):
+                out.append(w)
+        return out
+
+    def rebuild_messages(self):
+        self._clear_messages()
+        self.gen_widget = None
+        if not self.current_id:
+            return
+        thread = self.store.thread(self.current_id)
+        self.empty.setVisible(not thread)
+        for m in thread:
+            sibs = self.store.siblings(m.id)
+            ids = [s.id for s in sibs]
+            w = MessageWidget(self, m, len(sibs), ids.index(m.id))
+            self.msg_layout.insertWidget(self.msg_layout.count() - 1, w)
+            if self.gen_msg is not None and m.id == self.gen_msg.id and self.gen is not None:
+                self.gen_widget = w
+                w.message = self.gen_msg
+                w.render("".join(self._gen_text), streaming=True)
+        self._update_buttons()
+        self.update_context_meter()
+        QTimer.singleShot(0, self._scroll_to_end)
+
+    def _scroll_to_end(self):
+        sb = self.scroll.verticalScrollBar()
+        sb.setValue(sb.maximum())
+
+    def show_sibling(self, mid: str, step: int):
+        sibs = self.store.siblings(mid)
+        ids = [s.id for s in sibs]
+        j = ids.index(mid) + step
+        if 0 <= j < len(ids):
+            self.store.switch_branch(ids[j])
+            self.rebuild_messages()
+
+    def delete_message(self, mid: str):
+        if self.gen is not None:
+            self.error_label.setText("Stop the reply first, then delete.")
+            return
+        self.store.delete_message(mid)
+        self.rebuild_messages()
+        self.reload_conversations()
+
+    # ----- attachments -----
+    def _attach_dialog(self):
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach files", str(Path.home()),
+                                                "Text and images (*.txt *.md *.py *.json *.csv *.log *.yaml *.yml "
+                                                "*.toml *.c *.cpp *.h *.rs *.go *.js *.ts *.html *.css *.sh "
+                                                "*.png *.jpg *.jpeg *.gif *.bmp *.webp);;All files (*)")
+        for p in paths:
+            self.attach_file(p)
+
+    def _attach_any(self, x):
+        if isinstance(x, QImage):
+            self.attach_image(x)
+        else:
+            self.attach_file(x)
+
+    def attach_file(self, path) -> bool:
+        try:
+            a = load_attachment(path)
+        except (ValueError, OSError) as e:
+            self.error_label.setText(str(e))
+            return False
+        self._add_pending(a)
+        return True
+
+    def attach_image(self, img: QImage, name: str = "pasted image.png"):
+        self._add_pending(image_attachment(img, name))
+
+    def _add_pending(self, a: dict):
+        self.error_label.clear()
+        self.pending.append(a)
+        self._refresh_pending()
+
+    def _refresh_pending(self):
+        while self.attach_row.count() > 1:
+            w = self.attach_row.takeAt(0).widget()
+            if w is not None:
+                w.deleteLater()
+        for i, a in enumerate(self.pending):
+            b = QPushButton(("🖼 " if a["kind"] == "image" else "📄 ") + a["name"] + "  ✕")
+            b.setToolTip("Remove this attachment")
+            b.clicked.connect(lambda _=False, i=i: self._remove_pending(i))
+            self.attach_row.insertWidget(self.attach_row.count() - 1, b)
+        self._update_vision_note()
+
+    def _remove_pending(self, i):
+        if 0 <= i < len(self.pending):
+            self.pending.pop(i)
+        self._refresh_pending()
+
+    def _update_vision_note(self):
+        has_img = any(a["kind"] == "image" for a in self.pending)
+        info = self.ctl.info
+        if has_img and not (info and info.vision):
+            name = info.name if info else "No model"
+            self.vision_note.setText(f"⚠ {name} cannot see images: it has no vision projector (mmproj). The image "
+                                     "is kept with your message, but the model only reads the text. Load a vision "
+                                     "model with its mmproj file to ask about images.")
+            self.vision_note.show()
+        else:
+            self.vision_note.hide()
+
+    def dragEnterEvent(self, e):
+        if e.mimeData().hasUrls() or e.mimeData().hasImage():
+            e.acceptProposedAction()
+
+    def dropEvent(self, e):
+        md = e.mimeData()
+        if md.hasImage():
+            self.attach_image(QImage(md.imageData()), "dropped image.png")
+        for u in md.urls():
+            if u.isLocalFile():
+                self.attach_file(u.toLocalFile())
+        e.acceptProposedAction()
+
+    # ----- generation -----
+    @property
+    def generating(self) -> bool:
+        return self.gen is not None
+
+    def _update_buttons(self):
+        busy = self.gen is not None
+        self.stop_button.setEnabled(busy)
+        self.send_button.setEnabled(not busy)
+        for w in self.message_widgets():
+            for name in ("Regenerate", "Edit", "Delete"):
+                if name in w.buttons:
+                    w.buttons[name].setEnabled(not busy)
+
+    def _update_model_state(self):
+        self._update_vision_note()
+        self.update_context_meter()
+
+    def model_messages(self, thread: list[Message]) -> list[dict]:
+        c = self.store.get_conversation(self.current_id)
+        msgs = []
+        if c and c.system_prompt.strip():
+            msgs.append({"role": "system", "content": c.system_prompt})
+        for m in thread:
+            if m.role in ("user", "assistant") and (m.role == "user" or m.state != "error"):
+                msgs.append({"role": m.role, "content": content_for_model(m)})
+        return msgs
+
+    def send(self, text: str | None = None) -> bool:
+        if self.gen is not None:
+            return False
+        text = self.composer.toPlainText() if text is None else text
+        if not text.strip() and not self.pending:
+            return False
+        if not self.ctl.ready:
+            self.error_label.setText("No model is loaded yet: pick one in the model menu at the top.")
+            return False
+        if not self.current_id:
+            self.new_conversation()
+        c = self.store.get_conversation(self.current_id)
+        thread = self.store.thread(self.current_id)
+        parent = thread[-1].id if thread else None
+        u = self.store.add_message(self.current_id, "user", text.strip(), parent, attachments=self.pending)
+        if c.title == "New chat":
+            self.store.update_conversation(self.current_id, title=(text.strip().splitlines() or ["Attachment"])[0][:48])
+            self.title.setText(self.store.get_conversation(self.current_id).title)
+        self.pending = []
+        self._refresh_pending()
+        self.composer.clear()
+        self.reload_conversations()
+        return self._start_reply(u.id)
+
+    def regenerate(self, mid: str | None = None) -> bool:
+        """A new reply to the same user message, kept as a sibling of the old one."""
+        if self.gen is not None or not self.current_id:
+            return False
+        thread = self.store.thread(self.current_id)
+        if mid is None:
+            mid = next((m.id for m in reversed(thread) if m.role == "assistant"), None)
+        m = self.store.get_message(mid) if mid else None
+        if m is None or m.role != "assistant" or m.parent_id is None:
+            return False
+        return self._start_reply(m.parent_id)
+
+    def edit_and_resend(self, mid: str, new_text: str) -> bool:
+        """The edited message becomes a sibling of the original (both stay reachable)."""
+        if self.gen is not None:
+            return False
+        m = self.store.get_message(mid)
+        if m is None or m.role != "user" or not new_text.strip():
+            return False
+        u = self.store.add_message(m.conversation_id, "user", new_text.strip(), m.parent_id, attachments=m.attachments)
+        return self._start_reply(u.id)
+
+    def _start_reply(self, user_id: str) -> bool:
+        self.error_label.clear()
+        c = self.store.get_conversation(self.current_id)
+        thread = self.store.thread(self.current_id, user_id)
+        msgs = self.model_messages(thread)
+        model_name = self.ctl.info.name if self.ctl.info else ""
+        a = self.store.add_message(self.current_id, "assistant", "", user_id, state="streaming",
+                                   meta={"model": model_name})
+        try:
+            self.gen = self.ctl.generate(msgs, sampling_params(c.sampling), session=self.current_id)
+        except Exception as e:   # refused: context too long, bad sampling, no model ...
+            self.store.update_message(a.id, state="error", meta={"model": model_name, "error": str(e)})
+            self.gen = None
+            self.error_label.setText(str(e))
+            self.rebuild_messages()
+            return False
+        self.gen_msg = a
+        self._gen_text = []
+        self._dirty = True
+        self._base_tokens = self.ctl.count_tokens(msgs) or 0
+        self._t0 = time.monotonic()
+        self.gen.token.connect(self._on_token)
+        self.gen.finished.connect(self._on_finished)
+        self.rebuild_messages()
+        self._render_timer.start()
+        return True
+
+    def live_text(self, session: str) -> str | None:
+        """The reply being written for conversation `session` (for the Monitor)."""
+        if self.gen_msg is not None and self.gen_msg.conversation_id == session:
+            return "".join(self._gen_text)
+        return None
+
+    def _on_token(self, text: str):
+        self._gen_text.append(text)
+        self._dirty = True
+
+    def _tick(self):
+        if self.gen_msg is None:
+            return
+        now = time.monotonic()
+        text = "".join(self._gen_text)
+        if self._dirty and self.gen_widget is not None:
+            self._dirty = False
+            sb = self.scroll.verticalScrollBar()
+            at_end = sb.value() >= sb.maximum() - 40
+            self.gen_widget.render(text, streaming=True)
+            if at_end:
+                QTimer.singleShot(0, self._scroll_to_end)
+            if self.gen is not None:
+                self._set_meter(self._base_tokens + self.gen.n_tokens)
+        if now - self._last_flush > 0.5:
+            self._last_flush = now
+            self.store.update_message(self.gen_msg.id, content=text)
+
+    def stop(self):
+        if self.gen is not None:
+            self.gen.cancel()
+
+    def _on_finished(self, fin):
+        self._render_timer.stop()
+        text = "".join(self._gen_text)
+        g, m = self.gen, self.gen_msg
+        self.gen, self.gen_msg = None, None
+        state = {"stop": "complete", "length": "complete", "cancelled": "stopped", "error": "error"}.get(fin.reason,
+                                                                                                       "complete")
+        n = fin.usage.completion_tokens
+        status = f"{n} tokens"
+        if fin.timings.decode_tokens_per_s:
+            status += f" · {fin.timings.decode_tokens_per_s:.1f} tok/s"
+        if fin.reason == "length":
+            status += " · hit the max tokens limit"
+        meta = dict(m.meta, status=status, finish=fin.reason, tokens=n)
+        if fin.error:
+            meta["error"] = fin.error
+        self.store.update_message(m.id, content=text, state=state, meta=meta)
+        if fin.reason == "error":
+            self.error_label.setText(f"The reply failed: {fin.error}")
+        if m.conversation_id == self.current_id:
+            self.rebuild_messages()
+        self._update_buttons()
+        self.replyFinished.emit(m.id)
+
+    # ----- context meter -----
+    def update_context_meter(self):
+        if not self.current_id or self.ctl.info is None:
+            self.context_bar.setValue(0)
+            self.context_label.setText("context: no model loaded" if self.ctl.info is None else "context: 0")
+            return
+        if self.gen is not None:
+            return
+        thread = self.store.thread(self.current_id)
+        msgs = self.model_messages(thread)
+        n = self.ctl.count_tokens(msgs) if msgs else 0
+        self._set_meter(n)
+
+    def _set_meter(self, n: int | None):
+        info = self.ctl.info
+        limit = info.ctx_size if info else 0
+        if n is None or not limit:
+            self.context_label.setText("context: -")
+            return
+        self.context_bar.setMaximum(limit)
+        self.context_bar.setValue(min(n, limit))
+        self.context_label.setText(f"context {n:,} / {limit:,} tokens ({100 * n / limit:.1f}%)")
+        self.context_used = n

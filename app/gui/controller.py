@@ -1,0 +1,267 @@
+"""The bridge between the Qt UI and the engine: loading runs in a background thread (with progress and
+cancel), generation is iterated in a background thread, and everything reaches the UI as Qt signals
+(emitted from worker threads, delivered queued on the UI thread). The UI thread never waits on the engine.
+
+Cancelling a load: `Engine(...)` cannot be interrupted half-way, so cancel returns the UI to its
+previous state at once and the loader thread shuts the engine down as soon as it is built.
+
+Remote endpoints (OpenAI-compatible servers) are driven through the same handle interface
+(`RemoteHandle` yields TokenEvent / FinishEvent), so the chat page does not care which one it talks to.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from PySide6.QtCore import QObject, Signal
+
+from engine.sampling import SamplingParams
+from engine.types import FinishEvent, Request, Timings, TokenEvent, Usage
+
+
+@dataclass
+class LoadedInfo:
+    name: str
+    path: str
+    arch: str
+    ctx_size: int
+    context_length: int
+    device: str
+    vision: bool
+    remote: bool = False
+
+
+class EngineController(QObject):
+    loadStarted = Signal(str)
+    loadProgress = Signal(str)
+    loaded = Signal(object)          # LoadedInfo
+    loadFailed = Signal(str)
+    loadCancelled = Signal()
+    unloaded = Signal()
+
+    def __init__(self, threads: int = 0, parent=None):
+        super().__init__(parent)
+        self.engine = None
+        self.remote: RemoteBackend | None = None
+        self.info: LoadedInfo | None = None
+        self.threads = threads
+        self._load_token: object | None = None
+        self.loading = False
+
+    # ----- loading -----
+    def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None) -> None:
+        token = object()
+        self._load_token = token
+        self.loading = True
+        self.loadStarted.emit(model)
+
+        def work():
+            from engine.engine import Engine, EngineConfig
+            err = None
+            eng = None
+            try:
+                self.loadProgress.emit(f"Opening {model} ...")
+                cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads)
+                eng = Engine(cfg, progress=lambda m: self.loadProgress.emit(str(m)))
+            except Exception as e:  # GGUFError, CatalogError, EngineError ...
+                err = str(e) or type(e).__name__
+            if self._load_token is not token:       # cancelled or superseded: discard
+                if eng is not None:
+                    eng.shutdown()
+                return
+            self.loading = False
+            if err is not None:
+                self.loadFailed.emit(err)
+                return
+            self._swap(eng)
+            vision = any(k.startswith("clip.") for k in eng.model.file.metadata)
+            self.info = LoadedInfo(eng.model_name, str(eng.model_path), eng.spec.arch, eng.ctx_size,
+                                   eng.spec.context_length, eng.config.device, vision)
+            self.loaded.emit(self.info)
+
+        threading.Thread(target=work, name="hivejet-load", daemon=True).start()
+
+    def connect_remote(self, backend: "RemoteBackend") -> None:
+        self._load_token = None
+        self.loading = False
+        self._swap(None)
+        self.remote = backend
+        self.info = LoadedInfo(backend.model, backend.base_url, "remote", backend.ctx_size, backend.ctx_size,
+                               "remote", False, remote=True)
+        self.loaded.emit(self.info)
+
+    def cancel_load(self) -> None:
+        if self.loading:
+            self._load_token = None
+            self.loading = False
+            self.loadCancelled.emit()
+
+    def _swap(self, eng) -> None:
+        old = self.engine
+        self.engine = eng
+        self.remote = None
+        if old is not None:
+            threading.Thread(target=old.shutdown, daemon=True).start()
+
+    def unload(self) -> None:
+        self._swap(None)
+        self.info = None
+        self.unloaded.emit()
+
+    def shutdown(self) -> None:
+        self._load_token = None
+        if self.engine is not None:
+            self.engine.shutdown(timeout=5)
+            self.engine = None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None or self.remote is not None
+
+    # ----- generation -----
+    def count_tokens(self, messages: list[dict]) -> int | None:
+        if self.engine is None:
+            return None
+        try:
+            return len(self.engine.prompt_ids(Request(messages=messages)))
+        except Exception:
+            return None
+
+    def generate(self, messages: list[dict], sampling: SamplingParams, session: str | None = None) -> "Generation":
+        """Start a reply; raises (in the caller's thread) when the request is refused."""
+        if self.remote is not None:
+            handle = self.remote.submit(messages, sampling)
+        elif self.engine is not None:
+            handle = self.engine.submit(Request(messages=messages, sampling=sampling, session=session))
+        else:
+            raise RuntimeError("No model is loaded. Pick one in the model menu above.")
+        g = Generation(handle)
+        g.start()
+        return g
+
+
+class Generation(QObject):
+    """One streaming reply. Signals come from the worker thread (queued to the UI)."""
+
+    token = Signal(str)
+    finished = Signal(object)       # FinishEvent
+
+    def __init__(self, handle):
+        super().__init__()
+        self.handle = handle
+        self.text = []
+        self.n_tokens = 0
+        self.done = False
+
+    def start(self):
+        threading.Thread(target=self._run, name="hivejet-gen", daemon=True).start()
+
+    def _run(self):
+        fin = None
+        try:
+            for ev in self.handle:
+                if isinstance(ev, TokenEvent):
+                    self.n_tokens += len(ev.ids)
+                    if ev.text:
+                        self.text.append(ev.text)
+                        self.token.emit(ev.text)
+                elif isinstance(ev, FinishEvent):
+                    fin = ev
+        except Exception as e:
+            fin = FinishEvent("error", Usage(), Timings(), error=f"{type(e).__name__}: {e}")
+        self.done = True
+        self.finished.emit(fin or FinishEvent("error", Usage(), Timings(), error="the stream ended early"))
+
+    def cancel(self):
+        self.handle.cancel()
+
+
+# ----------------------------------------------------------------------------------------------
+# remote OpenAI-compatible endpoints
+
+class RemoteError(RuntimeError):
+    pass
+
+
+def list_remote_models(base_url: str, api_key: str = "", timeout: float = 10) -> list[str]:
+    req = urllib.request.Request(base_url.rstrip("/") + "/models", headers=_headers(api_key))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            data = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RemoteError(f"{base_url}: HTTP {e.code}" + (" (wrong API key?)" if e.code in (401, 403) else "")) from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise RemoteError(f"{base_url}: cannot connect ({getattr(e, 'reason', e)})") from None
+    return [m.get("id", "") for m in data.get("data", []) if m.get("id")]
+
+
+def _headers(api_key: str) -> dict:
+    h = {"Content-Type": "application/json", "Accept": "text/event-stream", "User-Agent": "hivejet"}
+    if api_key:
+        h["Authorization"] = f"Bearer {api_key}"
+    return h
+
+
+class RemoteHandle:
+    """Streams /chat/completions (SSE) and yields the engine's event types."""
+
+    def __init__(self, backend: "RemoteBackend", messages, sampling: SamplingParams):
+        self.backend, self.messages, self.sampling = backend, messages, sampling
+        self._cancel = threading.Event()
+
+    def cancel(self):
+        self._cancel.set()
+
+    def __iter__(self):
+        b, s = self.backend, self.sampling
+        body = dict(model=b.model, messages=self.messages, stream=True, max_tokens=s.max_tokens,
+                    temperature=s.temperature, top_p=s.top_p)
+        if s.seed is not None:
+            body["seed"] = s.seed
+        t0 = time.monotonic()
+        n = 0
+        req = urllib.request.Request(b.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers=_headers(b.api_key), method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                reason = "stop"
+                for raw in r:
+                    if self._cancel.is_set():
+                        reason = "cancelled"
+                        break
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        break
+                    ch = (json.loads(payload).get("choices") or [{}])[0]
+                    text = (ch.get("delta") or {}).get("content") or ""
+                    if text:
+                        n += 1
+                        yield TokenEvent(text=text, ids=[0])
+                    if ch.get("finish_reason"):
+                        reason = ch["finish_reason"]
+        except urllib.error.HTTPError as e:
+            yield FinishEvent("error", Usage(), Timings(), error=f"{b.base_url}: HTTP {e.code}")
+            return
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            yield FinishEvent("error", Usage(), Timings(), error=f"{b.base_url}: {getattr(e, 'reason', e)}")
+            return
+        dt = max(time.monotonic() - t0, 1e-6)
+        yield FinishEvent(reason, Usage(completion_tokens=n), Timings(decode_ms=dt * 1000, decode_tokens_per_s=n / dt))
+
+
+@dataclass
+class RemoteBackend:
+    base_url: str
+    model: str
+    api_key: str = ""
+    ctx_size: int = 131072
+
+    def submit(self, messages, sampling: SamplingParams) -> RemoteHandle:
+        return RemoteHandle(self, messages, sampling)

@@ -1,0 +1,161 @@
+"""Monitor page: one row per active conversation/agent from engine.stats() (tok/s, context used, state,
+last output line), total tok/s over time, the engine's step and pool figures, and GPU utilisation,
+memory, temperature and power from NVML (or a clear CPU-mode note)."""
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+from PySide6.QtCore import QPointF, QRectF, Qt, QTimer
+from PySide6.QtGui import QColor, QPainter, QPainterPath, QPen
+from PySide6.QtWidgets import (QGridLayout, QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem,
+                               QVBoxLayout, QWidget)
+
+from app import gpu as gpu_mod
+from engine.planner import fmt_bytes
+
+
+class Sparkline(QWidget):
+    def __init__(self, n=120):
+        super().__init__()
+        self.values = collections.deque(maxlen=n)
+        self.setMinimumHeight(120)
+
+    def add(self, v: float):
+        self.values.append(v)
+        self.update()
+
+    def paintEvent(self, e):
+        p = QPainter(self)
+        p.setRenderHint(QPainter.Antialiasing)
+        r = QRectF(self.rect()).adjusted(8, 8, -8, -20)
+        pal = self.palette()
+        p.setPen(QPen(pal.mid().color(), 1))
+        p.drawRoundedRect(r, 6, 6)
+        vals = list(self.values)
+        top = max(max(vals, default=0.0), 1.0)
+        p.setPen(pal.text().color())
+        p.drawText(QRectF(r.left(), r.bottom() + 2, r.width(), 16), Qt.AlignLeft,
+                   f"total tok/s, last {self.values.maxlen} s · peak {top:.1f}")
+        if len(vals) < 2:
+            return
+        n = self.values.maxlen
+        path = QPainterPath()
+        for i, v in enumerate(vals):
+            x = r.right() - (len(vals) - 1 - i) * r.width() / (n - 1)
+            y = r.bottom() - v / top * (r.height() - 6)
+            path.moveTo(x, y) if i == 0 else path.lineTo(x, y)
+        p.setPen(QPen(QColor("#f59e0b"), 2))
+        p.drawPath(path)
+
+
+class MonitorPage(QWidget):
+    def __init__(self, controller, store, parent=None):
+        super().__init__(parent)
+        self.setObjectName("Page")
+        self.ctl, self.store = controller, store
+        self.last_lines: dict[str, str] = {}
+        self.live = lambda session: None     # set by the main window: the chat's streaming text
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(24, 18, 24, 18)
+        h = QLabel("Monitor")
+        h.setObjectName("H1")
+        lay.addWidget(h)
+        self.engine_label = QLabel("No model loaded.")
+        self.engine_label.setObjectName("Muted")
+        lay.addWidget(self.engine_label)
+        self.table = QTableWidget(0, 6)
+        self.table.setHorizontalHeaderLabels(["Conversation / agent", "State", "tok/s", "Context used", "Generated",
+                                              "Last output"])
+        self.table.horizontalHeader().setSectionResizeMode(5, QHeaderView.Stretch)
+        for col in range(5):
+            self.table.horizontalHeader().setSectionResizeMode(col, QHeaderView.ResizeToContents)
+        self.table.verticalHeader().hide()
+        self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        lay.addWidget(self.table, 2)
+        self.spark = Sparkline()
+        lay.addWidget(self.spark, 1)
+        grid = QGridLayout()
+        self.cards = {}
+        for i, (key, title) in enumerate((("step", "Engine step"), ("pool", "KV pool"), ("draft", "Draft acceptance"),
+                                          ("gpu", "GPU"), ("mem", "Memory"), ("temp", "Temperature · power"))):
+            box = QLabel()
+            box.setObjectName("Card")
+            box.setWordWrap(True)
+            box.setMinimumHeight(64)
+            box.setTextFormat(Qt.RichText)
+            box.setMargin(10)
+            grid.addWidget(box, i // 3, i % 3)
+            self.cards[key] = (box, title)
+        lay.addLayout(grid)
+        self.timer = QTimer(self, interval=1000, timeout=self.refresh)
+        self.timer.start()
+        self.refresh()
+
+    def _card(self, key, text):
+        box, title = self.cards[key]
+        box.setText(f"<b>{title}</b><br>{text}")
+
+    def note_output(self, session: str, text: str):
+        line = [s for s in text.strip().splitlines() if s.strip()]
+        if line:
+            self.last_lines[session] = line[-1][:160]
+
+    def refresh(self):
+        eng = self.ctl.engine
+        total = 0.0
+        if eng is None:
+            self.engine_label.setText("No local model loaded." if not self.ctl.remote else
+                                      f"Chatting with a remote endpoint ({self.ctl.remote.base_url}); "
+                                      "it reports no engine statistics.")
+            self.table.setRowCount(0)
+            self._card("step", "-")
+        else:
+            st = eng.stats()
+            self.engine_label.setText(f"{st['model']} · {st['arch']} · {st['device']} · context {st['ctx_size']:,} · "
+                                      f"{st['running']} running, {st['waiting']} waiting")
+            seqs = st["sequences"]
+            self.table.setRowCount(len(seqs))
+            for r, s in enumerate(seqs):
+                sess = s.get("session") or f"request {s['id']}"
+                c = self.store.get_conversation(sess) if s.get("session") else None
+                name = c.title if c else sess
+                total += s["tok_per_s"]
+                live = self.live(s.get("session") or "")
+                if live:
+                    self.note_output(s["session"], live)
+                vals = [name, s["state"], f"{s['tok_per_s']:.1f}",
+                        f"{s['context']:,} / {s['ctx_limit']:,} ({100 * s['context'] / max(s['ctx_limit'], 1):.1f}%)",
+                        str(s["generated"]), self.last_lines.get(s.get("session") or "", "")]
+                for col, v in enumerate(vals):
+                    self.table.setItem(r, col, QTableWidgetItem(v))
+            ls, tot = st["last_step"], st["totals"]
+            self._card("step", f"{ls['rows']} rows · {ls['seqs']} sequences · {ls['ms']:.0f} ms<br>"
+                               f"{tot.get('steps', 0):,} steps · {tot.get('generated_tokens', 0):,} tokens generated")
+        self.spark.add(total)
+        pool = (eng.stats().get("pool") if eng is not None else None)
+        self._card("pool", f"{pool}" if pool else "not reported: this engine keeps one KV cache per request "
+                                                 "(the shared paged pool is a later issue)")
+        self._card("draft", "not reported: speculative decoding (MTP / DFlash / n-gram) is a later issue")
+        s = gpu_mod.sample(0)
+        if s is None:
+            _, msg = gpu_mod.gpu_status()
+            self._card("gpu", msg)
+            self._card("temp", "-")
+        else:
+            self._card("gpu", f"{s.util_pct:.0f}% busy" if s.util_pct is not None else "-")
+            self._card("temp", f"{s.temp_c or 0:.0f} °C · {s.power_w or 0:.0f} W of {s.power_limit_w or 0:.0f} W")
+        rss = _rss()
+        mem = f"this app: {fmt_bytes(rss)} resident" if rss else ""
+        if s is not None and s.mem_used is not None:
+            mem += f"<br>GPU: {fmt_bytes(s.mem_used)} / {fmt_bytes(s.mem_total)}"
+        self._card("mem", mem or "-")
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0

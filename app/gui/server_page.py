@@ -1,0 +1,259 @@
+"""Server page and switch: the local OpenAI-compatible API (app/server's create_app) served in-process
+by uvicorn in a thread, on/off, port, "allow other devices on my network" (binds 0.0.0.0 and requires
+the generated API key), base URL with copy buttons, editor settings to paste, and connected clients."""
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QPlainTextEdit, QPushButton,
+                               QSpinBox, QVBoxLayout, QWidget)
+
+
+def server_factory():
+    """app/server's create_app, or None while the server is not part of this build."""
+    try:
+        from app.server import create_app
+        return create_app
+    except ImportError:
+        pass
+    try:
+        from app.server.app import create_app
+        return create_app
+    except ImportError:
+        return None
+
+
+def lan_address() -> str:
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.connect(("10.255.255.255", 1))
+        ip = s.getsockname()[0]
+        s.close()
+        return ip
+    except OSError:
+        return "127.0.0.1"
+
+
+class ServerController:
+    def __init__(self):
+        self.server = None
+        self.thread = None
+        self.host = "127.0.0.1"
+        self.port = 0
+
+    @property
+    def running(self) -> bool:
+        return self.server is not None and self.thread is not None and self.thread.is_alive()
+
+    def start(self, engine, port: int, lan: bool, api_key: str | None) -> str:
+        """Returns "" when started, else a message for the user."""
+        factory = server_factory()
+        if factory is None:
+            return ("The local API server is not part of this build yet (app/server has no create_app). "
+                    "The switch will work once it lands.")
+        if engine is None:
+            return "Load a model first: the server shares the model loaded in the app."
+        if lan and not api_key:
+            return "Allowing other devices needs an API key."
+        import uvicorn
+        self.host = "0.0.0.0" if lan else "127.0.0.1"
+        try:
+            from app.server import ServerSettings
+            settings = ServerSettings(host=self.host, port=port, api_keys=[api_key] if api_key else [],
+                                      accept_any_model=True)
+            settings.validate()
+            app = factory(engine, settings)
+        except ImportError:
+            app = factory(engine)
+        except Exception as e:   # SettingsError and the like
+            return f"The server cannot start: {e}"
+        try:
+            probe = socket.socket()
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((self.host, port))
+            probe.close()
+        except OSError as e:
+            return f"Port {port} is in use or not allowed ({e.strerror}); choose another port."
+        cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(cfg)
+        self.port = port
+        self.thread = threading.Thread(target=self.server.run, name="hivejet-server", daemon=True)
+        self.thread.start()
+        return ""
+
+    def wait_started(self, timeout=10.0) -> bool:
+        import time
+        t = time.time()
+        while time.time() - t < timeout:
+            if self.server is not None and self.server.started:
+                return True
+            if self.thread is not None and not self.thread.is_alive():
+                return False
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        if self.server is not None:
+            self.server.should_exit = True
+            if self.thread is not None:
+                self.thread.join(5)
+        self.server = self.thread = None
+
+    def clients(self) -> list[str]:
+        if self.server is None:
+            return []
+        out = []
+        for proto in list(getattr(self.server.server_state, "connections", [])):
+            c = getattr(proto, "client", None)
+            if c:
+                out.append(f"{c[0]}:{c[1]}")
+        return out
+
+
+class ServerPage(QWidget):
+    stateChanged = Signal(bool)
+
+    def __init__(self, store, controller, parent=None):
+        super().__init__(parent)
+        self.setObjectName("Page")
+        self.store, self.ctl = store, controller
+        self.srv = ServerController()
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(24, 18, 24, 18)
+        h = QLabel("Local server")
+        h.setObjectName("H1")
+        lay.addWidget(h)
+        intro = QLabel("Expose the loaded model as an OpenAI-compatible API for code editors and agents. "
+                       "Several clients can share the model at once.")
+        intro.setWordWrap(True)
+        intro.setObjectName("Muted")
+        lay.addWidget(intro)
+        row = QHBoxLayout()
+        self.switch = QCheckBox("Server on")
+        self.switch.setObjectName("Switch")
+        self.switch.toggled.connect(self._toggled)
+        row.addWidget(self.switch)
+        row.addSpacing(24)
+        row.addWidget(QLabel("Port"))
+        self.port = QSpinBox(minimum=1024, maximum=65535, value=int(store.get_setting("server_port", 8765)))
+        self.port.valueChanged.connect(lambda v: store.set_setting("server_port", v))
+        row.addWidget(self.port)
+        row.addSpacing(24)
+        self.lan = QCheckBox("Allow other devices on my network")
+        self.lan.setChecked(bool(store.get_setting("server_lan", False)))
+        self.lan.toggled.connect(self._lan_toggled)
+        row.addWidget(self.lan)
+        row.addStretch(1)
+        lay.addLayout(row)
+        krow = QHBoxLayout()
+        krow.addWidget(QLabel("API key"))
+        self.key = QLineEdit(store.get_setting("server_api_key", "") or "")
+        self.key.setReadOnly(True)
+        self.key.setPlaceholderText("generated when you allow other devices")
+        krow.addWidget(self.key, 1)
+        b = QPushButton("Copy")
+        b.clicked.connect(lambda: self._copy(self.key.text()))
+        krow.addWidget(b)
+        b = QPushButton("New key")
+        b.clicked.connect(self.new_key)
+        krow.addWidget(b)
+        lay.addLayout(krow)
+        urow = QHBoxLayout()
+        urow.addWidget(QLabel("Base URL"))
+        self.url = QLineEdit()
+        self.url.setReadOnly(True)
+        urow.addWidget(self.url, 1)
+        b = QPushButton("Copy")
+        b.clicked.connect(lambda: self._copy(self.url.text()))
+        urow.addWidget(b)
+        lay.addLayout(urow)
+        self.status = QLabel("Off.")
+        self.status.setWordWrap(True)
+        lay.addWidget(self.status)
+        lay.addWidget(QLabel("Settings to paste into your editor or agent"))
+        self.snippets = QPlainTextEdit()
+        self.snippets.setReadOnly(True)
+        lay.addWidget(self.snippets, 2)
+        b = QPushButton("Copy settings")
+        b.clicked.connect(lambda: self._copy(self.snippets.toPlainText()))
+        lay.addWidget(b, 0, Qt.AlignRight)
+        lay.addWidget(QLabel("Connected clients"))
+        self.clients = QListWidget()
+        lay.addWidget(self.clients, 1)
+        self.timer = QTimer(self, interval=1000, timeout=self._refresh_clients)
+        self.timer.start()
+        self._update_texts()
+
+    def _copy(self, text):
+        QGuiApplication.clipboard().setText(text)
+
+    def new_key(self):
+        k = "hj-" + secrets.token_urlsafe(24)
+        self.key.setText(k)
+        self.store.set_setting("server_api_key", k)
+        self._update_texts()
+        return k
+
+    def _lan_toggled(self, on):
+        self.store.set_setting("server_lan", on)
+        if on and not self.key.text():
+            self.new_key()
+        if self.srv.running:   # restart with the new binding
+            self.switch.setChecked(False)
+            self.switch.setChecked(True)
+        self._update_texts()
+
+    def base_url(self) -> str:
+        host = lan_address() if self.lan.isChecked() else "127.0.0.1"
+        return f"http://{host}:{self.port.value()}/v1"
+
+    def _update_texts(self):
+        self.url.setText(self.base_url())
+        key = self.key.text() if self.lan.isChecked() else (self.key.text() or "not-needed")
+        model = self.ctl.info.name if self.ctl.info else "local-model"
+        self.snippets.setPlainText(
+            f"# OpenAI-compatible clients\nOPENAI_BASE_URL={self.base_url()}\nOPENAI_API_KEY={key}\n\n"
+            f"# Continue (config.yaml)\nmodels:\n  - name: HiveJet\n    provider: openai\n    model: {model}\n"
+            f"    apiBase: {self.base_url()}\n    apiKey: {key}\n\n"
+            f"# Aider\naider --openai-api-base {self.base_url()} --openai-api-key {key} --model openai/{model}\n\n"
+            f"# Python\nfrom openai import OpenAI\nclient = OpenAI(base_url=\"{self.base_url()}\", api_key=\"{key}\")\n")
+
+    def _toggled(self, on):
+        if on:
+            if self.lan.isChecked() and not self.key.text():
+                self.new_key()
+            msg = self.srv.start(self.ctl.engine, self.port.value(), self.lan.isChecked(),
+                                 self.key.text() if self.lan.isChecked() else None)
+            if msg:
+                self.status.setText(msg)
+                self.status.setObjectName("ErrorText")
+                self.status.style().polish(self.status)
+                self.switch.blockSignals(True)
+                self.switch.setChecked(False)
+                self.switch.blockSignals(False)
+                self.stateChanged.emit(False)
+                return
+            self.status.setObjectName("")
+            self.status.style().polish(self.status)
+            self.status.setText(f"Running on {self.srv.host}:{self.srv.port}"
+                                + (" (reachable from your network; clients need the API key)" if self.lan.isChecked()
+                                   else " (this computer only)"))
+        else:
+            self.srv.stop()
+            self.status.setText("Off.")
+        self._update_texts()
+        self.stateChanged.emit(on)
+
+    def _refresh_clients(self):
+        cl = self.srv.clients()
+        items = [self.clients.item(i).text() for i in range(self.clients.count())]
+        if cl != items:
+            self.clients.clear()
+            self.clients.addItems(cl or [])
+
+    def shutdown(self):
+        self.srv.stop()

@@ -1,0 +1,126 @@
+"""HiveJet's local HTTP API: OpenAI- and Anthropic-compatible, over the Engine contract.
+
+`hivejet serve` uses add_serve_args / run_serve; the GUI's toggle uses start_server(engine, settings).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+
+from app.server.security import ServerSettings, SettingsError
+
+__all__ = ["add_serve_args", "run_serve", "create_app", "start_server", "ServerSettings", "SettingsError"]
+
+
+def create_app(engine=None, settings=None):
+    from app.server.app import create_app as _create
+    return _create(engine, settings)
+
+
+def start_server(engine, settings=None):
+    from app.server.app import start_server as _start
+    return _start(engine, settings)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Arguments of `hivejet serve` (includes -m/--model)."""
+    p.add_argument("-m", "--model", default="demo", help="GGUF file or catalog name; default: demo")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other address needs --api-key)")
+    p.add_argument("--port", type=int, default=18080, help="port (default 18080)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted API key (repeatable; also HIVEJET_API_KEY, comma-separated)")
+    p.add_argument("--agents", type=int, default=16, metavar="N", help="conversations run at once (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="waiting requests beyond the running ones; more get 429 (default 64)")
+    p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=0, metavar="N",
+                   help="context per conversation (default: the model's)")
+    p.add_argument("--cache-type-k", default="f16", help="KV cache type for K (only f16 on the CPU engine for now)")
+    p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (only f16 on the CPU engine for now)")
+    p.add_argument("--spec", default="off", help="speculative decoding: off (drafters come with the GPU engine)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from this origin (repeatable; default: CORS off)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit in MB (default 32)")
+    p.add_argument("--allow-remote-images", action="store_true", help="allow http(s) image URLs in requests")
+    p.add_argument("--media-dir", default=None, help="folder that file:// image URLs may name (default: none)")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="name the model is served as (repeatable; the first is shown in /v1/models)")
+    p.add_argument("--any-model", action="store_true",
+                   help="accept any model name in requests (for clients with fixed model names, e.g. Claude Code)")
+    p.add_argument("--max-tokens-limit", type=int, default=0, help="cap on tokens generated per request (0 = none)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def settings_from_args(args) -> ServerSettings:
+    keys = list(args.api_key) + ServerSettings.keys_from_env()
+    return ServerSettings(host=args.host, port=args.port, api_keys=keys, cors_origins=list(args.cors_origin),
+                          max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                          allow_remote_images=args.allow_remote_images, media_dir=args.media_dir,
+                          model_aliases=list(args.alias), accept_any_model=args.any_model,
+                          max_tokens_limit=args.max_tokens_limit)
+
+
+def run_serve(args) -> int:
+    """`hivejet serve`: listen at once (GET /health answers 503 while the model loads), then serve until
+    Ctrl-C. Returns the exit code."""
+    import uvicorn
+
+    from app.server.app import create_app as _create, set_engine
+    err = lambda msg: print(f"error: {msg}", file=sys.stderr)  # noqa: E731
+    settings = settings_from_args(args)
+    try:
+        settings.validate()
+    except SettingsError as e:
+        err(e)
+        return 2
+    for name in ("cache_type_k", "cache_type_v"):
+        if getattr(args, name) not in ("f16", "F16"):
+            err(f"--{name.replace('_', '-')} {getattr(args, name)}: only f16 is available in this engine build")
+            return 2
+    if args.spec not in ("off", "none"):
+        err(f"--spec {args.spec}: speculative decoding is not available in this engine build (use off)")
+        return 2
+    if args.agents < 1 or args.max_queue < 0 or args.ctx < 0:
+        err("--agents must be >= 1, --max-queue >= 0 and --ctx >= 0")
+        return 2
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    app = _create(None, settings)
+    holder = {}
+
+    def load():
+        from engine.engine import Engine, EngineConfig
+        try:
+            eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
+                                      max_queue=args.max_queue, threads=args.threads),
+                         progress=lambda msg: print(msg, file=sys.stderr))
+        except Exception as e:  # shown by /health and the log; the server keeps answering 503
+            logging.getLogger("hivejet.server").error("model failed to load: %s", e)
+            set_engine(app, None, error=str(e))
+            return
+        holder["engine"] = eng
+        set_engine(app, eng)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        print(f"HiveJet: serving {eng.model_name} (context {eng.ctx_size}) at http://{host}:{settings.port}/v1",
+              file=sys.stderr)
+
+    threading.Thread(target=load, name="hivejet-load", daemon=True).start()
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5, lifespan="off")
+    except (OSError, SystemExit) as e:
+        err(f"cannot listen on {settings.host}:{settings.port}: {e}")
+        return 1
+    finally:
+        eng = holder.get("engine")
+        if eng is not None:
+            eng.shutdown()
+    return 0
+
+
+def main(argv=None) -> int:  # python -m app.server
+    p = argparse.ArgumentParser(prog="hivejet serve", description="OpenAI/Anthropic-compatible local API")
+    add_serve_args(p)
+    return run_serve(p.parse_args(argv))

@@ -1,0 +1,406 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions."""
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from app.server import schemas as S
+from app.server.core import (ApiError, EventStream, ServerState, SSEResponse, collect, sampling_params, session_of,
+                             submit, token_piece)
+from app.server.grammar import GrammarConstraint, GrammarError, json_schema_grammar
+from app.server.security import ImageError, load_image
+from app.server.tools import OutputParser, forced_call_grammar, prepare_messages
+
+router = APIRouter()
+
+ERRORS = {400: {"model": S.ErrorResponse, "description": "bad request"},
+          401: {"model": S.ErrorResponse, "description": "missing or wrong API key"},
+          404: {"model": S.ErrorResponse, "description": "unknown model"},
+          413: {"model": S.ErrorResponse, "description": "request body too large"},
+          429: {"model": S.ErrorResponse, "description": "queue full; retry after Retry-After seconds"},
+          500: {"model": S.ErrorResponse, "description": "generation failed"},
+          503: {"model": S.ErrorResponse, "description": "the model is loading"}}
+SSE = {"text/event-stream": {"schema": {"type": "object", "description": "server-sent events"}}}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.hivejet
+
+
+def _usage(fin) -> dict:
+    u = fin.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _chat_logprobs(engine, lps) -> list[dict]:
+    out = []
+    for lp in lps:
+        tok, b = token_piece(engine, lp.token_id)
+        top = []
+        for tid, v in lp.top:
+            t, tb = token_piece(engine, tid)
+            top.append({"token": t, "logprob": v, "bytes": tb})
+        out.append({"token": tok, "logprob": lp.logprob, "bytes": b, "top_logprobs": top})
+    return out
+
+
+def _check_images(messages: list[dict], state: ServerState) -> int:
+    n = 0
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if part.get("type") == "image_url":
+                url = part.get("image_url", {}).get("url", "")
+                try:
+                    data = load_image(url, state.settings, where=f"messages[{i}].content[{j}]")
+                except ImageError as e:
+                    raise ApiError(400, str(e), param=f"messages[{i}].content[{j}]", code="invalid_image") from None
+                if not url.startswith("data:"):  # a file from the media folder: the engine gets the bytes
+                    part["image_url"] = {**part["image_url"], "url": "data:image;base64,"
+                                         + base64.b64encode(data).decode()}
+                n += 1
+    if n and not state.info()["vision"]:
+        raise ApiError(400, f"the loaded model ({state.model_id()}) does not accept images",
+                       param="messages", code="images_not_supported")
+    return n
+
+
+def _finish_reason(fin, calls) -> str:
+    if fin.reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
+
+
+class ChatPlan:
+    """Everything decided about a chat request before it runs."""
+
+    def __init__(self, body: S.ChatCompletionRequest, state: ServerState, request: Request):
+        from engine.types import Request as EngineRequest
+        eng = state.engine_or_503()
+        state.check_model(body.model)
+        info = state.info()
+        fmt = info["tool_format"]
+        messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
+        _check_images(messages, state)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = body.tool_choice
+        forced_name = None
+        parse_tools = bool(tools)
+        if choice is not None and not tools and choice != "none":
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if choice == "none":
+            tools, parse_tools = None, False
+        elif isinstance(choice, S.NamedToolChoice):
+            forced_name = choice.function.name
+            if forced_name not in [t["function"]["name"] for t in tools]:
+                raise ApiError(400, f"tool_choice names {forced_name!r}, which is not in tools", param="tool_choice")
+        if body.n not in (None, 1):
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+        kwargs = {}
+        if body.chat_template_kwargs:
+            for k in body.chat_template_kwargs:
+                if k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
+                    raise ApiError(400, f"chat_template_kwargs may not set {k!r}", param="chat_template_kwargs")
+            kwargs.update(body.chat_template_kwargs)
+        if body.enable_thinking is not None:
+            kwargs["enable_thinking"] = body.enable_thinking
+        if body.reasoning_effort == "none":
+            kwargs["enable_thinking"] = False
+
+        grammar = None
+        if tools and (choice == "required" or forced_name):
+            grammar = forced_call_grammar(fmt, tools, forced_name)
+            kwargs.setdefault("enable_thinking", False)
+        elif body.response_format is not None and body.response_format.type != "text":
+            rf = body.response_format
+            if rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ApiError(400, "response_format json_schema needs json_schema.schema",
+                                   param="response_format")
+                schema = rf.json_schema.schema_
+            else:
+                schema = None
+            try:
+                grammar = json_schema_grammar(schema)
+            except GrammarError as e:
+                raise ApiError(400, str(e), param="response_format") from None
+            kwargs.setdefault("enable_thinking", False)
+        constraint = None
+        if grammar is not None:
+            try:
+                constraint = GrammarConstraint(eng.tokenizer, grammar)
+            except GrammarError as e:
+                raise ApiError(400, str(e), param="response_format" if not tools else "tools") from None
+
+        src = info["template_source"]
+        prompt_messages, prompt_tools = prepare_messages(messages, tools, fmt, src)
+        in_reasoning = False
+        if info["reasoning"] and not (grammar is not None):
+            try:
+                rendered = eng.render_chat(prompt_messages, True, prompt_tools, **kwargs)
+            except Exception as e:
+                raise ApiError(400, str(e), param="messages") from None
+            tail = rendered.rstrip()
+            in_reasoning = tail.endswith("<think>")
+        self.parser = OutputParser(fmt if parse_tools else None, reasoning=info["reasoning"] and grammar is None,
+                                   in_reasoning=in_reasoning)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        sp = sampling_params(engine=eng, settings=state.settings, max_tokens=max_tokens,
+                             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                             seed=body.seed, presence_penalty=body.presence_penalty,
+                             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                             repeat_last_n=body.repeat_last_n, logit_bias=body.logit_bias, stop=body.stop,
+                             ignore_eos=body.ignore_eos,
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        self.engine = eng
+        self.req = EngineRequest(messages=prompt_messages, tools=prompt_tools, sampling=sp,
+                                 session=session_of(request, body.session, body.user),
+                                 template_kwargs=kwargs, constraint=constraint)
+        self.logprobs = bool(body.logprobs)
+        self.model = state.model_id()
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+
+
+@router.post("/v1/chat/completions", responses={200: {"model": S.ChatCompletionResponse, "content": SSE}, **ERRORS},
+             tags=["openai"])
+async def chat_completions(body: S.ChatCompletionRequest, request: Request):
+    from engine.types import FinishEvent, TokenEvent
+    state = _state(request)
+    plan = ChatPlan(body, state, request)
+    handle = await submit(plan.engine, plan.req)
+    metrics = state.metrics
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = EventStream(handle)
+        return SSEResponse(_chat_stream(plan, stream, include_usage, metrics), stream)
+    stream = EventStream(handle)
+    events = await collect(stream, request)
+    items, lps = [], []
+    for ev in events:
+        if isinstance(ev, TokenEvent):
+            items += plan.parser.feed(ev.text)
+            if ev.logprobs:
+                lps += ev.logprobs
+    items += plan.parser.finish()
+    fin = events[-1]
+    assert isinstance(fin, FinishEvent)
+    metrics.finished(fin)
+    if fin.reason == "error":
+        raise ApiError(500, f"generation failed: {fin.error}")
+    if fin.reason == "cancelled":
+        raise ApiError(503, "the request was cancelled (server shutting down)")
+    reasoning, content, calls = OutputParser.collect(items)
+    message = {"role": "assistant", "content": content if (content or not calls) else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    choice = {"index": 0, "message": message, "finish_reason": _finish_reason(fin, calls),
+              "logprobs": {"content": _chat_logprobs(plan.engine, lps)} if plan.logprobs else None}
+    return JSONResponse({"id": plan.id, "object": "chat.completion", "created": plan.created, "model": plan.model,
+                         "system_fingerprint": "hivejet", "choices": [choice], "usage": _usage(fin)})
+
+
+async def _chat_stream(plan: ChatPlan, stream: EventStream, include_usage: bool, metrics):
+    from engine.types import FinishEvent, TokenEvent
+    base = {"id": plan.id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model,
+            "system_fingerprint": "hivejet"}
+    if include_usage:
+        base["usage"] = None
+
+    def chunk(delta, finish=None, logprobs=None):
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    n_calls = 0
+
+    def render(items, lps=None):
+        nonlocal n_calls
+        out = []
+        for kind, v in items:
+            if kind == "content":
+                out.append(chunk({"content": v}, logprobs=lps))
+                lps = None
+            elif kind == "reasoning":
+                out.append(chunk({"reasoning_content": v}, logprobs=lps))
+                lps = None
+            else:
+                out.append(chunk({"tool_calls": [{"index": n_calls, "id": v["id"], "type": "function",
+                                                  "function": {"name": v["name"], "arguments": v["arguments"]}}]}))
+                n_calls += 1
+        if lps:
+            out.append(chunk({}, logprobs=lps))
+        return "".join(out)
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            ev = await stream.next()
+            if isinstance(ev, TokenEvent):
+                lps = {"content": _chat_logprobs(plan.engine, ev.logprobs)} if (plan.logprobs and ev.logprobs) else None
+                s = render(plan.parser.feed(ev.text), lps)
+                if s:
+                    yield s
+                continue
+            assert isinstance(ev, FinishEvent)
+            metrics.finished(ev)
+            s = render(plan.parser.finish())
+            if s:
+                yield s
+            if ev.reason in ("error", "cancelled"):
+                msg = f"generation failed: {ev.error}" if ev.reason == "error" else "the request was cancelled"
+                yield _sse({"error": {"message": msg, "type": "server_error", "param": None, "code": None}})
+            else:
+                yield chunk({}, finish="tool_calls" if n_calls else ("length" if ev.reason == "length" else "stop"))
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(ev)})
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        stream.close()
+
+
+# ----------------------------------------------------------------------------------------------- completions
+def _completion_logprobs(engine, lps, start_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = start_offset
+    for lp in lps:
+        t, _ = token_piece(engine, lp.token_id)
+        tokens.append(t)
+        token_lps.append(lp.logprob)
+        tops.append({token_piece(engine, tid)[0]: v for tid, v in lp.top} if lp.top else None)
+        offsets.append(off)
+        off += len(t)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@router.post("/v1/completions", responses={200: {"model": S.CompletionResponse, "content": SSE}, **ERRORS},
+             tags=["openai"])
+async def completions(body: S.CompletionRequest, request: Request):
+    from engine.types import FinishEvent, Request as EngineRequest, TokenEvent
+    state = _state(request)
+    eng = state.engine_or_503()
+    state.check_model(body.model)
+    if body.n not in (None, 1):
+        raise ApiError(400, "only n=1 is supported", param="n")
+    if body.suffix:
+        raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+    constraint = None
+    if body.response_format is not None and body.response_format.type != "text":
+        rf = body.response_format
+        schema = rf.json_schema.schema_ if (rf.type == "json_schema" and rf.json_schema) else None
+        try:
+            constraint = GrammarConstraint(eng.tokenizer, json_schema_grammar(schema))
+        except GrammarError as e:
+            raise ApiError(400, str(e), param="response_format") from None
+    sp = sampling_params(engine=eng, settings=state.settings, max_tokens=body.max_tokens or 16,
+                         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                         seed=body.seed, presence_penalty=body.presence_penalty,
+                         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                         repeat_last_n=body.repeat_last_n, logit_bias=body.logit_bias, stop=body.stop,
+                         ignore_eos=body.ignore_eos, logprobs=body.logprobs)
+    session = session_of(request, body.session, body.user)
+    if isinstance(body.prompt, str):
+        req = EngineRequest(prompt=body.prompt, sampling=sp, session=session, constraint=constraint)
+        prompt_text = body.prompt
+    else:
+        req = EngineRequest(prompt_ids=list(body.prompt), sampling=sp, session=session, constraint=constraint)
+        prompt_text = None
+    handle = await submit(eng, req)
+    if prompt_text is None:
+        prompt_text = eng.tokenizer.decode(body.prompt)
+    echo = prompt_text if body.echo else ""
+    cid, created, model = "cmpl-" + secrets.token_hex(12), int(time.time()), state.model_id()
+    want_lp = body.logprobs is not None
+    metrics = state.metrics
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        stream = EventStream(handle)
+
+        async def gen():
+            base = {"id": cid, "object": "text_completion", "created": created, "model": model}
+            offset = len(echo)
+            try:
+                if echo:
+                    yield _sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
+                while True:
+                    ev = await stream.next()
+                    if isinstance(ev, TokenEvent):
+                        lp = _completion_logprobs(eng, ev.logprobs or [], offset) if want_lp else None
+                        offset += len(ev.text)
+                        yield _sse({**base, "choices": [{"index": 0, "text": ev.text, "logprobs": lp,
+                                                         "finish_reason": None}]})
+                        continue
+                    metrics.finished(ev)
+                    if ev.reason in ("error", "cancelled"):
+                        yield _sse({"error": {"message": f"generation failed: {ev.error or ev.reason}",
+                                              "type": "server_error", "param": None, "code": None}})
+                    else:
+                        yield _sse({**base, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                                         "finish_reason": ev.reason}]})
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(ev)})
+                    yield "data: [DONE]\n\n"
+                    return
+            finally:
+                stream.close()
+
+        return SSEResponse(gen(), stream)
+
+    events = await collect(EventStream(handle), request)
+    fin = events[-1]
+    assert isinstance(fin, FinishEvent)
+    metrics.finished(fin)
+    if fin.reason == "error":
+        raise ApiError(500, f"generation failed: {fin.error}")
+    if fin.reason == "cancelled":
+        raise ApiError(503, "the request was cancelled (server shutting down)")
+    text = "".join(ev.text for ev in events if isinstance(ev, TokenEvent))
+    lps = [lp for ev in events if isinstance(ev, TokenEvent) for lp in (ev.logprobs or [])]
+    choice = {"index": 0, "text": echo + text, "finish_reason": fin.reason,
+              "logprobs": _completion_logprobs(eng, lps, len(echo)) if want_lp else None}
+    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [choice], "usage": _usage(fin)})
+
+
+@router.get("/v1/models", response_model=S.ModelList, responses=ERRORS, tags=["openai"])
+async def list_models(request: Request):
+    state = _state(request)
+    eng = state.engine_or_503()
+    info = state.info()
+    card = {"id": state.model_id(), "object": "model", "created": int(state.started), "owned_by": "hivejet",
+            "context_length": eng.ctx_size,
+            "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
+                             "json_schema": True}}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/v1/models/{model_id:path}", response_model=S.ModelCard, responses=ERRORS, tags=["openai"])
+async def get_model(model_id: str, request: Request):
+    state = _state(request)
+    eng = state.engine_or_503()
+    state.check_model(model_id)
+    info = state.info()
+    return JSONResponse({"id": state.model_id(), "object": "model", "created": int(state.started),
+                         "owned_by": "hivejet", "context_length": eng.ctx_size,
+                         "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
+                                          "json_schema": True}})

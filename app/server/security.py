@@ -1,0 +1,192 @@
+"""Server settings and the rules that keep a local API local: bind address vs API keys, constant-time key
+checks, a request body size limit, and image sources (no remote fetches unless enabled, no files outside an
+allowed folder)."""
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+__all__ = ["ServerSettings", "SettingsError", "is_loopback", "check_api_key", "BodySizeLimit", "ImageError",
+           "load_image"]
+
+
+class SettingsError(ValueError):
+    """The server refuses to start with these settings."""
+
+
+def is_loopback(host: str) -> bool:
+    h = host.strip().strip("[]").lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 18080
+    api_keys: list[str] = field(default_factory=list)
+    cors_origins: list[str] = field(default_factory=list)        # empty: CORS off
+    max_body_bytes: int = 32 * 1024 * 1024
+    allow_remote_images: bool = False
+    media_dir: str | None = None                                 # file:// images only from here
+    model_aliases: list[str] = field(default_factory=list)       # extra names accepted in "model"
+    accept_any_model: bool = False                               # any "model" name maps to the loaded one
+    max_tokens_limit: int = 0                                    # 0 = no cap beyond the context
+    public_health: bool = True                                   # /health answers without a key
+
+    def validate(self) -> None:
+        if not 0 <= int(self.port) <= 65535:
+            raise SettingsError(f"port {self.port} is out of range")
+        for k in self.api_keys:
+            if not k or len(k) < 8:
+                raise SettingsError("API keys must be at least 8 characters")
+        if not is_loopback(self.host) and not self.api_keys:
+            raise SettingsError(f"refusing to listen on {self.host}: listening on an address other than loopback "
+                                "needs an API key (--api-key KEY or HIVEJET_API_KEY)")
+        if self.max_body_bytes < 1024:
+            raise SettingsError("max_body_bytes must be at least 1024")
+        if self.media_dir is not None and not Path(self.media_dir).is_dir():
+            raise SettingsError(f"media folder {self.media_dir} does not exist")
+
+    @classmethod
+    def keys_from_env(cls) -> list[str]:
+        v = os.environ.get("HIVEJET_API_KEY", "")
+        return [k for k in v.split(",") if k]
+
+
+def check_api_key(given: str | None, keys: list[str]) -> bool:
+    """True when `given` matches one of `keys`; compares with every key in constant time."""
+    if not keys:
+        return True
+    g = (given or "").encode("utf-8", "surrogatepass")
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(g, k.encode("utf-8", "surrogatepass"))
+    return ok and bool(g)
+
+
+def key_from_headers(headers) -> str | None:
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer":
+            return value.strip()
+    return headers.get("x-api-key")
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """ASGI middleware: refuse bodies over `limit` bytes with 413 (Content-Length checked up front, chunked
+    bodies counted as they arrive)."""
+
+    def __init__(self, app, limit: int, error_body):
+        self.app, self.limit, self.error_body = app, limit, error_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = None
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    length = int(v)
+                except ValueError:
+                    length = -1
+        if length is not None and (length > self.limit or length < 0):
+            return await self._refuse(scope, send, length)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge()
+            return msg
+
+        started = False
+
+        async def tracking_send(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._refuse(scope, send, seen)
+
+    async def _refuse(self, scope, send, length):
+        import json
+        body = json.dumps(self.error_body(scope.get("path", ""), 413,
+                                          f"request body too large (limit {self.limit} bytes)")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ----------------------------------------------------------------------------------------------- images
+class ImageError(ValueError):
+    """A bad or forbidden image (HTTP 400)."""
+
+
+_IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"RIFF", b"BM")
+
+
+def _check_image_bytes(data: bytes, where: str) -> bytes:
+    if not data:
+        raise ImageError(f"{where}: the image is empty")
+    if not data.startswith(_IMAGE_MAGIC) or (data.startswith(b"RIFF") and data[8:12] != b"WEBP"):
+        raise ImageError(f"{where}: not a PNG, JPEG, GIF, WebP or BMP image")
+    return data
+
+
+def load_image(url: str, settings: ServerSettings, where: str = "image") -> bytes:
+    """The bytes of an image given as a data: URL, a file:// URL inside the media folder, or (when enabled)
+    an http(s) URL. Raises ImageError for anything else."""
+    if not isinstance(url, str) or not url:
+        raise ImageError(f"{where}: empty image URL")
+    if url.startswith("data:"):
+        head, sep, payload = url.partition(",")
+        if not sep or ";base64" not in head:
+            raise ImageError(f"{where}: data URLs must be base64 (data:image/png;base64,...)")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError(f"{where}: the base64 data is not valid") from None
+        return _check_image_bytes(data, where)
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        if not settings.allow_remote_images:
+            raise ImageError(f"{where}: remote image URLs are disabled on this server (send the image as a data: URL)")
+        raise ImageError(f"{where}: remote image URLs are not supported yet (send the image as a data: URL)")
+    if parsed.scheme == "file":
+        if not settings.media_dir:
+            raise ImageError(f"{where}: file URLs are disabled on this server")
+        root = Path(settings.media_dir).resolve()
+        try:
+            path = Path(unquote(parsed.path)).resolve()
+        except (OSError, RuntimeError, ValueError):
+            raise ImageError(f"{where}: bad file path") from None
+        if not path.is_relative_to(root):
+            raise ImageError(f"{where}: files outside the media folder cannot be read")
+        if not path.is_file():
+            raise ImageError(f"{where}: no such file in the media folder")
+        return _check_image_bytes(path.read_bytes(), where)
+    raise ImageError(f"{where}: unsupported image URL scheme {parsed.scheme!r}")

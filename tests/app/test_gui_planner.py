@@ -1,0 +1,52 @@
+"""Planner page: the numbers are engine/planner's; no GPU here -> the CPU-mode state."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("PySide6")
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from engine import planner as P  # noqa: E402
+from engine.synth import write_synthetic  # noqa: E402
+
+
+def test_planner_page_matches_engine_planner(qtbot, tmp_path):
+    from app.gui.planner_page import PlannerPage
+    path = tmp_path / "q27.gguf"
+    write_synthetic(path, "qwen35", "27b-q4_k_m", header_only=True)
+    page = PlannerPage()
+    qtbot.addWidget(page)
+    assert page.cpu_mode and "No NVIDIA GPU: CPU mode" in page.gpu_card.text()
+    page.vram_edit.setText("24GiB")
+    page.set_models([("27B", str(path))])
+    f = P.model_facts(path)
+    vram = P.parse_size("24GiB")
+    kvs = list(P.KV_TYPES)
+    for r, kt in enumerate(kvs):
+        for c, ctx in enumerate(P.CONTEXTS):
+            plan = P.plan(f, ctx, kt, 1, vram)
+            item = page.table.item(r, c)
+            assert item.data(0x0100) == plan.total           # Qt.UserRole
+            assert item.text() == f"{plan.total / P.GiB:.2f} GiB"
+        assert page.table.item(r, len(P.CONTEXTS)).text() == f"{P.max_context(f, kt, vram):,}"
+    got = []
+    page.loadRequested.connect(lambda *a: got.append(a))
+    page.load_cell(kvs.index("turbo3"), P.CONTEXTS.index(131072))
+    assert got == [(str(path), 131072, "turbo3")]
+    page.seqs.setValue(4)                                    # parallel chats multiply KV + state
+    assert page.table.item(0, 0).data(0x0100) == P.plan(f, P.CONTEXTS[0], kvs[0], 4, vram).total
+    page.vram_edit.setText("lots")
+    page.refresh()
+    assert "Cannot read a memory size" in page.error.text()
+
+
+def test_planner_page_bad_file(qtbot, tmp_path):
+    from app.gui.planner_page import PlannerPage
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 8)
+    page = PlannerPage()
+    qtbot.addWidget(page)
+    page.set_models([("bad", str(bad))])
+    assert "Cannot plan for this file" in page.error.text()

@@ -1,0 +1,103 @@
+"""Server switch: on -> a real openai client gets a reply from the app's loaded model; LAN mode needs the
+generated key; settings snippets; monitor and settings pages on the same window."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("PySide6")
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from app.store import Store  # noqa: E402
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+@pytest.fixture
+def win(qapp, qtbot, tmp_path, smollm2_path):
+    from app.gui.main_window import MainWindow
+    store = Store(tmp_path / "s.db")
+    w = MainWindow(store, model=str(smollm2_path))
+    qtbot.waitUntil(lambda: w.ctl.engine is not None, timeout=60000)
+    yield w
+    w.close()
+    store.close()
+
+
+def test_server_switch_then_openai_client(win, qtbot):
+    openai = pytest.importorskip("openai")
+    from app.gui.server_page import server_factory
+    assert server_factory() is not None, "app/server create_app is missing"
+    port = free_port()
+    win.server.port.setValue(port)
+    win.server_switch.setChecked(True)                       # the top-bar switch drives the page
+    assert win.server.switch.isChecked()
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    assert win.server.url.text() == f"http://127.0.0.1:{port}/v1"
+    assert f"http://127.0.0.1:{port}/v1" in win.server.snippets.toPlainText()
+    client = openai.OpenAI(base_url=win.server.url.text(), api_key="not-needed", timeout=60, max_retries=0)
+    r = client.chat.completions.create(model="anything", messages=[{"role": "user", "content": "Say hi"}],
+                                       max_tokens=6, temperature=0)
+    assert r.choices[0].message.content
+    win.server_switch.setChecked(False)
+    assert not win.server.srv.running and win.server.status.text() == "Off."
+
+
+def test_lan_needs_key_and_monitor(win, qtbot):
+    win.server.lan.setChecked(True)
+    key = win.server.key.text()
+    assert key.startswith("hj-") and len(key) > 20
+    assert win.store.get_setting("server_api_key") == key
+    assert "OPENAI_API_KEY=" + key in win.server.snippets.toPlainText()
+    win.server.lan.setChecked(False)
+    # the monitor shows a running conversation
+    chat = win.chat
+    chat.new_conversation()
+    chat.s_max.setValue(6)
+    chat.send("Hello there")
+    win.monitor.refresh()
+    qtbot.waitUntil(lambda: not chat.generating, timeout=60000)
+    win.monitor.refresh()
+    assert "running" in win.monitor.engine_label.text()
+    assert "CPU mode" in win.monitor.cards["gpu"][0].text()
+    assert "not reported" in win.monitor.cards["pool"][0].text()
+
+
+def test_settings_persist_and_remote_endpoint(win, qtbot, tmp_path):
+    win.settings.theme.setCurrentIndex(win.settings.theme.findData("dark"))
+    assert win.store.get_setting("theme") == "dark"
+    from PySide6.QtWidgets import QApplication
+    assert QApplication.instance().property("hivejet_dark") is True
+    win.settings.theme.setCurrentIndex(win.settings.theme.findData("system"))
+    win.settings.threads.setValue(1)
+    assert win.store.get_setting("threads") == 1
+    # a remote endpoint: the app's own server, spoken to through the OpenAI-compatible client path
+    port = free_port()
+    win.server.port.setValue(port)
+    win.server_switch.setChecked(True)
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    with qtbot.waitSignal(win.settings.bridge.remoteListed, timeout=20000):
+        win.settings.add_remote(f"http://127.0.0.1:{port}/v1", "")
+    assert win.settings.r_list.count() >= 1
+    win.settings.r_list.setCurrentRow(0)
+    from app.gui.controller import RemoteBackend
+    url, key, model = win.settings.r_list.item(0).data(0x0100)
+    h = RemoteBackend(url, model, key).submit([{"role": "user", "content": "Hi"}],
+                                              __import__("engine.sampling", fromlist=["x"]).SamplingParams(max_tokens=4))
+    evs = list(h)
+    assert evs[-1].reason in ("stop", "length") and any(getattr(e, "text", "") for e in evs[:-1])
+    bad = []
+    win.settings.bridge.remoteListed.connect(lambda *a: bad.append(a))
+    with qtbot.waitSignal(win.settings.bridge.remoteListed, timeout=20000):
+        win.settings.add_remote("http://127.0.0.1:9/v1", "")
+    assert "cannot connect" in win.settings.r_status.text()
+    win.server_switch.setChecked(False)

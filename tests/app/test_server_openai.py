@@ -1,0 +1,288 @@
+"""The OpenAI-compatible API on the demo model, through the official `openai` SDK (and raw HTTP for errors)."""
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx2")
+jsonschema = pytest.importorskip("jsonschema")
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+                   "required": ["tz"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    from app.server.app import ServerThread, create_app
+    from app.server.security import ServerSettings
+    from engine.engine import Engine, EngineConfig
+    eng = Engine(EngineConfig(model=str(smollm2_path), ctx_size=512, max_seqs=8, max_queue=16))
+    srv = ServerThread(create_app(eng, ServerSettings())).start()
+    srv.engine = eng
+    yield srv
+    srv.stop()
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def chat(client, model, content="Say hello.", **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_models(client, server):
+    cards = client.models.list().data
+    assert len(cards) == 1
+    d = cards[0].model_dump()
+    assert d["context_length"] == 512 and d["capabilities"]["tools"] is True and d["capabilities"]["vision"] is False
+    assert client.models.retrieve(cards[0].id).id == cards[0].id
+
+
+def test_chat_non_streaming_and_streaming_agree(client, model):
+    r = chat(client, model, max_tokens=6)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length" and text
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(chat(client, model, max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_list_content_parts_are_flattened(client, model):
+    r = client.chat.completions.create(model=model, max_tokens=3, temperature=0, messages=[
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}])
+    assert r.choices[0].message.content
+
+
+def test_stop_strings(client, model):
+    full = chat(client, model, max_tokens=10).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = " " + words[2]
+    r = chat(client, model, max_tokens=10, stop=[stop, "<never>"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[:full.index(stop)]
+
+
+def test_seed_reproducibility(client, model):
+    kw = dict(max_tokens=8, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    a = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a story."}],
+                                       extra_body={k: kw.pop(k) for k in ("top_k", "min_p")}, **kw)
+    kw2 = dict(max_tokens=8, temperature=1.0, top_p=1.0, seed=1234)
+    b = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a story."}],
+                                       extra_body={"top_k": 0, "min_p": 0.0}, **kw2)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_logprobs(client, model):
+    r = chat(client, model, max_tokens=4, logprobs=True, top_logprobs=3)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens == 4
+    assert "".join(x.token for x in lps) == r.choices[0].message.content
+    for x in lps:
+        assert x.logprob <= 0 and len(x.top_logprobs) == 3
+        assert x.top_logprobs[0].token == x.token  # greedy picks the most probable
+        assert [t.logprob for t in x.top_logprobs] == sorted((t.logprob for t in x.top_logprobs), reverse=True)
+        assert bytes(x.bytes).decode("utf-8", "replace") == x.token
+
+
+def test_forced_tool_call_round_trip(client, model):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, TIME], max_tokens=40,
+                                       temperature=0, tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    msgs += [choice.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "clear"})}]
+    r2 = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, TIME], max_tokens=8,
+                                        temperature=0)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_required_tool_call_streamed(client, model):
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What time is it in UTC?"}], tools=[WEATHER, TIME],
+        tool_choice="required", max_tokens=40, temperature=0, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].index == 0 and deltas[0].id and deltas[0].function.name in ("get_weather", "get_time")
+    args = json.loads("".join(d.function.arguments or "" for d in deltas))
+    assert isinstance(args, dict)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_gives_text(client, model):
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER],
+                                       tool_choice="none", max_tokens=4, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_json_schema_output_validates(client, model):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                               "member": {"type": "boolean"}},
+              "required": ["name", "age", "member"], "additionalProperties": False}
+    r = chat(client, model, "Describe a person as JSON.", max_tokens=48,
+             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = chat(client, model, "Give me JSON.", max_tokens=48, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_completions_text_ids_echo_logprobs(client, model, server):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  logprobs=2, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith("The capital of France is") and len(c.text) > len("The capital of France is")
+    assert len(c.logprobs.tokens) == 4 and all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+    ids = server.engine.tokenizer.encode("The capital of France is")
+    r2 = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    assert r2.choices[0].text == c.text[len("The capital of France is"):]
+    streamed = "".join(x.choices[0].text for x in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0, stream=True) if x.choices)
+    assert streamed == r2.choices[0].text
+
+
+def _post(server, path, body, raw=False):
+    content = body if raw else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+
+
+def _msgs(text="hi"):
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ("{not json", 400, "malformed JSON"),
+    ({"model": "no-such-model", "messages": _msgs()}, 404, "not served"),
+    ({"messages": _msgs()}, 400, "model"),
+    ({"MODEL": True, "messages": []}, 400, ""),
+    ({"MODEL": True, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"MODEL": True, "messages": _msgs(), "temperature": -1}, 400, "temperature"),
+    ({"MODEL": True, "messages": _msgs(), "top_p": 0}, 400, "top_p"),
+    ({"MODEL": True, "messages": _msgs(), "n": 2}, 400, "n"),
+    ({"MODEL": True, "messages": _msgs(), "max_tokens": 0}, 400, "max_tokens"),
+    ({"MODEL": True, "messages": _msgs(), "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"MODEL": True, "messages": _msgs(), "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"MODEL": True, "messages": _msgs(), "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"MODEL": True, "messages": _msgs(), "seed": -1}, 400, "seed"),
+    ({"MODEL": True, "messages": _msgs(), "stop": [""]}, 400, "stop"),
+    ({"MODEL": True, "messages": _msgs(), "tool_choice": "required"}, 400, "tools"),
+    ({"MODEL": True, "messages": _msgs(), "tools": [WEATHER],
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope"),
+    ({"MODEL": True, "messages": _msgs(), "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "schema"),
+    ({"MODEL": True, "messages": _msgs(), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, 400, ""),
+    ({"MODEL": True, "messages": _msgs("word " * 600)}, 400, "too many"),
+    ({"MODEL": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}]}]}, 400, "base64"),
+    ({"MODEL": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]}, 400, "remote"),
+    ({"MODEL": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400, "file"),
+    ({"MODEL": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(PNG).decode()}}]}]},
+     400, "does not accept images"),
+])
+def test_errors_have_openai_shape(server, model, body, status, needle):
+    if isinstance(body, dict) and body.pop("MODEL", None):
+        body = {"model": model, "max_tokens": 2, **body}
+    r = _post(server, "/v1/chat/completions", body, raw=isinstance(body, str))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["type"] and set(err) == {"message", "type", "param", "code"}
+    assert needle.lower() in err["message"].lower() or needle == (err["param"] or ""), err
+
+
+def test_context_too_long_says_by_how_much(server, model):
+    r = _post(server, "/v1/completions", {"model": model, "prompt": "word " * 600})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "too many" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"model": model, "prompt": []})
+    assert r.status_code == 400
+
+
+def test_sdk_raises_typed_errors(client, model):
+    with pytest.raises(openai.NotFoundError):
+        chat(client, "missing-model")
+    with pytest.raises(openai.BadRequestError):
+        chat(client, model, temperature=7)
+
+
+def test_tokenize_detokenize_health_metrics_slots(server, model):
+    r = _post(server, "/tokenize", {"content": "Hello world"})
+    ids = r.json()["tokens"]
+    assert ids == server.engine.tokenizer.encode("Hello world", add_special=False)
+    assert _post(server, "/detokenize", {"tokens": ids}).json()["content"] == "Hello world"
+    assert _post(server, "/detokenize", {"tokens": [10 ** 7]}).status_code == 400
+    pieces = _post(server, "/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "Hello world"
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    m = httpx.get(server.url + "/metrics").text
+    for name in ("hivejet_prompt_tokens_total", "hivejet_generated_tokens_total", "hivejet_tokens_per_second",
+                 "hivejet_requests_running", "hivejet_requests_queued", "hivejet_kv_usage_ratio",
+                 "hivejet_cached_prompt_tokens_total", "hivejet_draft_acceptance_ratio"):
+        assert f"\n{name}" in m or m.startswith(name) or f"# TYPE {name}" in m, name
+    s = httpx.get(server.url + "/slots").json()
+    assert s["running"] == 0 and s["slots"] == []
+
+
+def test_client_disconnect_cancels_at_once(server, model):
+    eng = server.engine
+    body = {"model": model, "messages": _msgs("Write a long story."), "max_tokens": 400, "stream": True,
+            "session": "disconnecting-agent"}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                if n >= 3:
+                    break
+            seqs = eng.stats()["sequences"]
+            assert any(q["session"] == "disconnecting-agent" for q in seqs)
+    # non-streaming: the client gives up (timeout) and the engine stops too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=1.5)
+    t0 = time.monotonic()
+    while eng.stats()["running"] or eng.stats()["waiting"]:
+        assert time.monotonic() - t0 < 5, eng.stats()
+        time.sleep(0.05)

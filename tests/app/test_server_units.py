@@ -1,0 +1,237 @@
+"""Server pieces that need no model: tool-call formats, reasoning split, security rules, auth, bind rules."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import pytest
+
+from app.server.security import (ImageError, ServerSettings, SettingsError, check_api_key, is_loopback,
+                                 load_image)
+from app.server.tools import (HERMES, LLAMA3, MISTRAL, OutputParser, detect_format, forced_call_grammar,
+                              prepare_messages)
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
+
+
+def run_parser(parser: OutputParser, text: str, step: int = 1):
+    items = []
+    for i in range(0, len(text), step):
+        items += parser.feed(text[i:i + step])
+    items += parser.finish()
+    return OutputParser.collect(items)
+
+
+# ----------------------------------------------------------------------------------------------- tool formats
+def test_detect_format_from_template():
+    assert detect_format("...<tool_call>...").name == "hermes"
+    assert detect_format("[TOOL_CALLS] ...").name == "mistral"
+    assert detect_format("<|python_tag|> ... ipython").name == "llama3"
+    f = detect_format(None)
+    assert f.name == "hermes" and not f.native
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_hermes_parallel_calls_streamed(step):
+    text = ('Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    reasoning, content, calls = run_parser(OutputParser(HERMES), text, step)
+    assert content == "Sure. " and reasoning == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_invalid_call_stays_text_and_partial_marker_is_flushed():
+    _, content, calls = run_parser(OutputParser(HERMES), "a <tool_call>not json</tool_call> b <tool")
+    assert calls == [] and content == "a <tool_call>not json</tool_call> b <tool"
+
+
+def test_llama3_bare_json_and_mistral_array():
+    _, content, calls = run_parser(OutputParser(LLAMA3), ' {"name": "f", "parameters": {"x": "y"}}')
+    assert content == "" and calls[0]["name"] == "f" and json.loads(calls[0]["arguments"]) == {"x": "y"}
+    _, content, calls = run_parser(OutputParser(LLAMA3), "Hello {not a call}")
+    assert content == "Hello {not a call}" and calls == []
+    _, _, calls = run_parser(OutputParser(MISTRAL), '[TOOL_CALLS][{"name": "f", "arguments": {}}, '
+                                                    '{"name": "g", "arguments": {"k": 2}}]')
+    assert [c["name"] for c in calls] == ["f", "g"]
+    _, _, calls = run_parser(OutputParser(MISTRAL), '[TOOL_CALLS]get[ARGS]{"k": 2}')
+    assert calls[0]["name"] == "get" and json.loads(calls[0]["arguments"]) == {"k": 2}
+
+
+@pytest.mark.parametrize("step", [1, 5])
+def test_reasoning_split(step):
+    r, c, _ = run_parser(OutputParser(None, reasoning=True), "<think>I think</think>\nAnswer", step)
+    assert (r, c) == ("I think", "Answer")
+    # the prompt already opened <think>
+    r, c, _ = run_parser(OutputParser(HERMES, reasoning=True, in_reasoning=True), "hmm</think>Done", step)
+    assert (r, c) == ("hmm", "Done")
+    r, c, _ = run_parser(OutputParser(None, reasoning=False), "<think>x</think>y", step)
+    assert (r, c) == ("", "<think>x</think>y")
+
+
+def test_prepare_messages_for_template_without_tools():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "!"}]},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    out, out_tools = prepare_messages(msgs, tools, detect_format(None), None)
+    assert out_tools is None
+    assert out[0]["role"] == "system" and "<tools>" in out[0]["content"]
+    assert out[1] == {"role": "user", "content": "hi!"}
+    assert "<tool_call>" in out[2]["content"] and '"a": 1' in out[2]["content"]
+    assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+
+
+def test_forced_call_grammar_compiles():
+    llg = pytest.importorskip("llguidance")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    for fmt in (HERMES, LLAMA3, MISTRAL):
+        for only in (None, "f"):
+            g = forced_call_grammar(fmt, tools, only)
+            assert llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(g)) == "", g
+
+
+# ----------------------------------------------------------------------------------------------- security
+def test_loopback_and_bind_rules():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.3.4.5")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("::")
+    ServerSettings(host="127.0.0.1").validate()
+    with pytest.raises(SettingsError, match="API key"):
+        ServerSettings(host="0.0.0.0").validate()
+    ServerSettings(host="0.0.0.0", api_keys=["s3cret-key-1"]).validate()
+    with pytest.raises(SettingsError):
+        ServerSettings(host="0.0.0.0", api_keys=["short"]).validate()
+
+
+def test_check_api_key_uses_compare_digest(monkeypatch):
+    import hmac
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    assert check_api_key("key-number-2", ["key-number-1", "key-number-2"])
+    assert len(calls) == 2  # every key is compared, no early exit
+    assert not check_api_key("wrong", ["key-number-1"])
+    assert not check_api_key(None, ["key-number-1"]) and not check_api_key("", ["key-number-1"])
+    assert check_api_key(None, [])
+
+
+def test_load_image_rules(tmp_path):
+    s = ServerSettings()
+    url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    assert load_image(url, s) == PNG
+    for bad in ("data:image/png;base64,@@@", "data:image/png," + "abc",
+                "data:image/png;base64," + base64.b64encode(b"not an image").decode(),
+                "http://example.com/cat.png", "file:///etc/passwd", "ftp://x/y.png", ""):
+        with pytest.raises(ImageError):
+            load_image(bad, s)
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "a.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    s = ServerSettings(media_dir=str(media))
+    assert load_image(f"file://{media}/a.png", s) == PNG
+    for bad in (f"file://{tmp_path}/secret.png", f"file://{media}/../secret.png", f"file://{media}/missing.png"):
+        with pytest.raises(ImageError):
+            load_image(bad, s)
+    with pytest.raises(ImageError, match="disabled"):
+        load_image("https://example.com/a.png", ServerSettings())
+
+
+# ----------------------------------------------------------------------------------------------- HTTP without a model
+async def _call(app, method, path, headers=None, body=None):
+    """One request through the ASGI app (no network, no engine)."""
+    sent = {"status": None, "headers": {}, "body": b""}
+    payload = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else b"")
+    hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    hdrs.append((b"content-length", str(len(payload)).encode()))
+    if body is not None:
+        hdrs.append((b"content-type", b"application/json"))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "headers": hdrs, "scheme": "http",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000), "root_path": ""}
+    done = False
+
+    async def receive():
+        nonlocal done
+        if not done:
+            done = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            sent["status"] = msg["status"]
+            sent["headers"] = {k.decode(): v.decode() for k, v in msg["headers"]}
+        elif msg["type"] == "http.response.body":
+            sent["body"] += msg.get("body", b"")
+
+    await app(scope, receive, send)
+    return sent["status"], sent["headers"], sent["body"]
+
+
+def call(app, method, path, headers=None, body=None):
+    status, headers, raw = asyncio.run(_call(app, method, path, headers, body))
+    try:
+        return status, headers, json.loads(raw)
+    except ValueError:
+        return status, headers, raw.decode()
+
+
+def test_auth_required_on_every_api_route_and_health_503_while_loading():
+    from app.server.app import create_app
+    app = create_app(None, ServerSettings(host="0.0.0.0", api_keys=["the-right-key"]))
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    for method, path, b in (("GET", "/v1/models", None), ("POST", "/v1/chat/completions", body),
+                            ("POST", "/v1/completions", {"model": "x", "prompt": "a"}), ("GET", "/metrics", None),
+                            ("GET", "/slots", None), ("POST", "/tokenize", {"content": "a"})):
+        status, headers, err = call(app, method, path, body=b)
+        assert status == 401 and err["error"]["type"] == "authentication_error", path
+        status, _, err = call(app, method, path, headers={"Authorization": "Bearer wrong-key"}, body=b)
+        assert status == 401
+    status, _, err = call(app, "POST", "/v1/messages", body={"model": "x", "max_tokens": 1,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 401 and err == {"type": "error", "error": {"type": "authentication_error",
+                                                                 "message": err["error"]["message"]}}
+    # the right key (either header) gets through to "still loading"
+    status, headers, err = call(app, "GET", "/v1/models", headers={"Authorization": "Bearer the-right-key"})
+    assert status == 503 and "error" in err and headers.get("retry-after")
+    status, _, _ = call(app, "POST", "/v1/messages", headers={"x-api-key": "the-right-key"},
+                        body={"model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 503
+    status, _, err = call(app, "GET", "/health")
+    assert status == 503 and err["error"]["type"] == "unavailable_error"
+
+
+def test_body_limit_cors_and_unknown_route():
+    from app.server.app import create_app
+    app = create_app(None, ServerSettings(max_body_bytes=2048, cors_origins=["http://ok.example"]))
+    status, _, err = call(app, "POST", "/v1/chat/completions", body={"model": "x", "pad": "a" * 5000,
+                                                                      "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 413 and err["error"]["type"] == "request_too_large"
+    status, headers, _ = call(app, "OPTIONS", "/v1/chat/completions",
+                              headers={"Origin": "http://ok.example", "Access-Control-Request-Method": "POST"})
+    assert status == 200 and headers.get("access-control-allow-origin") == "http://ok.example"
+    status, headers, _ = call(app, "OPTIONS", "/v1/chat/completions",
+                              headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert headers.get("access-control-allow-origin") is None
+    status, _, err = call(app, "GET", "/nope")
+    assert status == 404 and "error" in err
+    # CORS is off by default
+    app = create_app(None, ServerSettings())
+    _, headers, _ = call(app, "GET", "/health", headers={"Origin": "http://ok.example"})
+    assert "access-control-allow-origin" not in headers
+
+
+def test_serve_refuses_public_bind_without_key(capsys, monkeypatch):
+    import argparse
+
+    from app.server import add_serve_args, run_serve
+    monkeypatch.delenv("HIVEJET_API_KEY", raising=False)
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert run_serve(p.parse_args(["--host", "0.0.0.0"])) == 2
+    assert "API key" in capsys.readouterr().err
+    assert run_serve(p.parse_args(["--cache-type-k", "turbo3"])) == 2

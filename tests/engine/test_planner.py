@@ -1,0 +1,103 @@
+"""engine/planner.py: weights from the tensor index, KV per cache type, recurrent state, SWA caps."""
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from engine import planner as P
+from engine.gguf.reader import GGUFError, GGUFFile
+from engine.synth import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def q27(tmp_path_factory):
+    path = tmp_path_factory.mktemp("p") / "q27.gguf"
+    write_synthetic(path, "qwen35", "27b-q4_k_m", header_only=True)
+    return path
+
+
+def test_kv_type_sizes():
+    assert P.kv_bytes_per_value("f16") == 2
+    assert P.kv_bytes_per_value("q8_0") == 34 / 32
+    assert P.kv_bytes_per_value("turbo4") == 66 / 128
+    assert P.kv_bytes_per_value("turbo3") == 14 / 32
+    assert P.kv_bytes_per_value("turbo2") == 10 / 32
+    assert P.kv_bytes_per_value("turbo3_tcq") == 52 / 128
+    assert P.kv_bytes_per_value("turbo2_tcq") == 36 / 128
+    with pytest.raises(ValueError):
+        P.kv_bytes_per_value("q4_0")
+
+
+def test_qwen35_27b_layout(q27):
+    f = P.model_facts(q27)
+    g = GGUFFile(q27)
+    assert f.weight_bytes == sum(t.n_bytes for t in g.tensors.values())
+    g.close()
+    assert 16.0e9 < f.weight_bytes < 17.0e9           # the 16.5 GB of the design
+    assert f.n_full_attn == 16 and f.n_swa == 0 and f.n_recurrent_layers == 48
+    # per attention layer: 4 KV heads x 256 dims for K and for V
+    assert P.kv_bytes_per_token(f, "f16") == 16 * 2 * 4 * 256 * 2
+    assert P.kv_bytes(f, 1000, "f16") == 1000 * 16 * 2 * 4 * 256 * 2
+    assert P.kv_bytes(f, 1000, "turbo3") == 1000 * 16 * 2 * (1024 // 32) * 14
+    # Gated DeltaNet: conv window 3 x (2*16*128 + 6144) + 48 heads x 128 x 128, f32
+    assert f.recurrent_bytes_per_layer == 4 * (3 * (2 * 16 * 128 + 6144) + 48 * 128 * 128)
+    p = P.plan(f, 8192, "f16", vram=P.parse_size("24GiB"))
+    assert p.total == p.weights + p.kv + p.recurrent + p.workspace
+    assert p.fits and p.recurrent == f.recurrent_bytes
+
+
+def test_max_context_24gb(q27):
+    f = P.model_facts(q27)
+    vram = P.parse_size("24GiB")
+    mc = {kt: P.max_context(f, kt, vram) for kt in P.KV_TYPES}
+    for kt, c in mc.items():
+        assert c % P.KV_BLOCK_TOKENS == 0
+        assert P.plan(f, c, kt, vram=vram).fits
+        if c < f.context_length:
+            assert not P.plan(f, c + P.KV_BLOCK_TOKENS, kt, vram=vram).fits
+    assert mc["f16"] < mc["q8_0"] <= mc["turbo4"]
+    assert 100_000 < mc["f16"] < 160_000
+    assert mc["turbo3_tcq"] == 262144                   # 200K+ context in 24 GB with compressed KV
+    assert P.max_context(f, "f16", P.parse_size("8GiB")) == 0     # weights alone do not fit
+    two = P.max_context(f, "turbo3", vram, n_seqs=2)
+    assert P.plan(f, two, "turbo3", 2, vram).fits
+
+
+def test_gemma3_sliding_window(gemma3_path):
+    f = P.model_facts(gemma3_path)
+    assert f.n_swa == 15 and f.n_full_attn == 3
+    w = f.attn_layers[0][2]
+    assert w == 512
+    per_tok_full = 2 * 1 * 256 * 2
+    assert P.kv_bytes(f, 400, "f16") == 18 * 400 * per_tok_full
+    assert P.kv_bytes(f, 8192, "f16") == 15 * 512 * per_tok_full + 3 * 8192 * per_tok_full
+
+
+def test_smollm2(smollm2_path):
+    f = P.model_facts(smollm2_path)
+    assert f.arch == "llama" and f.n_full_attn == 30 and f.recurrent_bytes == 0
+    # head_dim 64 with 128-value blocks: 3 heads x 64 = 192 values -> 2 blocks per K
+    assert P.kv_bytes_per_token(f, "turbo4") == 30 * 2 * math.ceil(192 / 128) * 66
+
+
+def test_parse_size_and_errors(tmp_path):
+    assert P.parse_size("24GiB") == 24 << 30 and P.parse_size("24 GB") == 24 << 30
+    assert P.parse_size("512M") == 512 << 20 and P.parse_size("100") == 100
+    with pytest.raises(ValueError):
+        P.parse_size("lots")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + b"\0" * 100)
+    with pytest.raises(GGUFError):
+        P.model_facts(bad)
+
+
+def test_cli(q27, capsys):
+    ap = argparse.ArgumentParser()
+    P.add_plan_args(ap)
+    assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB"])) == 0
+    out = capsys.readouterr().out
+    assert "turbo3_tcq" in out and "262K" in out and "max context" in out
+    assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "lots"])) == 2
+    assert P.run_plan(ap.parse_args(["-m", "/nonexistent.gguf"])) == 1
