@@ -148,7 +148,8 @@ def cmd_perplexity(args) -> int:
         def progress(i, n, ppl):
             print(f"[{i}/{n}] {ppl:.4f}", file=sys.stderr)
         res = perplexity(model, tok, text=text, n_ctx=args.ctx_size, n_chunks=args.chunks, n_batch=args.batch_size,
-                         base=base, progress=progress)
+                         base=base, progress=progress, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                         save_base=args.save_kl_divergence_base)
         print(res.report())
         print(f"{res.n_scored} tokens scored in {res.seconds:.1f} s", file=sys.stderr)
     finally:
@@ -235,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-t", "--threads", type=int, default=0)
     q.add_argument("--kl-divergence-base", default=None,
                    help="llama.cpp --kl-divergence-base file or compact .npz reference")
+    q.add_argument("-ctk", "--cache-type-k", default="f16",
+                   help="KV cache type for K: f32, f16, bf16, q8_0, turbo4, turbo3, turbo2, turbo3_tcq, turbo2_tcq")
+    q.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type for V (same choices)")
+    q.add_argument("--save-kl-divergence-base", default=None, metavar="FILE",
+                   help="write this run's log-probs as a llama.cpp-format KL-divergence base file")
     q.set_defaults(func=cmd_perplexity)
 
     t = sub.add_parser("tokenize", help="print token ids like llama-tokenize")
@@ -255,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible API server for editors and agents")
     add_serve_args(sv)
     sv.set_defaults(func=run_serve)
+
+    from app.top import add_top_args, run_top
+    tp = sub.add_parser("top", help="live view of every agent on a server; --run N drives N coding agents")
+    add_top_args(tp)
+    tp.set_defaults(func=run_top)
 
     from engine import planner
     pl = sub.add_parser("plan", help="memory plan: weights, KV per cache type, largest context that fits")

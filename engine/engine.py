@@ -20,6 +20,7 @@ import torch
 
 from engine.catalog import ensure_model
 from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.sampling import Sampler, SamplingParams, StopChecker
@@ -41,6 +42,14 @@ class EngineConfig:
                                     # so a sequence's numbers do not depend on its neighbours
     max_queue: int = 256            # waiting requests beyond this are refused
     threads: int = 0                # torch CPU threads; 0 = torch's default
+    cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
+    cache_type_v: str = "f16"
+    mmproj: str | None = None       # vision projector GGUF (image input); "auto": the mmproj beside the model
+
+
+def _has_image_parts(messages) -> bool:
+    from engine.vision.prompt import has_image_parts
+    return has_image_parts(messages)
 
 
 def default_threads() -> int:
@@ -111,6 +120,13 @@ class _Sequence:
         self.t_start: float | None = None
         self.t_first: float | None = None
         self.recent = collections.deque()    # (time, tokens) for tok/s over the last seconds
+        self.vision = None                   # engine.vision.prompt.VisionPrompt when the prompt holds images
+
+    @property
+    def image_hashes(self) -> list[str]:
+        """sha256 of each image's decoded pixels, in prompt order (with the image token spans in
+        `vision.spans`): what a prefix cache must key on besides the token ids."""
+        return self.vision.hashes if self.vision is not None else []
 
     @property
     def n_generated(self) -> int:
@@ -140,6 +156,11 @@ class Engine:
         torch.set_num_threads(config.threads or default_threads())
         path = ensure_model(config.model, progress=progress or (lambda *_: None))
         self.model = open_model(path)
+        try:
+            self.model.set_cache_types(config.cache_type_k, config.cache_type_v)
+        except ValueError as e:
+            self.model.close()
+            raise EngineError(str(e)) from None
         self.model_path = path
         md = self.model.file.metadata
         try:
@@ -152,6 +173,11 @@ class Engine:
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
         self.template = ChatTemplate(md.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
         self.spec = self.model.spec
+        self.vision = None            # engine.vision.VisionEncoder when a projector is loaded
+        self._image_format = None
+        self._embed_cache: collections.OrderedDict = collections.OrderedDict()
+        if config.mmproj:
+            self._open_vision(config.mmproj, path)
         self.ctx_size = config.ctx_size or self.spec.context_length
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)
@@ -165,14 +191,47 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="hivejet-engine", daemon=True)
         self._thread.start()
 
+    def _open_vision(self, mmproj: str, model_path) -> None:
+        from engine.vision import check_pair, find_mmproj, open_mmproj
+        from engine.vision.prompt import FORMATS
+        if mmproj == "auto":
+            found = find_mmproj(model_path)
+            if found is None:
+                log.info("no mmproj file beside %s: images are not available", model_path)
+                return
+            mmproj = str(found)
+        try:
+            self.vision = open_mmproj(mmproj, device=self.config.device)
+            check_pair(self.vision, self.spec.arch, self.spec.n_embd)
+            self._image_format = FORMATS[self.vision.projector](self.tokenizer)
+        except (GGUFError, ValueError) as e:
+            if self.vision is not None:
+                self.vision.close()
+                self.vision = None
+            self.model.close()
+            raise EngineError(f"vision projector: {e}") from None
+        log.info("vision projector %s (%s, %.1fM params)", mmproj, self.vision.projector, self.vision.n_params / 1e6)
+
+    @property
+    def has_vision(self) -> bool:
+        """True when a vision projector is loaded: requests may carry images."""
+        return self.vision is not None
+
+    supports_images = has_vision
+
+    def no_vision_reason(self) -> str:
+        return (f"the loaded model ({self.model_name}) cannot see images: no vision projector (mmproj file) "
+                "is loaded with it")
+
     # ----- the contract -----
     def submit(self, req: Request) -> RequestHandle:
         """Validate and tokenize now (errors raise here, in the caller's thread); generation runs
-        on the engine thread."""
+        on the engine thread. Images are decoded, checked and resized here too (a bad one raises
+        engine.vision.ImageError, a ValueError); they are encoded on the engine thread."""
         if self._stop.is_set():
             raise EngineError("the engine is shut down")
         req.sampling.validate(self.spec.vocab_size)
-        ids = self.prompt_ids(req)
+        ids, vision = self._tokenize(req)
         if not ids:
             raise EngineError("the prompt is empty")
         if len(ids) >= self.ctx_size:
@@ -182,13 +241,29 @@ class Engine:
         rid = next(self._ids)
         handle = RequestHandle(rid, len(ids))
         seq = _Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, self.model.new_kv())
+        seq.vision = vision
         self._inbox.put(seq)
         return handle
 
     def prompt_ids(self, req: Request) -> list[int]:
+        """The prompt's token ids, image tokens included (each image counted at its real size)."""
+        return self._tokenize(req)[0]
+
+    def _tokenize(self, req: Request):
+        """(prompt ids, VisionPrompt or None)."""
         given = [x for x in (req.messages, req.prompt, req.prompt_ids) if x is not None]
         if len(given) != 1:
             raise EngineError("give exactly one of messages, prompt or prompt_ids")
+        images = list(req.images or [])
+        if images or (req.messages is not None and _has_image_parts(req.messages)):
+            if self.vision is None:
+                raise EngineError(self.no_vision_reason())
+            if req.prompt_ids is not None:
+                raise EngineError("images need messages or prompt (where the image marks go), not prompt_ids")
+            return self._tokenize_with_images(req, images)
+        return self._text_prompt_ids(req), None
+
+    def _text_prompt_ids(self, req: Request) -> list[int]:
         if req.prompt_ids is not None:
             bad = [t for t in req.prompt_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
             if bad:
@@ -202,6 +277,49 @@ class Engine:
         if len(ids) > 1 and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS itself; do not double it
         return ids
+
+    def _tokenize_with_images(self, req: Request, images: list):
+        from engine.vision import load_image
+        from engine.vision.image import ImageError
+        from engine.vision.prompt import ImageSpan, VisionPrompt, flatten_images, mrope_positions, split_images
+        fmt = self._image_format
+        if req.prompt is not None:
+            text, sources = req.prompt, images
+            if fmt.count(text) != len(sources):
+                raise ImageError(f"the prompt holds {fmt.count(text)} image mark(s) for {len(sources)} image(s); "
+                                 f"put {fmt.placeholder} where each image goes")
+        else:
+            msgs, sources = split_images(req.messages, images)
+            kw = dict(add_generation_prompt=req.add_generation_prompt, tools=req.tools, **req.template_kwargs)
+            try:
+                text = self.render_chat(msgs, **kw)
+            except EngineError:
+                text = None
+            if text is None or fmt.count(text) == 0:
+                # a template that knows nothing of images: put the model's image mark in the text
+                text = self.render_chat(flatten_images(msgs, fmt.placeholder), **kw)
+            if fmt.count(text) != len(sources):
+                raise ImageError(f"the chat template wrote {fmt.count(text)} image mark(s) for {len(sources)} "
+                                 "image(s) (is an image in a message this template drops, or an image mark "
+                                 "typed in the text?)")
+        prepared = []
+        for i, src in enumerate(sources):
+            try:
+                prepared.append(self.vision.prepare(load_image(src)))
+            except ImageError as e:
+                raise ImageError(f"image {i + 1}: {e}" if len(sources) > 1 else str(e)) from None
+        ids = self.tokenizer.encode(fmt.before_tokenize(text), add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if req.messages is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        ids, where = fmt.expand(ids, prepared)
+        if len(where) != len(prepared):
+            raise ImageError(f"found {len(where)} image mark(s) after tokenizing, for {len(prepared)} image(s)")
+        spans = [ImageSpan(start, n, p.rows, p.cols, p.sha256, p) for (start, n), p in zip(where, prepared)]
+        vp = VisionPrompt(spans, len(ids), bidirectional=fmt.bidirectional, embeds=[None] * len(spans))
+        if fmt.mrope and self.spec.rope_sections:
+            vp.positions, vp.pos_delta = mrope_positions(len(ids), spans)
+        return ids, vp
 
     def render_chat(self, messages, add_generation_prompt=True, tools=None, **kw) -> str:
         try:
@@ -218,20 +336,27 @@ class Engine:
         for s in running:
             seqs.append(dict(id=s.id, session=s.req.session, state=s.state(), context=len(s.tokens),
                              ctx_limit=self.ctx_size, prompt_tokens=s.n_prompt, generated=s.n_generated,
-                             cached_tokens=0, tok_per_s=round(s.tok_per_s(now), 2), queue_position=None))
+                             cached_tokens=0, tok_per_s=round(s.tok_per_s(now), 2), queue_position=None,
+                             images=len(s.image_hashes)))
         for i, s in enumerate(waiting):
             seqs.append(dict(id=s.id, session=s.req.session, state="queued", context=len(s.tokens),
                              ctx_limit=self.ctx_size, prompt_tokens=s.n_prompt, generated=0,
-                             cached_tokens=0, tok_per_s=0.0, queue_position=i + 1))
+                             cached_tokens=0, tok_per_s=0.0, queue_position=i + 1, images=len(s.image_hashes)))
+        vision = None
+        if self.vision is not None:
+            vision = dict(projector=self.vision.projector, path=str(self.vision.path),
+                          n_params=self.vision.n_params)
         return dict(model=self.model_name, path=str(self.model_path), arch=self.spec.arch, device=self.config.device,
                     ctx_size=self.ctx_size, running=len(running), waiting=len(waiting) + self._inbox.qsize(),
-                    sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals))
+                    sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals), vision=vision)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout)
         self.model.close()
+        if self.vision is not None:
+            self.vision.close()
 
     def __enter__(self):
         return self
@@ -283,23 +408,77 @@ class Engine:
         plan = []
         for s in self._running:
             if s.n_computed >= s.n_prompt:  # generating: feed the last sampled token
-                plan.append((s, SeqChunk(torch.tensor(s.tokens[s.n_computed:]), s.n_computed, s.kv, "last")))
+                lo, hi = s.n_computed, len(s.tokens)
+                vp = s.vision
+                pos = vp.generated_positions(lo, hi) if vp is not None and vp.positions is not None else None
+                plan.append((s, SeqChunk(torch.tensor(s.tokens[lo:hi]), lo, s.kv, "last", positions=pos)))
                 budget -= 1
+        prefilling = False
         for s in self._running:
             if s.n_computed < s.n_prompt:
-                n = min(self.config.prefill_chunk, s.n_prompt - s.n_computed)
-                if n > budget and plan:
-                    continue  # waits for a step with room; chunks are never cut differently
-                last = s.n_computed + n == s.n_prompt
-                chunk = SeqChunk(torch.tensor(s.tokens[s.n_computed:s.n_computed + n]), s.n_computed, s.kv,
-                                 "last" if last else "none")
+                lo = s.n_computed
+                hi = min(lo + self.config.prefill_chunk, s.n_prompt)
+                vp = s.vision
+                if vp is not None:
+                    hi = vp.chunk_end(lo, hi)  # an image attended both ways is never split
+                n = hi - lo
+                if n > budget and plan and (prefilling or n <= self.config.step_tokens):
+                    continue  # waits for a step with room; chunks are never cut differently (a chunk
+                    # longer than a whole step, e.g. a large image read in one piece, goes with decode rows)
+                last = hi == s.n_prompt
+                pos = emb = bidir = None
+                if vp is not None:
+                    pos, emb, bidir = vp.chunk_inputs(lo, hi)
+                chunk = SeqChunk(torch.tensor(s.tokens[lo:hi]), lo, s.kv, "last" if last else "none",
+                                 positions=pos, embeds=emb, bidirectional=bidir)
                 plan.append((s, chunk))
                 budget -= n
+                prefilling = True
         return plan
+
+    EMBED_CACHE_BYTES = 256 << 20   # image embeddings kept for re-sent images (a chat resends them each turn)
+
+    def _encode_images(self) -> None:
+        """Encode the images of sequences whose prompts still have to be read (on the engine
+        thread, which owns the device). Same pixels, same embeddings: a small LRU by content hash."""
+        for s in list(self._running):
+            vp = s.vision
+            if vp is None or vp.encoded or s.n_computed >= s.n_prompt:
+                continue
+            t0 = time.monotonic()
+            try:
+                for i, span in enumerate(vp.spans):
+                    if vp.embeds[i] is not None:
+                        continue
+                    key = (span.sha256, span.rows, span.cols)
+                    e = self._embed_cache.get(key)
+                    if e is None:
+                        e = self.vision.encode(span.image).float()
+                        if e.shape[0] != span.n_tokens:
+                            raise RuntimeError(f"the encoder gave {e.shape[0]} rows for {span.n_tokens} image tokens")
+                        self._embed_cache[key] = e
+                        self._totals["images_encoded"] += 1
+                        while len(self._embed_cache) > 1 and \
+                                sum(t.numel() * 4 for t in self._embed_cache.values()) > self.EMBED_CACHE_BYTES:
+                            self._embed_cache.popitem(last=False)
+                    else:
+                        self._embed_cache.move_to_end(key)
+                    vp.embeds[i] = e
+                    span.image = None   # the pixels are no longer needed
+            except Exception as e:  # noqa: BLE001 - one bad image must not stop the others
+                log.exception("image encoding failed")
+                self._finish(s, "error", error=f"image encoding failed: {type(e).__name__}: {e}")
+                continue
+            vp.encode_ms += 1000 * (time.monotonic() - t0)
+            self._totals["image_encode_ms"] += round(1000 * (time.monotonic() - t0), 3)
 
     def _step(self) -> None:
         t0 = time.monotonic()
+        if self.vision is not None:
+            self._encode_images()
         plan = self._plan()
+        if not plan:
+            return
         logits = self.model.forward([c for _, c in plan])
         rows = sum(len(c.tokens) for _, c in plan)
         for (s, c), lg in zip(plan, logits):
@@ -366,6 +545,8 @@ class Engine:
         decode_s = max(now - t_first, 1e-9)
         timings = Timings(queued_ms=1000 * ((s.t_start or now) - s.t_submit), prompt_ms=1000 * prompt_s,
                           decode_ms=1000 * decode_s, prompt_tokens_per_s=s.n_computed / prompt_s if s.t_first else 0.0,
-                          decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 else 0.0)
+                          decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 else 0.0,
+                          image_encode_ms=s.vision.encode_ms if s.vision is not None else 0.0)
         usage = Usage(prompt_tokens=s.n_prompt, completion_tokens=n_gen)
-        s.handle._put(FinishEvent(reason=reason, usage=usage, timings=timings, error=error))
+        s.handle._put(FinishEvent(reason=reason, usage=usage, timings=timings, error=error,
+                                  stop_string=s.stopper.matched))

@@ -119,9 +119,10 @@ def make_chunks(tokens: list[int], n_ctx: int, n_chunks: int, bos_id: int | None
     return chunks
 
 
-def _chunk_logprobs(model, chunk: np.ndarray, first: int, n_batch: int) -> torch.Tensor:
+def _chunk_logprobs(model, chunk: np.ndarray, first: int, n_batch: int, cache_type_k: str | None = None,
+                    cache_type_v: str | None = None) -> torch.Tensor:
     """Log-softmax [n_ctx - 1 - first, vocab] of a fresh-context evaluation, fed n_batch at a time."""
-    kv = model.new_kv()
+    kv = model.new_kv(cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     out = []
     n_ctx = len(chunk)
     for start in range(0, n_ctx, n_batch):
@@ -155,8 +156,44 @@ def _kld_rows(lp: torch.Tensor, base: BaseLogprobs, rows: slice) -> tuple[np.nda
     return kld.numpy(), same.numpy()
 
 
+class BaseWriter:
+    """Writes llama.cpp's binary --kl-divergence-base file (what `load_base` reads): "_logits_",
+    int32 n_ctx, n_vocab, n_chunk, the chunks' tokens, then per scored position n_vocab log-probs
+    as uint16 over [max - 16, max] with a float32 (scale, min) header, as llama-perplexity does."""
+
+    def __init__(self, path: str | Path, n_ctx: int, chunks: np.ndarray):
+        self.f = open(path, "wb")
+        self.n_ctx, self.chunks = n_ctx, chunks
+        self.n_vocab: int | None = None
+
+    def write(self, lp: torch.Tensor) -> None:
+        lp = lp.double()
+        rows, n_vocab = lp.shape
+        if self.n_vocab is None:
+            self.n_vocab = n_vocab
+            self.f.write(b"_logits_")
+            self.f.write(np.array([self.n_ctx, n_vocab, len(self.chunks)], np.int32).tobytes())
+            self.f.write(self.chunks.astype(np.int32).tobytes())
+        nv = 2 * ((n_vocab + 1) // 2) + 4
+        mx = lp.max(-1).values
+        mn = torch.maximum(lp.min(-1).values, mx - 16)
+        scale = (mx - mn) / 65535.0
+        q = torch.where(lp > mn[:, None], torch.floor((lp - mn[:, None]) / scale.clamp_min(1e-30)[:, None] + 0.5), 0)
+        packed = np.zeros((rows, nv), np.uint16)
+        packed[:, :4] = np.stack([scale.numpy(), mn.numpy()], 1).astype(np.float32).view(np.uint16)
+        packed[:, 4:4 + n_vocab] = q.clamp(0, 65535).numpy().astype(np.uint16)
+        self.f.write(packed.tobytes())
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def perplexity(model, tokenizer, text: str | None = None, n_ctx: int = 512, n_chunks: int = -1,
-               n_batch: int = 2048, base: BaseLogprobs | None = None, progress=None) -> PerplexityResult:
+               n_batch: int = 2048, base: BaseLogprobs | None = None, progress=None,
+               cache_type_k: str | None = None, cache_type_v: str | None = None,
+               save_base: str | Path | None = None) -> PerplexityResult:
+    """llama-perplexity's numbers. cache_type_k/v: the KV cache types (default: the model's);
+    save_base: also write this run's log-probs as a KL-divergence base file for later runs."""
     t0 = time.time()
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     if base is not None:
@@ -176,8 +213,11 @@ def perplexity(model, tokenizer, text: str | None = None, n_ctx: int = 512, n_ch
     klds, sames, base_nll = [], [], []
     chunk_ppl = []
     per_chunk = n_ctx - 1 - first
+    writer = BaseWriter(save_base, n_ctx, chunks) if save_base else None
     for i, chunk in enumerate(chunks):
-        lp = _chunk_logprobs(model, chunk, first, n_batch)
+        lp = _chunk_logprobs(model, chunk, first, n_batch, cache_type_k, cache_type_v)
+        if writer is not None:
+            writer.write(lp)
         targets = torch.from_numpy(chunk[first + 1:]).long()
         tok_lp = lp.gather(1, targets[:, None])[:, 0]
         nll.append(-tok_lp.numpy())
@@ -193,6 +233,8 @@ def perplexity(model, tokenizer, text: str | None = None, n_ctx: int = 512, n_ch
                 base_nll.append(-base.target_logprob[rows])
         if progress:
             progress(i + 1, len(chunks), chunk_ppl[-1])
+    if writer is not None:
+        writer.close()
     nll_all = np.concatenate(nll).astype(np.float64)
     mean = nll_all.mean()
     ppl = math.exp(mean)

@@ -27,6 +27,9 @@ class Request:
     prompt_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session: str | None = None            # conversation/agent id (prefix reuse keys on it later)
+    # images (engine/vision): bytes, file paths, data: URLs or PIL images, in prompt order, one per image
+    # part of `messages` (or, with no image parts, all placed at the start of the last user message);
+    # with `prompt`, one per image mark in the text. Image parts may instead carry their own data.
     images: list[Any] = field(default_factory=list)
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
@@ -52,6 +55,7 @@ class Timings:
     decode_ms: float = 0.0          # first token -> finish
     prompt_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    image_encode_ms: float = 0.0    # vision tower time for this request's images (0 when cached or none)
 
 
 @dataclass

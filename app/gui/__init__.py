@@ -13,9 +13,12 @@ def display_available() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def run_gui(model: str | None = None) -> int:
+def run_gui(model: str | None = None, smoke: bool = False) -> int:
     """Open the desktop app on `model` (a GGUF path or catalog name; None = the last model, else the
-    demo model). Returns the Qt exit code."""
+    demo model). Returns the Qt exit code.
+
+    smoke=True is the installers' check (`python -m app.gui --smoke`): open the main window without loading a
+    model, process events for a second, close, print "smoke ok" and return 0."""
     import os
     import sys
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -34,8 +37,16 @@ def run_gui(model: str | None = None) -> int:
             lambda *_: apply_theme(app, store.get_setting("theme", "system")))
     except AttributeError:
         pass
-    w = MainWindow(store, model=model)
+    w = MainWindow(store, model=model, autoload=not smoke)
     w.show()
+    if smoke:
+        from PySide6.QtCore import QTimer
+        QTimer.singleShot(1000, w.close)
+        QTimer.singleShot(1200, app.quit)
     rc = app.exec()
+    if smoke:
+        ok = rc == 0 and w.windowTitle() == "HiveJet"
+        print(f"smoke {'ok' if ok else 'FAILED'}: main window shown ({app.platformName()})")
+        rc = 0 if ok else 1
     store.close()
     return rc

@@ -2,12 +2,15 @@
 live: switching the system theme re-styles the window)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QPalette
 
-RESOURCES = Path(__file__).resolve().parents[2] / "resources"
+RESOURCES = Path(__file__).resolve().parents[2] / "resources"      # a source checkout
+if not RESOURCES.is_dir():   # an installed wheel: pyproject's data-files put them in <prefix>/share/hivejet
+    RESOURCES = Path(sys.prefix) / "share" / "hivejet" / "resources"
 
 LIGHT = dict(bg="#f7f7f9", panel="#ffffff", rail="#f0f1f4", border="#e3e5ea", text="#1f2329", muted="#6b7280",
              accent="#d97706", accent_hover="#b45309", accent_soft="#fdebd0", accent_text="#b45309",

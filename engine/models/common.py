@@ -1,5 +1,5 @@
 """Building blocks shared by the architectures: quantized weights, norms, RoPE, attention,
-per-sequence KV, and the batch of sequence chunks that one forward pass processes.
+the per-sequence KV (a paged pool, engine/kv), and the batch of sequence chunks that one forward pass processes.
 
 One forward stacks the rows of every sequence in the step (prefill chunks and decode tokens),
 so each weight matrix is read once per step; attention runs per sequence over its own KV.
@@ -7,6 +7,7 @@ so each weight matrix is read once per step; attention runs per sequence over it
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,10 +15,14 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.reader import GGUFError, GGUFFile
+from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-sequence cache, re-exported)
+from kernels.attention import causal_attention
+from kernels.kvcodec import cache_type_name
 from kernels.quant import (check_supported, dequantize_rows, matmul_row_invariant, quantized_matmul_ref,
                            round_activations_like_llamacpp)
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+_POOL_LOCK = threading.Lock()
 
 
 class Weight:
@@ -124,76 +129,13 @@ class Rope:
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
-class SequenceKV:
-    """Per-sequence cache for the CPU path: per layer, K and V (f16 by default, llama.cpp's default
-    cache type; `dtype=torch.float32` for exact comparisons) in a buffer that grows by doubling, and,
-    for recurrent layers (Gated DeltaNet), that layer's state in `recurrent[layer]` (a tuple of
-    float32 tensors, e.g. (conv window, state matrix)) after `recurrent_length` tokens. The paged
-    pool (engine/kv) replaces this later."""
-
-    def __init__(self, n_layer: int, dtype: torch.dtype = torch.float16):
-        self.k: list[torch.Tensor | None] = [None] * n_layer
-        self.v: list[torch.Tensor | None] = [None] * n_layer
-        self.dtype = dtype
-        self.length = 0  # tokens stored (committed after each forward)
-        self.recurrent: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.recurrent_length = 0  # tokens the recurrent states have consumed
-
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [n, Hkv, D] at positions start..start+n; return all K, V up to the end (f32)."""
-        n = k.shape[0]
-        end = start + n
-        buf_k, buf_v = self.k[layer], self.v[layer]
-        if buf_k is None or buf_k.shape[0] < end:
-            cap = max(end, 2 * (buf_k.shape[0] if buf_k is not None else 64))
-            new_k = torch.empty((cap,) + tuple(k.shape[1:]), dtype=self.dtype)
-            new_v = torch.empty((cap,) + tuple(v.shape[1:]), dtype=self.dtype)
-            if buf_k is not None:
-                new_k[:start] = buf_k[:start]
-                new_v[:start] = buf_v[:start]
-            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
-        buf_k[start:end] = k.to(self.dtype)
-        buf_v[start:end] = v.to(self.dtype)
-        return buf_k[:end].float(), buf_v[:end].float()
-
-    def truncate(self, length: int) -> None:
-        """Forget tokens from `length` on. KV entries simply get overwritten; recurrent states cannot
-        be rewound, so a hybrid model needs `restore(snapshot)` to go back (its forward refuses a
-        chunk that does not start where its recurrent states are)."""
-        self.length = min(self.length, length)
-
-    def snapshot(self) -> dict:
-        """What `restore` needs to return to this point: lengths and copies of the recurrent states
-        (K/V beyond the restored length are overwritten by later appends, so they are not copied)."""
-        return {"length": self.length, "recurrent_length": self.recurrent_length,
-                "recurrent": {il: tuple(t.clone() for t in st) for il, st in self.recurrent.items()}}
-
-    def restore(self, snap: dict) -> None:
-        self.length = snap["length"]
-        self.recurrent_length = snap["recurrent_length"]
-        self.recurrent = {il: tuple(t.clone() for t in st) for il, st in snap["recurrent"].items()}
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
-              window: int = 0) -> torch.Tensor:
+              window: int = 0, k_start: int = 0, bidirectional: list[tuple[int, int]] | None = None) -> torch.Tensor:
     """Causal attention of q [T, H, D] (positions q_start..q_start+T) over k, v [S, Hkv, D]
-    (positions 0..S). GQA: each KV head serves H/Hkv query heads. window > 0: a query at p sees
-    keys at p' with p - p' < window (llama.cpp's standard sliding window)."""
-    T, H, D = q.shape
-    S, Hkv, _ = k.shape
-    g = H // Hkv
-    qh = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3)            # [Hkv, g, T, D]
-    kh = k.permute(1, 0, 2)[:, None]                              # [Hkv, 1, S, D]
-    vh = v.permute(1, 0, 2)[:, None]
-    scores = (qh @ kh.transpose(-1, -2)) * scale                  # [Hkv, g, T, S]
-    qpos = torch.arange(q_start, q_start + T)[:, None]
-    kpos = torch.arange(S)[None, :]
-    masked = kpos > qpos
-    if window > 0:
-        masked |= (qpos - kpos) >= window
-    scores = scores.masked_fill(masked, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vh                      # [Hkv, g, T, Dv]
-    return out.permute(2, 0, 1, 3).reshape(T, H, v.shape[-1])
+    (positions k_start..k_start+S). GQA: each KV head serves H/Hkv query heads. window > 0: a query
+    at p sees keys at p' with p - p' < window (llama.cpp's standard sliding window). bidirectional:
+    position spans whose tokens see each other both ways (Gemma 3 images)."""
+    return causal_attention(q, k, v, q_start, scale, window, k_start, bidirectional)
 
 
 @dataclass
@@ -205,6 +147,11 @@ class SeqChunk:
     kv: SequenceKV
     logits: str | int = "last"    # "last", "all", "none", or an int k: rows k.. of this chunk
     positions: torch.Tensor | None = None  # RoPE positions if not start..start+n: [n], or [n, 3] (M-RoPE t,h,w)
+    # image input (engine/vision): rows whose input is not the token embedding: (row indices within
+    # this chunk [k], float rows [k, n_embd]) replacing them after any embedding scale
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # position spans [lo, hi) inside this chunk whose tokens attend to each other both ways (Gemma 3 images)
+    bidirectional: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -259,11 +206,21 @@ class DecoderModel:
         x = self.tok_embd.rows(tokens)
         return x * self.spec.embd_scale if self.spec.embd_scale != 1.0 else x
 
+    def embed_batch(self, batch: Batch) -> torch.Tensor:
+        """Token embeddings of all rows, with each chunk's `embeds` rows (image embeddings) put in
+        place of theirs (not scaled: Gemma scales token embeddings only)."""
+        x = self.embed(batch.tokens)
+        for c, off in zip(batch.chunks, batch.offsets):
+            if c.embeds is not None:
+                rows, vals = c.embeds
+                x[off + rows] = vals.to(device=x.device, dtype=x.dtype)
+        return x
+
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         """Run one step over all chunks; returns each chunk's logits [rows, vocab] (float32)."""
         batch = Batch(chunks)
-        x = self.embed(batch.tokens)
+        x = self.embed_batch(batch)
         self.prepare(batch)
         for il in range(self.spec.n_layer):
             x = self.layer(il, x, batch)
@@ -287,12 +244,39 @@ class DecoderModel:
         """Write each chunk's k, v into its KV and attend its queries over everything stored."""
         outs = []
         for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
-            k_all, v_all = c.kv.append(il, c.start, k[lo:hi], v[lo:hi])
-            outs.append(attention(q[lo:hi], k_all, v_all, c.start, scale, window))
+            outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
         return torch.cat(outs, dim=0)
 
-    def new_kv(self, dtype: torch.dtype = torch.float16) -> SequenceKV:
-        return SequenceKV(self.spec.n_layer, dtype)
+    # ----- KV cache -----
+    cache_type_k = "f16"   # llama.cpp's default cache type
+    cache_type_v = "f16"
+    kv_block_size = 16
+
+    def set_cache_types(self, cache_type_k: str | None = None, cache_type_v: str | None = None) -> None:
+        """The cache types new sequences get (llama.cpp's --cache-type-k / --cache-type-v names)."""
+        if cache_type_k is not None:
+            self.cache_type_k = cache_type_name(cache_type_k)
+        if cache_type_v is not None:
+            self.cache_type_v = cache_type_name(cache_type_v)
+
+    def kv_pool(self, cache_type_k: str | None = None, cache_type_v: str | None = None) -> KVPool:
+        """The model's paged pool for these cache types (one per pair, made on first use, grows on demand)."""
+        kt = cache_type_name(cache_type_k or self.cache_type_k)
+        vt = cache_type_name(cache_type_v or self.cache_type_v)
+        with _POOL_LOCK:  # new_kv may be called from the threads that submit requests
+            pools = self.__dict__.setdefault("_kv_pools", {})
+            pool = pools.get((kt, vt))
+            if pool is None:
+                pool = pools[(kt, vt)] = KVPool.for_model(self.spec, kt, vt, block_size=self.kv_block_size)
+            return pool
+
+    def new_kv(self, dtype: torch.dtype | None = None, cache_type_k: str | None = None,
+               cache_type_v: str | None = None) -> SequenceKV:
+        """A new sequence's cache in the model's pool: the model's cache types, or `dtype` (a float
+        type, e.g. torch.float32 for exact comparisons) for both K and V, or the given types."""
+        if dtype is not None:
+            cache_type_k = cache_type_v = cache_type_name(dtype)
+        return SequenceKV(self.spec.n_layer, pool=self.kv_pool(cache_type_k, cache_type_v))
 
     def close(self) -> None:
         self.w = None

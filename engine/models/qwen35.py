@@ -235,7 +235,7 @@ class Qwen35Model(DecoderModel):
                 raise ValueError(f"chunk starts at {c.start} but the sequence's recurrent state is at "
                                  f"{c.kv.recurrent_length} (restore a snapshot to go back)")
         batch = Batch(chunks)
-        x = self.embed(batch.tokens)
+        x = self.embed_batch(batch)
         self.prepare(batch)
         for il in range(self.spec.n_layer):
             x = self.layer(il, x, batch)
@@ -331,9 +331,12 @@ class Qwen35Model(DecoderModel):
     # ------------------------------------------------------------------------------------------
     # MTP (NextN) block
 
-    def new_mtp_kv(self, dtype: torch.dtype = torch.float16) -> SequenceKV:
-        """The MTP block's own KV cache (one layer) for one sequence."""
-        return SequenceKV(1, dtype)
+    def new_mtp_kv(self, dtype: torch.dtype | None = None) -> SequenceKV:
+        """The MTP block's own KV cache (one layer, its own pool) for one sequence: `dtype` for K and V,
+        else the model's cache types."""
+        if dtype is not None:
+            return SequenceKV(1, dtype)
+        return SequenceKV(1, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
 
     @torch.inference_mode()
     def mtp_forward(self, chunks: list[SeqChunk], hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,0 +1,213 @@
+"""Triton attention over the paged KV pool, for every cache type.
+
+Both kernels read K and V straight from the pool's bytes ([n_blocks, block_size, Hkv, row_bytes]
+per layer) through each sequence's block table, decoding tiles in registers with
+kernels/kvcodec/triton_decode.load_values, and run an online softmax (flash attention). Query heads
+of one KV head are processed together (GQA: query head i uses KV head i // G). For rotated cache
+types the caller's query is rotated first and the output rotated back afterwards (the wrappers
+here do both), so the kernels never rotate.
+
+- `paged_decode_attention`: one query per sequence (decode), split-K over the context
+  (flash-decoding): each program reduces one slice of the keys for all G heads of one KV head and
+  writes a partial (max, sum, acc); the partials are combined in a fixed order.
+- `paged_prefill_attention`: a chunk of queries per sequence (several sequences in one launch)
+  against all earlier KV and causal inside the chunk.
+Both take a sliding window (keys with p - p' < window) and qwen35's output gate (out * sigmoid(gate)).
+
+The query must be given as the keys were stored: engine/kv's SequenceKV centers and smooths keys
+of rotated cache types per sequence, so its `prep_query(layer, q)` (q times the channel weights)
+is what goes in; centering needs nothing (softmax ignores the constant it adds to every score).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.kvcodec import KVCodec
+
+try:
+    import triton
+    import triton.language as tl
+    from kernels.kvcodec.triton_decode import load_values
+except ImportError:  # CPU-only installs use kernels.attention.ref
+    triton = None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, cbk_ptr, cbv_ptr, acc_ptr, ml_ptr,
+                       scale, H, HKV, MAXB, RBK, RBV, WINDOW, NSPLIT,
+                       G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BS: tl.constexpr, BLOCK_T: tl.constexpr, CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        L = tl.load(len_ptr + b)
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(L - WINDOW, 0)
+        per = tl.cdiv(tl.cdiv(L - lo, NSPLIT), BLOCK_T) * BLOCK_T
+        s0 = lo + sp * per
+        s1 = tl.minimum(L, s0 + per)
+        g = tl.arange(0, G_PAD)
+        mg = g < G
+        qh = h * G + g
+        dk = tl.arange(0, DK)
+        dv = tl.arange(0, DV)
+        q = tl.load(q_ptr + (b * H + qh)[:, None].to(tl.int64) * DK + dk[None, :], mask=mg[:, None], other=0.0)
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, DV), tl.float32)
+        for t0 in range(s0, s1, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            mt = t < s1
+            blk = tl.load(bt_ptr + b * MAXB + t // BS, mask=mt, other=0)
+            blk = tl.maximum(blk, 0).to(tl.int64)
+            row = (blk * BS + t % BS) * HKV + h
+            kt = load_values(k_ptr, row * RBK, dk, mt, cbk_ptr, CODEC_K)            # [BLOCK_T, DK]
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale          # [G_PAD, BLOCK_T]
+            s = tl.where(mt[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = load_values(v_ptr, row * RBV, dv, mt, cbv_ptr, CODEC_V)            # [BLOCK_T, DV]
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            m_i = m_new
+        o = ((b * H + qh) * NSPLIT + sp).to(tl.int64)
+        tl.store(acc_ptr + o[:, None] * DV + dv[None, :], acc, mask=mg[:, None])
+        tl.store(ml_ptr + o * 2, m_i, mask=mg)
+        tl.store(ml_ptr + o * 2 + 1, l_i, mask=mg)
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, start_ptr, cbk_ptr, cbv_ptr, out_ptr,
+                        scale, H, HKV, MAXB, RBK, RBV, WINDOW,
+                        G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                        BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                        CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
+        b = tl.program_id(0)
+        tile = tl.program_id(1)
+        h = tl.program_id(2)
+        row0 = tl.load(cu_ptr + b)
+        n = tl.load(cu_ptr + b + 1) - row0
+        if tile * BLOCK_M < n:
+            qs = tl.load(start_ptr + b)
+            R: tl.constexpr = BLOCK_M * G_PAD
+            r = tl.arange(0, R)
+            i = tile * BLOCK_M + r // G_PAD                      # token within the chunk
+            g = r % G_PAD
+            mrow = (i < n) & (g < G)
+            qpos = qs + i
+            dk = tl.arange(0, DK)
+            dv = tl.arange(0, DV)
+            qrow = ((row0 + i) * H + h * G + g).to(tl.int64)
+            q = tl.load(q_ptr + qrow[:, None] * DK + dk[None, :], mask=mrow[:, None], other=0.0)
+            hi = qs + tl.minimum(n, (tile + 1) * BLOCK_M)          # keys < hi
+            lo = 0
+            if WINDOW > 0:
+                lo = tl.maximum(qs + tile * BLOCK_M - WINDOW + 1, 0)
+            m_i = tl.full((R,), float("-inf"), tl.float32)
+            l_i = tl.zeros((R,), tl.float32)
+            acc = tl.zeros((R, DV), tl.float32)
+            for t0 in range((lo // BLOCK_T) * BLOCK_T, hi, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                mt = (t < hi) & (t >= lo)
+                blk = tl.load(bt_ptr + b * MAXB + t // BS, mask=mt, other=0)
+                blk = tl.maximum(blk, 0).to(tl.int64)
+                krow = (blk * BS + t % BS) * HKV + h
+                kt = load_values(k_ptr, krow * RBK, dk, mt, cbk_ptr, CODEC_K)
+                s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale      # [R, BLOCK_T]
+                vis = mt[None, :] & (t[None, :] <= qpos[:, None])
+                if WINDOW > 0:
+                    vis = vis & (qpos[:, None] - t[None, :] < WINDOW)
+                s = tl.where(vis, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = load_values(v_ptr, krow * RBV, dv, mt, cbv_ptr, CODEC_V)
+                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+                m_i = m_new
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + qrow[:, None] * DV + dv[None, :], out, mask=mrow[:, None])
+
+
+def _finish(out_st: torch.Tensor, codec_v: KVCodec, head_dim_v: int, gate: torch.Tensor | None) -> torch.Tensor:
+    out = codec_v.from_stored(out_st, head_dim_v)
+    return out * torch.sigmoid(gate.float()) if gate is not None else out
+
+
+def _check(k_cache, v_cache, codec_k, codec_v, q_st_dim):
+    nblk, bs, hkv, rbk = k_cache.shape
+    dk = rbk // codec_k.group_bytes * codec_k.group
+    dv = v_cache.shape[3] // codec_v.group_bytes * codec_v.group
+    if dk != q_st_dim:
+        raise ValueError(f"query has {q_st_dim} values per head in the cache's domain, the K cache {dk}")
+    for d in (dk, dv):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"head size {d} (as stored) must be a power of two >= 16 for the Triton kernels")
+    return bs, hkv, dk, dv
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
+                           window: int = 0, gate: torch.Tensor | None = None, n_split: int | None = None,
+                           block_t: int = 32) -> torch.Tensor:
+    """q [B, H, D] (one query per sequence, at position seq_lens[b] - 1, its K/V already written);
+    block_tables int [B, max_blocks] (-1: dropped); seq_lens int [B]. Returns float32 [B, H, head_dim_v]."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    B, H, _ = q.shape
+    q_st = codec_k.to_stored(q).contiguous()
+    bs, hkv, dk, dv = _check(k_cache, v_cache, codec_k, codec_v, q_st.shape[-1])
+    G = H // hkv
+    if n_split is None:
+        longest = int(seq_lens.max()) if B else 0
+        n_split = max(1, min(16, -(-longest // 512)))      # about 512+ keys per program
+    bt = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).to(q.device).contiguous()
+    acc = torch.empty(B, H, n_split, dv, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B, H, n_split, 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(B, hkv, n_split)](
+        q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml,
+        float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], int(window), n_split,
+        G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t,
+        CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
+    m, l_ = ml[..., 0], ml[..., 1]
+    mx = m.max(-1, keepdim=True).values
+    w = torch.exp(m - mx)                       # empty splits (m = -inf) weigh 0
+    out_st = (acc * w[..., None]).sum(2) / (l_ * w).sum(-1)[..., None]
+    return _finish(out_st, codec_v, head_dim_v, gate)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens: torch.Tensor, q_starts: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec,
+                            scale: float, head_dim_v: int, window: int = 0, gate: torch.Tensor | None = None,
+                            block_m: int = 16, block_t: int = 32) -> torch.Tensor:
+    """Chunks of several sequences: q [N, H, D], rows cu_seqlens[b]..cu_seqlens[b+1] belong to
+    sequence b and sit at positions q_starts[b]..; each attends causally over its KV up to its last
+    row (already written). Returns float32 [N, H, head_dim_v]."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    N, H, _ = q.shape
+    q_st = codec_k.to_stored(q).contiguous()
+    bs, hkv, dk, dv = _check(k_cache, v_cache, codec_k, codec_v, q_st.shape[-1])
+    G = H // hkv
+    cu = cu_seqlens.to(torch.int32).to(q.device).contiguous()
+    starts = q_starts.to(torch.int32).to(q.device).contiguous()
+    B = cu.numel() - 1
+    longest = int((cu[1:] - cu[:-1]).max()) if B else 0
+    bt = block_tables.to(torch.int32).contiguous()
+    out_st = torch.zeros(N, H, dv, dtype=torch.float32, device=q.device)
+    if N:
+        _prefill_kernel[(B, -(-longest // block_m), hkv)](
+            q_st, k_cache, v_cache, bt, cu, starts, codec_k.codebook(q.device), codec_v.codebook(q.device), out_st,
+            float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], int(window),
+            G=G, G_PAD=_next_pow2(G), DK=dk, DV=dv, BS=bs, BLOCK_M=block_m, BLOCK_T=block_t,
+            CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
+    return _finish(out_st, codec_v, head_dim_v, gate)

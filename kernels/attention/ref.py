@@ -1,0 +1,77 @@
+"""Torch references: plain causal softmax attention, and attention over a paged KV cache in any
+cache type (decode the sequence's blocks, rotate the query for rotated types, attend, rotate the
+output back). The Triton kernels in paged.py have the same semantics."""
+from __future__ import annotations
+
+import torch
+
+from kernels.kvcodec import KVCodec
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
+                     window: int = 0, k_start: int = 0,
+                     bidirectional: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    """Causal attention of q [T, H, D] (positions q_start..q_start+T) over k, v [S, Hkv, D]
+    (positions k_start..k_start+S). GQA: each KV head serves H/Hkv query heads (query head i uses KV
+    head i // (H/Hkv)). window > 0: a query at p sees keys at p' with p - p' < window (llama.cpp's
+    standard sliding window). bidirectional: position spans [lo, hi) whose tokens also see the later
+    tokens of their span (Gemma 3 image tokens)."""
+    T, H, D = q.shape
+    S, Hkv, _ = k.shape
+    g = H // Hkv
+    qh = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3)            # [Hkv, g, T, D]
+    kh = k.permute(1, 0, 2)[:, None]                              # [Hkv, 1, S, D]
+    vh = v.permute(1, 0, 2)[:, None]
+    scores = (qh @ kh.transpose(-1, -2)) * scale                  # [Hkv, g, T, S]
+    qpos = torch.arange(q_start, q_start + T)[:, None]
+    kpos = torch.arange(k_start, k_start + S)[None, :]
+    masked = kpos > qpos
+    if window > 0:
+        masked |= (qpos - kpos) >= window
+    for lo, hi in bidirectional or ():
+        masked &= ~((qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi))
+    scores = scores.masked_fill(masked.to(scores.device), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vh                      # [Hkv, g, T, Dv]
+    return out.permute(2, 0, 1, 3).reshape(T, H, v.shape[-1])
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, end: int) -> tuple[int, torch.Tensor]:
+    """Rows of positions first..end from a paged cache [n_blocks, block_size, Hkv, row_bytes]
+    (first: the start of the first block the table still holds; -1 entries are dropped blocks)."""
+    bs = cache.shape[1]
+    bt = block_table.tolist()
+    nb = -(-end // bs)
+    fb = 0
+    while fb < nb and bt[fb] < 0:
+        fb += 1
+    ids = torch.tensor(bt[fb:nb], dtype=torch.long, device=cache.device)
+    return fb * bs, cache[ids].flatten(0, 1)[: end - fb * bs]
+
+
+def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                        q_start: int, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
+                        window: int = 0, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's chunk: q [T, H, D] at positions q_start.. attends causally over the cache up to
+    q_start + T (the chunk's own K/V already written; q as the keys were stored, see
+    SequenceKV.prep_query). Returns float32 [T, H, head_dim_v];
+    `gate` [T, H, head_dim_v]: qwen35's gated attention, output * sigmoid(gate)."""
+    T = q.shape[0]
+    first, kp = gather_blocks(k_cache, block_table, q_start + T)
+    _, vp = gather_blocks(v_cache, block_table, q_start + T)
+    K = codec_k.decode_stored(kp, impl="ref")
+    V = codec_v.decode_stored(vp, impl="ref")
+    out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first)
+    out = codec_v.from_stored(out, head_dim_v)
+    return out * torch.sigmoid(gate.float()) if gate is not None else out
+
+
+def ref_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
+                     window: int = 0, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode: q [B, H, D], one query per sequence at position seq_lens[b] - 1."""
+    outs = []
+    for b in range(q.shape[0]):
+        L = int(seq_lens[b])
+        outs.append(ref_paged_attention(q[b:b + 1], k_cache, v_cache, block_tables[b], L - 1, codec_k, codec_v,
+                                        scale, head_dim_v, window, None if gate is None else gate[b:b + 1]))
+    return torch.cat(outs)

@@ -1,0 +1,94 @@
+"""Decoding every cache type inside Triton kernels: `load_values` reads a tile of rows (tokens of
+one KV head) from the packed bytes and returns float32 values in the stored domain. The attention
+kernels (kernels/attention) call it on each K/V tile; `decode_rows_triton` is the standalone
+decode, tested against the torch references."""
+from __future__ import annotations
+
+import torch
+
+from kernels.kvcodec.base import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _f16_at(ptr, mask):
+        return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _tcq_values(rp, offs_d, m2, cb_ptr, KB: tl.constexpr, L: tl.constexpr, GB: tl.constexpr):
+        grp = offs_d // 128
+        j = offs_d % 128
+        s = _f16_at(rp + (grp * GB)[None, :], m2)
+        o = j * KB
+        bp = rp + (grp * GB + 2 + o // 8)[None, :]
+        w = (tl.load(bp, mask=m2, other=0).to(tl.int32)
+             | (tl.load(bp + 1, mask=m2, other=0).to(tl.int32) << 8)
+             | (tl.load(bp + 2, mask=m2, other=0).to(tl.int32) << 16))
+        state = (w >> (o % 8)[None, :]) & ((1 << L) - 1)
+        return tl.load(cb_ptr + state) * s
+
+    @triton.jit
+    def load_values(base_ptr, row_off, offs_d, mask, cb_ptr, CODEC: tl.constexpr):
+        """base_ptr: uint8 storage; row_off [R] int64 byte offset of each row; offs_d [D] the value
+        indices to read; mask [R]. Returns float32 [R, D] (0 where masked)."""
+        m2 = mask[:, None]
+        rp = base_ptr + row_off[:, None]
+        if CODEC == 0:      # f32
+            v = tl.load((rp + (offs_d * 4)[None, :]).to(tl.pointer_type(tl.float32)), mask=m2, other=0.0)
+        elif CODEC == 1:    # f16
+            v = _f16_at(rp + (offs_d * 2)[None, :], m2)
+        elif CODEC == 2:    # bf16
+            v = tl.load((rp + (offs_d * 2)[None, :]).to(tl.pointer_type(tl.bfloat16)), mask=m2, other=0.0).to(tl.float32)
+        elif CODEC == 3:    # q8_0: 32 values in 34 bytes
+            blk = offs_d // 32
+            d = _f16_at(rp + (blk * 34)[None, :], m2)
+            q = tl.load((rp + (blk * 34 + 2 + offs_d % 32)[None, :]).to(tl.pointer_type(tl.int8)), mask=m2, other=0)
+            v = q.to(tl.float32) * d
+        elif CODEC == 4:    # turbo4: 128 values in 66 bytes
+            grp = offs_d // 128
+            j = offs_d % 128
+            s = _f16_at(rp + (grp * 66)[None, :], m2)
+            b = tl.load(rp + (grp * 66 + 2 + j // 2)[None, :], mask=m2, other=0).to(tl.int32)
+            code = (b >> ((j % 2) * 4)[None, :]) & 15
+            v = tl.load(cb_ptr + code) * s
+        elif CODEC == 5 or CODEC == 6:    # turbo3 (14 bytes) / turbo2 (10 bytes) per 32 values
+            BB: tl.constexpr = 14 if CODEC == 5 else 10
+            blk = offs_d // 32
+            j = offs_d % 32
+            s = _f16_at(rp + (blk * BB)[None, :], m2)
+            lo = tl.load(rp + (blk * BB + 2 + j // 4)[None, :], mask=m2, other=0).to(tl.int32)
+            code = (lo >> ((j % 4) * 2)[None, :]) & 3
+            if CODEC == 5:
+                hi = tl.load(rp + (blk * BB + 10 + j // 8)[None, :], mask=m2, other=0).to(tl.int32)
+                code = code | (((hi >> (j % 8)[None, :]) & 1) << 2)
+            v = tl.load(cb_ptr + code) * s
+        elif CODEC == 7:    # turbo3_tcq: 128 values in 52 bytes
+            v = _tcq_values(rp, offs_d, m2, cb_ptr, 3, 9, 52)
+        else:               # turbo2_tcq: 128 values in 36 bytes
+            v = _tcq_values(rp, offs_d, m2, cb_ptr, 2, 8, 36)
+        return v
+
+    @triton.jit
+    def _decode_kernel(p_ptr, cb_ptr, out_ptr, N, row_bytes, DS: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_R: tl.constexpr, CODEC: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mr = r < N
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        v = load_values(p_ptr, r.to(tl.int64) * row_bytes, offs_d, mr, cb_ptr, CODEC)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * DS + offs_d[None, :], v, mask=mr[:, None])
+
+
+def decode_rows_triton(p2: torch.Tensor, codec) -> torch.Tensor:
+    """uint8 [N, row_bytes] -> float32 [N, stored values] with the Triton decoder."""
+    n, rb = p2.shape
+    ds = rb // codec.group_bytes * codec.group
+    out = torch.empty(n, ds, dtype=torch.float32, device=p2.device)
+    block_d = 128
+    while ds % block_d:
+        block_d //= 2
+    block_r = 16
+    _decode_kernel[(triton.cdiv(n, block_r), ds // block_d)](
+        p2, codec.codebook(p2.device), out, n, rb, DS=ds, BLOCK_D=block_d, BLOCK_R=block_r, CODEC=codec.codec_id)
+    return out

@@ -1,0 +1,6 @@
+"""Statistics helpers."""
+
+
+def median(values):
+    values.sort()
+    return values[len(values) // 2]

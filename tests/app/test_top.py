@@ -1,0 +1,196 @@
+"""`hivejet top`: the frame from recorded /slots and /metrics (text snapshot), the rows and keys, the agent
+workspace and its tools, and `--run 2` against an in-process server on the demo model (mechanics only: a
+135M model does not solve the tasks).
+
+Snapshots: tests/app/data/top_slots.json and top_metrics.txt were recorded from the server during a
+`--run 2` on the demo model; top_view_extra.json holds the agents' status recorded at the same poll and
+one made-up GPU sample (this machine has none). HIVEJET_UPDATE_SNAPSHOTS=1 rewrites the expected frames.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from app.top import add_top_args, run_top
+from app.top.agents import Agent, AgentConfig, AgentStatus
+from app.top.client import metric, parse_metrics
+from app.top.tasks import DEFAULT_TASKS_DIR, ToolError, Workspace, load_tasks
+from app.top.view import Snapshot, TopScreen, build_rows, frame_text, sort_rows
+
+DATA = Path(__file__).parent / "data"
+UPDATE = os.environ.get("HIVEJET_UPDATE_SNAPSHOTS") == "1"
+
+
+def recorded_snapshot(agents: bool = True) -> Snapshot:
+    slots = json.loads((DATA / "top_slots.json").read_text())
+    extra = json.loads((DATA / "top_view_extra.json").read_text())
+    return Snapshot(url=extra["url"], t=extra["t"], model=extra["model"], slots=slots["slots"],
+                    running=slots["running"], waiting=slots["waiting"],
+                    metrics_text=(DATA / "top_metrics.txt").read_text(), gpus=extra["gpus"],
+                    gpu_note=extra["gpu_note"], agents=extra["agents"] if agents else [],
+                    parked={k: tuple(v) for k, v in extra["parked"].items()})
+
+
+def check_frame(text: str, name: str) -> None:
+    path = DATA / name
+    if UPDATE or not path.exists():
+        path.write_text(text, encoding="utf-8")
+    assert text == path.read_text(encoding="utf-8")
+
+
+def test_frame_snapshot():
+    text = frame_text(recorded_snapshot(), width=120)
+    check_frame(text, "top_frame.txt")
+    # what the frame must show, whatever the layout
+    assert "agent2" in text and "decoding" in text and "549/1024" in text and "2.2" in text
+    assert "agent1" in text and "sending" in text and "add 3/3" in text and "1 failed, 0 passed" in text
+    assert "running 1  queued 1  2.2 tok/s  KV 549/1024 (54%)" in text
+    assert "GPU0 NVIDIA GeForce RTX 4090" in text and "util 87%" in text and "64°C" in text and "312 W/450 W" in text
+
+
+def test_frame_without_agents_shows_parked_sessions():
+    """Plain `hivejet top`: a session that left /slots (its agent is running a tool) shows as parked."""
+    snap = recorded_snapshot(agents=False)
+    snap.gpus, snap.gpu_note = [], "No NVIDIA GPU: CPU mode (no NVIDIA driver found)"
+    text = frame_text(snap, width=100, sort="tok/s", paused=True)
+    check_frame(text, "top_frame_plain.txt")
+    assert "top-rec-agent1" in text and "parked" in text and "616/1024" in text
+    assert "PAUSED" in text and "sort (tok/s)" in text and "CPU mode" in text
+
+
+def test_rows_states_and_sorting():
+    snap = recorded_snapshot()
+    snap.agents[0]["state"] = "tool run_tests"
+    snap.slots = snap.slots + [dict(snap.slots[0], id=9, session=None, state="prefill 40%", tok_per_s=0.0,
+                                    context=900)]
+    rows = {r.name: r for r in build_rows(snap)}
+    assert rows["agent1"].state == "parked: run_tests" and rows["agent1"].context == 616 and not rows["agent1"].active
+    assert rows["agent2"].state == "decoding" and rows["agent2"].task == "add 2/3"
+    assert rows["#9"].state == "prefill 40%"
+    assert [r.name for r in sort_rows(list(rows.values()), "context")] == ["#9", "agent1", "agent2"]
+    assert [r.name for r in sort_rows(list(rows.values()), "state")] == ["agent2", "#9", "agent1"]
+    snap.slots[0] = dict(snap.slots[0], draft_proposed=10, draft_accepted=7)
+    assert build_rows(snap)[0].state == "drafting 70%"
+
+
+def test_keys_and_metrics_parsing():
+    screen = TopScreen(poller=None)
+    for k in "sp":
+        screen.handle_key(k)
+    assert screen.sort == "tok/s" and screen.paused
+    screen.handle_key("q")
+    assert screen.quit_requested
+    m = parse_metrics((DATA / "top_metrics.txt").read_text())
+    assert metric(m, "kv_tokens_used") == 549 and metric(m, "http_requests_total", route="/slots") == 47
+    assert metric(m, "requests_finished_total", reason="stop") == 3 and metric(m, "nope", None) is None
+
+
+def test_shipped_tasks_fail_as_shipped():
+    tasks = load_tasks()
+    assert 4 <= len(tasks) <= 8 and tasks[0].path.parent == DEFAULT_TASKS_DIR
+    for t in tasks:
+        assert any(f.name.startswith("test_") for f in t.files()) and t.description
+        with Workspace(t, runner="builtin", test_timeout=60) as ws:
+            r = ws.run_tests()
+            assert not r.passed, (t.name, r.output)
+
+
+def test_workspace_tools_confined_and_pytest(tmp_path):
+    task = load_tasks(DATA / "top_tasks")[0]
+    ws = Workspace(task)
+    root = ws.root
+    try:
+        assert "calc.py" in ws.list_files() and "return a - b" in ws.read_file("calc.py")
+        for bad in ("/etc/passwd", "../x.py", "a/../../x", "~/x", "", "C:/x"):
+            with pytest.raises(ToolError):
+                ws.read_file(bad)
+        (root / "link").symlink_to(tmp_path)
+        with pytest.raises(ToolError):
+            ws.write_file("link/evil.py", "x")
+        with pytest.raises(ToolError):
+            ws.read_file("missing.py")
+        r = ws.run_tests()                       # python -m pytest -q
+        assert not r.passed and "failed" in r.output
+        ws.write_file("calc.py", "def add(a, b):\n    return a + b\n")
+        assert ws.run_tests().passed
+        agent = Agent(client=None, task=task, status=AgentStatus("a", "s"), config=AgentConfig())
+        assert agent.call_tool(ws, "run_tests", "{}").startswith("PASSED") and agent.status.tests_passed
+        with pytest.raises(ToolError):
+            agent.call_tool(ws, "rm_rf", "{}")
+        with pytest.raises(ToolError):
+            agent.call_tool(ws, "read_file", "{not json")
+    finally:
+        ws.close()
+    assert not root.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    from app.server.app import ServerThread, create_app
+    from app.server.security import ServerSettings
+    from engine.engine import Engine, EngineConfig
+    eng = Engine(EngineConfig(model=str(smollm2_path), ctx_size=1024, max_seqs=4))
+    srv = ServerThread(create_app(eng, ServerSettings())).start()
+    yield srv
+    srv.stop()
+    eng.shutdown()
+
+
+@pytest.mark.slow
+def test_run_two_agents_on_demo_model(server, tmp_path):
+    """`hivejet top --run 2` on the demo model: every step is a parsed tool call that gets executed, the step
+    limit holds, the temporary folders are gone, and the live view and the summary are drawn."""
+    import tempfile
+
+    from rich.console import Console
+    before = set(Path(tempfile.gettempdir()).glob("hivejet-agent*"))
+    p = argparse.ArgumentParser()
+    add_top_args(p)
+    out = tmp_path / "summary.json"
+    args = p.parse_args(["--url", server.url, "--run", "2", "--steps", "3", "--max-tokens", "48",
+                         "--tasks", str(DATA / "top_tasks"), "--test-runner", "builtin", "--seed", "1",
+                         "--temp", "0.7", "--no-gpu", "--interval", "0.5", "--json", str(out)])
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120)  # the live view, drawn into a buffer
+    assert run_top(args, console=console) == 0
+    s = json.loads(out.read_text())
+    assert s["agents"] == 2 and s["tool_calls"] >= 2
+    assert s["ttft_median_s"] > 0 and s["completion_tokens"] > 0 and s["tok_per_s"] > 0
+    for a in s["per_agent"]:
+        assert a["state"] in ("solved", "unsolved") and not a["error"] and a["tool_wait_s"] > 0
+        assert a["steps"] == 3 or (a["solved"] and a["steps"] < 3)          # the step limit holds
+        assert a["tool_calls"] + a["no_call_steps"] == a["steps"] and a["tool_calls"] >= 1
+    assert s["requests"] == sum(a["steps"] for a in s["per_agent"])
+    assert set(Path(tempfile.gettempdir()).glob("hivejet-agent*")) == before
+    text = buf.getvalue()
+    assert "HiveJet top" in text and "agent1" in text and "add 3/3" in text   # the view ran
+    assert "tasks solved:" in text and "first-token latency: median" in text
+
+
+@pytest.mark.slow
+def test_cancel_breaks_off_streams(server):
+    """Quitting the view mid-run: streams in flight are broken off, the server drops the requests, the agents
+    stop (no errors) and their folders are removed."""
+    import time
+
+    from app.top.agents import AgentRun
+    from app.top.client import Client
+    client = Client(server.url)
+    cfg = AgentConfig(model=client.model_id(), max_steps=3, max_tokens=48, test_runner="builtin")
+    run = AgentRun(client, load_tasks(DATA / "top_tasks"), 2, cfg).start()
+    t0 = time.monotonic()
+    while len(client.get_json("/slots")["slots"]) < 2 and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    run.cancel()
+    assert run.wait(10)
+    for st in run.statuses:
+        assert st.state == "stopped" and not st.error and not Path(st.workspace).exists()
+    t0 = time.monotonic()
+    while client.get_json("/slots")["slots"] and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert client.get_json("/slots")["slots"] == []

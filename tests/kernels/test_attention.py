@@ -1,0 +1,179 @@
+"""Paged attention for every cache type, page size and GQA ratio: the Triton decode (split-K) and
+chunked-prefill kernels (interpreter on the CPU) and the torch reference against a plain softmax
+over the decoded K/V in the original domain (so the rotation trick is checked too); sliding
+window with dropped blocks, qwen35's output gate, split-K invariance."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kernels.attention import ref_paged_attention, ref_paged_decode
+from kernels.kvcodec import CACHE_TYPES, get_codec
+
+PAIRS = [(t, t) for t in CACHE_TYPES if t != "bf16"] + [("q8_0", "turbo3"), ("turbo4", "f16"), ("f16", "turbo2_tcq")]
+GQA = [(2, 2, 128), (6, 2, 64), (4, 1, 256)]   # (query heads, KV heads, head dim): ratio 1, 3, 4
+PAGES = [8, 16]
+
+
+def _ids(pair):
+    return f"{pair[0]}-{pair[1]}"
+
+
+class Cache:
+    """A paged K/V cache in the given types holding random K/V for a few sequences; blocks are
+    handed out in a shuffled order and the rest of the storage is random bytes (NaNs for float
+    types), so a kernel reading outside its blocks or past a sequence's end shows."""
+
+    def __init__(self, kt, vt, bs, hkv, d, lens, seed=0, n_blocks=None):
+        g = torch.Generator().manual_seed(seed)
+        self.ck, self.cv = get_codec(kt), get_codec(vt)
+        self.bs, self.hkv, self.d = bs, hkv, d
+        need = [-(-n // bs) for n in lens]
+        n_blocks = n_blocks or sum(need) + 3
+        self.k = torch.randint(0, 256, (n_blocks, bs, hkv, self.ck.row_bytes(d)), dtype=torch.uint8, generator=g)
+        self.v = torch.randint(0, 256, (n_blocks, bs, hkv, self.cv.row_bytes(d)), dtype=torch.uint8, generator=g)
+        perm = torch.randperm(n_blocks, generator=g).tolist()
+        maxb = max(need)
+        self.tables = torch.full((len(lens), maxb), -1, dtype=torch.int32)
+        self.K, self.V = [], []             # decoded, original domain, per sequence [n, hkv, d]
+        for s, n in enumerate(lens):
+            ids = [perm.pop() for _ in range(need[s])]
+            self.tables[s, :need[s]] = torch.tensor(ids, dtype=torch.int32)
+            k = torch.randn(n, hkv, d, generator=g)
+            v = torch.randn(n, hkv, d, generator=g)
+            k[:, :, 3] += 4.0                 # an outlier channel, as real keys have
+            pos = torch.arange(n)
+            blk = self.tables[s].long()[pos // bs]
+            self.k[blk, pos % bs] = self.ck.encode(k, impl="ref")
+            self.v[blk, pos % bs] = self.cv.encode(v, impl="ref")
+            self.K.append(self.ck.decode(self.k[blk, pos % bs], d, impl="ref"))
+            self.V.append(self.cv.decode(self.v[blk, pos % bs], d, impl="ref"))
+
+
+LENS = [29, 17]
+
+
+@functools.lru_cache(maxsize=None)
+def _cache(pair, bs, heads) -> Cache:
+    """The decode and prefill tests share one cache per case (two sequences of LENS tokens)."""
+    H, hkv, d = heads
+    return Cache(*pair, bs, hkv, d, LENS, seed=bs + H)
+
+
+def plain_attention(q, K, V, qpos, scale, window=0):
+    """q [H, D] at position qpos over K, V [S, Hkv, D] at 0..S-1, one head at a time."""
+    H, Hkv = q.shape[0], K.shape[1]
+    out = []
+    for h in range(H):
+        kh = h // (H // Hkv)
+        s = (K[:, kh].double() @ q[h].double()) * scale
+        p = torch.arange(K.shape[0])
+        vis = p <= qpos
+        if window:
+            vis &= qpos - p < window
+        s = s.masked_fill(~vis, float("-inf"))
+        out.append(torch.softmax(s, 0) @ V[:, kh].double())
+    return torch.stack(out).float()
+
+
+def _close(a, b, tol=2e-4):
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), err
+
+
+triton = pytest.importorskip("triton")
+from kernels.attention.paged import paged_decode_attention, paged_prefill_attention  # noqa: E402
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+@pytest.mark.parametrize("bs", PAGES)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}-d{h[2]}")
+def test_decode_matches_plain_softmax(pair, bs, heads):
+    H, hkv, d = heads
+    c = _cache(pair, bs, heads)
+    q = torch.randn(len(LENS), H, d, generator=torch.Generator().manual_seed(1))
+    scale = d ** -0.5
+    out = paged_decode_attention(q, c.k, c.v, c.tables, torch.tensor(LENS), c.ck, c.cv, scale, d, n_split=2, block_t=16)
+    for b, n in enumerate(LENS):
+        _close(out[b], plain_attention(q[b], c.K[b], c.V[b], n - 1, scale))
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+@pytest.mark.parametrize("bs", PAGES)
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}-d{h[2]}")
+def test_prefill_matches_plain_softmax(pair, bs, heads):
+    """Two sequences in one launch: a 9-token chunk at positions 20..28 (after 20 stored tokens)
+    and a first chunk of 17 tokens; each causal inside the chunk."""
+    H, hkv, d = heads
+    starts = [20, 0]
+    c = _cache(pair, bs, heads)
+    rows = [n - s for n, s in zip(LENS, starts)]
+    q = torch.randn(sum(rows), H, d, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, rows[0], rows[0] + rows[1]])
+    scale = 0.7 * d ** -0.5
+    out = paged_prefill_attention(q, c.k, c.v, c.tables, cu, torch.tensor(starts), c.ck, c.cv, scale, d,
+                                  block_m=16, block_t=16)
+    for b in range(2):
+        for i in range(rows[b]):
+            r = int(cu[b]) + i
+            _close(out[r], plain_attention(q[r], c.K[b], c.V[b], starts[b] + i, scale))
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+def test_torch_reference_matches_plain_softmax(pair):
+    H, hkv, d = 6, 2, 64
+    c = Cache(*pair, 8, hkv, d, [30], seed=5)
+    q = torch.randn(6, H, d, generator=torch.Generator().manual_seed(3))
+    out = ref_paged_attention(q, c.k, c.v, c.tables[0], 24, c.ck, c.cv, 0.125, d)
+    for i in range(6):
+        _close(out[i], plain_attention(q[i], c.K[0], c.V[0], 24 + i, 0.125))
+    dec = ref_paged_decode(q[:1], c.k, c.v, c.tables, torch.tensor([30]), c.ck, c.cv, 0.125, d)
+    _close(dec[0], plain_attention(q[0], c.K[0], c.V[0], 29, 0.125))
+
+
+@pytest.mark.parametrize("pair", [("f16", "f16"), ("turbo3", "turbo3"), ("q8_0", "turbo2_tcq")], ids=_ids)
+def test_sliding_window_with_dropped_blocks(pair):
+    """Window 12 over 8-token pages: blocks wholly before every query's window are dropped (-1 in
+    the table, their storage garbage) as the pool does for gemma3's local layers."""
+    H, hkv, d, bs, W = 4, 1, 128, 8, 12
+    c = Cache(*pair, bs, hkv, d, [45], seed=6)
+    c.tables[0, :3] = -1                       # positions 0..23: no query at >= 35 can see them
+    q = torch.randn(10, H, d, generator=torch.Generator().manual_seed(4))
+    scale = d ** -0.5
+    pre = paged_prefill_attention(q, c.k, c.v, c.tables, torch.tensor([0, 10]), torch.tensor([35]), c.ck, c.cv,
+                                  scale, d, window=W, block_m=16, block_t=16)
+    ref = ref_paged_attention(q, c.k, c.v, c.tables[0], 35, c.ck, c.cv, scale, d, window=W)
+    dec = paged_decode_attention(q[-1:], c.k, c.v, c.tables, torch.tensor([45]), c.ck, c.cv, scale, d,
+                                 window=W, n_split=2, block_t=16)
+    for i in range(10):
+        want = plain_attention(q[i], c.K[0], c.V[0], 35 + i, scale, window=W)
+        _close(pre[i], want)
+        _close(ref[i], want)
+    _close(dec[0], plain_attention(q[-1], c.K[0], c.V[0], 44, scale, window=W))
+
+
+def test_qwen35_output_gate():
+    H, hkv, d = 4, 2, 128
+    c = Cache("turbo3_tcq", "turbo3_tcq", 16, hkv, d, [21], seed=7)
+    q = torch.randn(1, H, d, generator=torch.Generator().manual_seed(5))
+    gate = torch.randn(1, H, d, generator=torch.Generator().manual_seed(6))
+    out = paged_decode_attention(q, c.k, c.v, c.tables, torch.tensor([21]), c.ck, c.cv, 0.1, d, gate=gate, block_t=16)
+    pre = paged_prefill_attention(q, c.k, c.v, c.tables, torch.tensor([0, 1]), torch.tensor([20]), c.ck, c.cv, 0.1, d,
+                                  gate=gate, block_t=16)
+    want = plain_attention(q[0], c.K[0], c.V[0], 20, 0.1) * torch.sigmoid(gate[0])
+    _close(out[0], want)
+    _close(pre[0], want)
+
+
+def test_split_k_gives_the_same_result():
+    H, hkv, d = 8, 2, 128
+    c = Cache("turbo4", "turbo4", 16, hkv, d, [150, 3], seed=8)
+    q = torch.randn(2, H, d, generator=torch.Generator().manual_seed(7))
+    lens = torch.tensor([150, 3])
+    outs = [paged_decode_attention(q, c.k, c.v, c.tables, lens, c.ck, c.cv, 0.09, d, n_split=s, block_t=32)
+            for s in (1, 3, 7)]
+    for o in outs[1:]:
+        _close(o, outs[0], 1e-5)
+    _close(outs[0][0], plain_attention(q[0], c.K[0], c.V[0], 149, 0.09))
