@@ -1,6 +1,6 @@
 """Memory plan: how much GPU memory a model needs at a given context length and KV cache type.
 
-    total = weights + KV cache + recurrent states + workspace
+    total = weights + KV cache + recurrent states + workspace (+ vision projector)
 
 Every number comes from the GGUF header (nothing is loaded):
 
@@ -39,6 +39,10 @@ Every number comes from the GGUF header (nothing is loaded):
     (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row step);
   - logits: ``max_seqs * 4 rows * vocab * 4`` bytes (each sequence's decode token plus up to three
     draft tokens get logits).
+
+* **vision projector** (when a model has a paired mmproj, `engine.vision.find_mmproj`): its tensor bytes
+  plus the workspace of encoding the largest image (`engine.vision.mmproj_info`). Projector types the
+  engine cannot load are not counted (the model then loads without vision).
 
 "Fits" means total <= the given VRAM (NVML's free memory when a GPU is present, else what the user
 asks about). `max_context` finds the largest context (a multiple of 256 tokens, the KV pool's block
@@ -116,6 +120,15 @@ class ModelFacts:
     n_recurrent_layers: int = 0
     recurrent_bytes_per_layer: int = 0
     quant: str = ""
+    mmproj: str | None = None       # the paired vision projector, when there is one the engine can load
+    mmproj_projector: str = ""
+    mmproj_weight_bytes: int = 0
+    mmproj_workspace_bytes: int = 0
+
+    @property
+    def vision_bytes(self) -> int:
+        """The vision projector's weights plus its image-encoding workspace (0 without one)."""
+        return self.mmproj_weight_bytes + self.mmproj_workspace_bytes
 
     @property
     def recurrent_bytes(self) -> int:
@@ -143,8 +156,26 @@ def file_type_name(md: dict) -> str:
     return _FILE_TYPES.get(ft, f"type {ft}") if ft is not None else ""
 
 
-def model_facts(path: str | os.PathLike) -> ModelFacts:
-    """Read a GGUF header (no weights are touched). Raises GGUFError for a broken file."""
+def model_facts(path: str | os.PathLike, mmproj: str | os.PathLike | None = "auto") -> ModelFacts:
+    """Read a GGUF header (no weights are touched). Raises GGUFError for a broken file. `mmproj`: the
+    vision projector to count ("auto": the one beside the model, as EngineConfig(mmproj="auto"); None: none)."""
+    facts = _model_facts(path)
+    if mmproj == "auto":
+        from engine.vision import find_mmproj
+        mmproj = find_mmproj(path)
+    if mmproj:
+        from engine.vision import mmproj_info
+        try:
+            info = mmproj_info(mmproj)
+        except (GGUFError, OSError, ValueError):
+            info = None
+        if info is not None and info["supported"]:
+            facts.mmproj, facts.mmproj_projector = info["path"], info["projector"]
+            facts.mmproj_weight_bytes, facts.mmproj_workspace_bytes = info["n_bytes"], info["workspace_bytes"]
+    return facts
+
+
+def _model_facts(path: str | os.PathLike) -> ModelFacts:
     f = GGUFFile(path)
     try:
         spec = spec_from_gguf(f)
@@ -210,10 +241,11 @@ class Plan:
     recurrent: int
     workspace: int
     vram: int | None = None
+    vision: int = 0                 # vision projector weights + image-encoding workspace
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.recurrent + self.workspace
+        return self.weights + self.kv + self.recurrent + self.workspace + self.vision
 
     @property
     def fits(self) -> bool | None:
@@ -230,7 +262,7 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
         raise ValueError("context must be positive")
     return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.weight_bytes,
                 kv=n_seqs * kv_bytes(facts, ctx, kv_type), recurrent=n_seqs * facts.recurrent_bytes,
-                workspace=workspace_bytes(facts, n_seqs), vram=vram)
+                workspace=workspace_bytes(facts, n_seqs), vram=vram, vision=facts.vision_bytes)
 
 
 def max_context(facts: ModelFacts, kv_type: str, vram: int, n_seqs: int = 1, limit: int | None = None) -> int:
@@ -298,6 +330,10 @@ def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int
              f"workspace allowance {fmt_bytes(workspace_bytes(facts, n_seqs))}; "
              + (f"VRAM {fmt_bytes(vram)}" if vram else "no VRAM given: totals only")
              + (f"; {n_seqs} sequences" if n_seqs > 1 else "")]
+    if facts.mmproj:
+        lines.append(f"vision projector {Path(facts.mmproj).name} ({facts.mmproj_projector}): "
+                     f"{fmt_bytes(facts.vision_bytes)} (weights {fmt_bytes(facts.mmproj_weight_bytes)} + "
+                     f"image encoding {fmt_bytes(facts.mmproj_workspace_bytes)}), included in the totals")
     head = f"{'KV type':<11}" + "".join(f"{fmt_ctx(c):>12}" for c in CONTEXTS) + ("   max context" if vram else "")
     lines += ["", head, "-" * len(head)]
     for kt, plans in table.items():
@@ -313,7 +349,8 @@ def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int
             row += f"   {max_context(facts, kt, vram, n_seqs):>11}"
         lines.append(row)
     lines.append("")
-    lines.append("cells: total GiB (weights + KV + recurrent state + workspace); ok = fits, -- = does not fit, "
+    lines.append("cells: total GiB (weights + KV + recurrent state + workspace"
+                 + (" + vision projector" if facts.mmproj else "") + "); ok = fits, -- = does not fit, "
                  "n/a = beyond the model's training context")
     return "\n".join(lines)
 

@@ -47,6 +47,16 @@ def content_for_model(m: Message) -> str:
     return "".join(parts)
 
 
+def message_content(m: Message, images: bool):
+    """A message as the model gets it: plain text, or (when the loaded model sees images and the message has
+    some) image parts carrying the PNG bytes followed by the text part (engine/vision's message format)."""
+    text = content_for_model(m)
+    imgs = [a for a in m.attachments if a.get("kind") == "image"] if images else []
+    if not imgs:
+        return text
+    return [{"type": "image", "image": base64.b64decode(a["data"])} for a in imgs] + [{"type": "text", "text": text}]
+
+
 def load_attachment(path: str | Path) -> dict:
     """A file becomes an attachment dict; raises ValueError with a message for the user."""
     p = Path(path)
@@ -636,10 +646,11 @@ class ChatPage(QWidget):
         has_img = any(a["kind"] == "image" for a in self.pending)
         info = self.ctl.info
         if has_img and not (info and info.vision):
-            name = info.name if info else "No model"
-            self.vision_note.setText(f"⚠ {name} cannot see images: it has no vision projector (mmproj). The image "
-                                     "is kept with your message, but the model only reads the text. Load a vision "
-                                     "model with its mmproj file to ask about images.")
+            reason = (info.vision_note if info and info.vision_note else
+                      f"{info.name if info else 'No model'} cannot see images: it has no vision projector (mmproj)")
+            self.vision_note.setText(f"⚠ {reason[:1].upper() + reason[1:]}. The image is kept with your message, but "
+                                     "the model only reads the text. Load a vision model with its mmproj file "
+                                     "beside it to ask about images.")
             self.vision_note.show()
         else:
             self.vision_note.hide()
@@ -680,9 +691,10 @@ class ChatPage(QWidget):
         msgs = []
         if c and c.system_prompt.strip():
             msgs.append({"role": "system", "content": c.system_prompt})
+        images = bool(self.ctl.info and self.ctl.info.vision and self.ctl.engine is not None)
         for m in thread:
             if m.role in ("user", "assistant") and (m.role == "user" or m.state != "error"):
-                msgs.append({"role": m.role, "content": content_for_model(m)})
+                msgs.append({"role": m.role, "content": message_content(m, images and m.role == "user")})
         return msgs
 
     def send(self, text: str | None = None) -> bool:

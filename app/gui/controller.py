@@ -33,6 +33,8 @@ class LoadedInfo:
     device: str
     vision: bool
     remote: bool = False
+    kv_cache: str = "f16"
+    vision_note: str = ""           # why the model cannot see images (no mmproj / a projector that did not fit)
 
 
 class EngineController(QObject):
@@ -53,20 +55,36 @@ class EngineController(QObject):
         self.loading = False
 
     # ----- loading -----
-    def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None) -> None:
+    def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None, mmproj: str | None = "auto") -> None:
+        """Load in the background. kv_cache: the KV cache type for K and V (the planner's pick; None = f16).
+        mmproj: the vision projector ("auto": the one beside the model; a projector that does not fit the model
+        is dropped with a note, and the model loads without vision)."""
         token = object()
         self._load_token = token
         self.loading = True
         self.loadStarted.emit(model)
+        kv = kv_cache or "f16"
 
         def work():
             from engine.engine import Engine, EngineConfig
+            from engine.types import EngineError
             err = None
             eng = None
+            note = ""
+            progress = lambda m: self.loadProgress.emit(str(m))  # noqa: E731
             try:
                 self.loadProgress.emit(f"Opening {model} ...")
-                cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads)
-                eng = Engine(cfg, progress=lambda m: self.loadProgress.emit(str(m)))
+                cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads, cache_type_k=kv,
+                                   cache_type_v=kv, mmproj=mmproj)
+                try:
+                    eng = Engine(cfg, progress=progress)
+                except EngineError as e:
+                    if mmproj != "auto" or not str(e).startswith("vision projector"):
+                        raise
+                    note = f"its mmproj file was not loaded ({e})"
+                    self.loadProgress.emit(f"Loading without images: {note}")
+                    cfg.mmproj = None
+                    eng = Engine(cfg, progress=progress)
             except Exception as e:  # GGUFError, CatalogError, EngineError ...
                 err = str(e) or type(e).__name__
             if self._load_token is not token:       # cancelled or superseded: discard
@@ -78,9 +96,11 @@ class EngineController(QObject):
                 self.loadFailed.emit(err)
                 return
             self._swap(eng)
-            vision = any(k.startswith("clip.") for k in eng.model.file.metadata)
+            if not eng.has_vision:
+                note = eng.no_vision_reason() + (f"; {note}" if note else "")
             self.info = LoadedInfo(eng.model_name, str(eng.model_path), eng.spec.arch, eng.ctx_size,
-                                   eng.spec.context_length, eng.config.device, vision)
+                                   eng.spec.context_length, eng.config.device, eng.has_vision,
+                                   kv_cache=eng.config.cache_type_k, vision_note=note)
             self.loaded.emit(self.info)
 
         threading.Thread(target=work, name="hivejet-load", daemon=True).start()
@@ -91,7 +111,9 @@ class EngineController(QObject):
         self._swap(None)
         self.remote = backend
         self.info = LoadedInfo(backend.model, backend.base_url, "remote", backend.ctx_size, backend.ctx_size,
-                               "remote", False, remote=True)
+                               "remote", False, remote=True,
+                               vision_note=f"{backend.model} at {backend.base_url} is reached as text only: "
+                                           "images are not sent to remote endpoints")
         self.loaded.emit(self.info)
 
     def cancel_load(self) -> None:

@@ -66,7 +66,6 @@ class MainWindow(QMainWindow):
         convs = self.store.list_conversations()
         if convs:
             self.chat.open_conversation(convs[0].id)
-        self.pending_kv: str | None = None
         if autoload:
             target = model or self.store.get_setting("last_model") or "demo"
             if model is None and target != "demo" and not Path(target).exists():
@@ -222,17 +221,16 @@ class MainWindow(QMainWindow):
         elif data:
             self.load_model(data)
 
-    def load_model(self, model: str, ctx_size: int = 0):
+    def load_model(self, model: str, ctx_size: int = 0, kv_cache: str | None = None):
         if self.chat.generating:
             self.chat.stop()
         if self.server.srv.running:
             self.server_switch.setChecked(False)
         self.ctl.threads = int(self.store.get_setting("threads", 0))
-        self.ctl.load(model, ctx_size)
+        self.ctl.load(model, ctx_size, kv_cache=kv_cache, mmproj="auto")
 
     def _load_from_planner(self, path: str, ctx: int, kv: str):
-        self.pending_kv = kv
-        self.load_model(path, ctx)
+        self.load_model(path, ctx, kv_cache=kv)
         self.show_page("Chat")
 
     def _plan_for(self, path: str):
@@ -266,10 +264,8 @@ class MainWindow(QMainWindow):
             if i >= 0:
                 self.model_combo.setCurrentIndex(i)
         msg = f"Loaded {info.name}"
-        if self.pending_kv and self.pending_kv != "f16":
-            msg += (f". KV cache type {self.pending_kv} is planned for the GPU engine; this CPU engine keeps "
-                    "f16/f32 KV")
-        self.pending_kv = None
+        if info.kv_cache != "f16" and not info.remote:
+            msg += f" · KV cache {info.kv_cache}"
         self.statusBar().showMessage(msg, 8000)
         self.server._update_texts()
 

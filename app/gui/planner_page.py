@@ -60,9 +60,10 @@ class PlannerPage(QWidget):
         self.table.verticalHeader().setDefaultSectionSize(34)
         lay.addWidget(self.table, 1)
         bottom = QHBoxLayout()
-        self.legend = QLabel("Each cell: total memory (weights + KV cache + recurrent state + workspace). Green fits, "
+        self.legend = QLabel("Each cell: total memory (weights + KV cache + recurrent state + workspace, plus the "
+                             "vision projector when the model has one). Green fits, "
                              "red does not, grey is past the model's trained context. Double-click a cell to load "
-                             "the model with that context.")
+                             "the model with that context and KV cache type.")
         self.legend.setWordWrap(True)
         self.legend.setObjectName("Muted")
         bottom.addWidget(self.legend, 1)
@@ -150,6 +151,7 @@ class PlannerPage(QWidget):
                 it.setTextAlignment(Qt.AlignCenter)
                 it.setToolTip(f"weights {P.fmt_bytes(p.weights)}\nKV cache {P.fmt_bytes(p.kv)}\n"
                               f"recurrent state {P.fmt_bytes(p.recurrent)}\nworkspace {P.fmt_bytes(p.workspace)}"
+                              + (f"\nvision projector {P.fmt_bytes(p.vision)}" if p.vision else "")
                               + (f"\nheadroom {P.fmt_bytes(p.headroom)}" if p.headroom is not None else ""))
                 it.setData(Qt.UserRole, p.total)
                 if p.ctx > f.context_length:
@@ -168,6 +170,7 @@ class PlannerPage(QWidget):
             f"{f.name} · {f.arch}{' · ' + f.quant if f.quant else ''} · weights {P.fmt_bytes(f.weight_bytes)} · "
             f"{f.n_full_attn} full-attention + {f.n_swa} sliding-window + {f.n_recurrent_layers} recurrent layers · "
             f"trained context {f.context_length:,} · workspace allowance {P.fmt_bytes(P.workspace_bytes(f, n))}"
+            + (f" · vision projector {P.fmt_bytes(f.vision_bytes)} (weights + image encoding)" if f.mmproj else "")
             + (" · CPU mode: nothing is placed on a GPU here" if self.cpu_mode else ""))
 
     def cell_plan(self, row: int, col: int) -> P.Plan | None:

@@ -8,6 +8,7 @@ import secrets
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from app.server import schemas as S
@@ -157,7 +158,7 @@ def _tool_input(args: str):
 async def messages(body: S.MessagesRequest, request: Request):
     from engine.types import FinishEvent, TokenEvent
     state = request.app.state.hivejet
-    plan = ChatPlan(_chat_request(body, request), state, request)
+    plan = await run_in_threadpool(ChatPlan, _chat_request(body, request), state, request)  # may fetch images
     handle = await submit(plan.engine, plan.req)
     mid = "msg_" + secrets.token_hex(12)
     if body.stream:
@@ -279,7 +280,6 @@ async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, 
              tags=["anthropic"])
 async def count_tokens(body: S.CountTokensRequest, request: Request):
     from engine.types import EngineError, Request as EngineRequest
-    from starlette.concurrency import run_in_threadpool
     state = request.app.state.hivejet
     eng = state.engine_or_503()
     state.check_model(body.model)
@@ -288,7 +288,7 @@ async def count_tokens(body: S.CountTokensRequest, request: Request):
     except ValidationError as e:
         err = e.errors()[0]
         raise ApiError(400, f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}") from None
-    plan = ChatPlan(chat, state, request)
+    plan = await run_in_threadpool(ChatPlan, chat, state, request)
     try:
         ids = await run_in_threadpool(eng.prompt_ids, EngineRequest(messages=plan.req.messages,
                                                                     tools=plan.req.tools,

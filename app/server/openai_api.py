@@ -8,6 +8,7 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from app.server import schemas as S
 from app.server.core import (ApiError, EventStream, ServerState, SSEResponse, collect, sampling_params, session_of,
@@ -68,7 +69,7 @@ def _check_images(messages: list[dict], state: ServerState) -> int:
                     data = load_image(url, state.settings, where=f"messages[{i}].content[{j}]")
                 except ImageError as e:
                     raise ApiError(400, str(e), param=f"messages[{i}].content[{j}]", code="invalid_image") from None
-                if not url.startswith("data:"):  # a file from the media folder: the engine gets the bytes
+                if not url.startswith("data:"):  # a media-folder file or a fetched URL: the engine gets the bytes
                     part["image_url"] = {**part["image_url"], "url": "data:image;base64,"
                                          + base64.b64encode(data).decode()}
                 n += 1
@@ -183,7 +184,7 @@ class ChatPlan:
 async def chat_completions(body: S.ChatCompletionRequest, request: Request):
     from engine.types import FinishEvent, TokenEvent
     state = _state(request)
-    plan = ChatPlan(body, state, request)
+    plan = await run_in_threadpool(ChatPlan, body, state, request)   # may fetch remote images
     handle = await submit(plan.engine, plan.req)
     metrics = state.metrics
     if body.stream:

@@ -6,14 +6,19 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import http.client
 import ipaddress
 import os
+import socket
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urljoin, urlparse
 
 __all__ = ["ServerSettings", "SettingsError", "is_loopback", "check_api_key", "BodySizeLimit", "ImageError",
-           "load_image"]
+           "load_image", "fetch_image"]
 
 
 class SettingsError(ValueError):
@@ -38,6 +43,8 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)        # empty: CORS off
     max_body_bytes: int = 32 * 1024 * 1024
     allow_remote_images: bool = False
+    remote_image_max_bytes: int = 20 * 1024 * 1024               # a fetched image (engine.vision's limit)
+    remote_image_timeout: float = 10.0                           # seconds for the whole fetch
     media_dir: str | None = None                                 # file:// images only from here
     model_aliases: list[str] = field(default_factory=list)       # extra names accepted in "model"
     accept_any_model: bool = False                               # any "model" name maps to the loaded one
@@ -157,6 +164,66 @@ def _check_image_bytes(data: bytes, where: str) -> bytes:
     return data
 
 
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects only to http(s) URLs (urllib would also follow ftp://)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urlparse(urljoin(req.full_url, newurl)).scheme not in ("http", "https"):
+            raise ImageError(f"the image URL redirects to {newurl!r}, which is not http(s)")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def fetch_image(url: str, settings: ServerSettings, where: str = "image") -> bytes:
+    """GET an http(s) image with the server's limits: at most `remote_image_max_bytes`, the whole fetch within
+    `remote_image_timeout` seconds, redirects only to http(s); then engine.vision.load_image checks the bytes.
+    Raises ImageError (HTTP 400) naming the problem."""
+    from engine.vision import ImageError as EngineImageError
+    from engine.vision import load_image as decode_image
+    if urlparse(url).scheme not in ("http", "https"):
+        raise ImageError(f"{where}: only http and https image URLs can be fetched")
+    limit = int(settings.remote_image_max_bytes)
+    deadline = time.monotonic() + float(settings.remote_image_timeout)
+    opener = urllib.request.build_opener(_HttpOnlyRedirects)
+    req = urllib.request.Request(url, headers={"User-Agent": "hivejet", "Accept": "image/*"})
+    chunks, n = [], 0
+    try:
+        with opener.open(req, timeout=float(settings.remote_image_timeout)) as r:
+            size = r.headers.get("Content-Length")
+            if size and size.isdigit() and int(size) > limit:
+                raise ImageError(f"{where}: the image at {url} is {int(size):,} bytes, more than the "
+                                 f"{limit:,} byte limit")
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                if r.fp is not None and getattr(r.fp, "raw", None) is not None:
+                    try:
+                        r.fp.raw._sock.settimeout(left)
+                    except (AttributeError, OSError):
+                        pass
+                chunk = r.read(min(1 << 16, limit + 1 - n))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                n += len(chunk)
+                if n > limit:
+                    raise ImageError(f"{where}: the image at {url} is more than the {limit:,} byte limit")
+    except ImageError as e:
+        raise ImageError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+    except urllib.error.HTTPError as e:
+        raise ImageError(f"{where}: fetching {url} failed: HTTP {e.code} {e.reason}") from None
+    except (TimeoutError, socket.timeout):
+        raise ImageError(f"{where}: fetching {url} took longer than {settings.remote_image_timeout:g} s") from None
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        raise ImageError(f"{where}: fetching {url} failed: {getattr(e, 'reason', e)}") from None
+    data = b"".join(chunks)
+    try:
+        decode_image(data, max_bytes=limit)
+    except EngineImageError as e:
+        raise ImageError(f"{where}: {e}") from None
+    return data
+
+
 def load_image(url: str, settings: ServerSettings, where: str = "image") -> bytes:
     """The bytes of an image given as a data: URL, a file:// URL inside the media folder, or (when enabled)
     an http(s) URL. Raises ImageError for anything else."""
@@ -174,8 +241,9 @@ def load_image(url: str, settings: ServerSettings, where: str = "image") -> byte
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
         if not settings.allow_remote_images:
-            raise ImageError(f"{where}: remote image URLs are disabled on this server (send the image as a data: URL)")
-        raise ImageError(f"{where}: remote image URLs are not supported yet (send the image as a data: URL)")
+            raise ImageError(f"{where}: remote image URLs are disabled on this server (send the image as a data: URL, "
+                             "or start the server with --allow-remote-images)")
+        return _check_image_bytes(fetch_image(url, settings, where), where)
     if parsed.scheme == "file":
         if not settings.media_dir:
             raise ImageError(f"{where}: file URLs are disabled on this server")
