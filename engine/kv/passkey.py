@@ -37,10 +37,27 @@ class Trial:
     depth: float
     key: int
     answer: str
+    key_nll: float = float("nan")   # -log p(" KEY" | prompt), teacher-forced, nats
+
 
     @property
     def found(self) -> bool:
         return str(self.key) in self.answer
+
+
+def build_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> list[int]:
+    """The whole prompt of one trial (what run_passkey evaluates with shared prefixes)."""
+    intro = tokenizer.encode(INTRO, add_special=True)
+    filler = tokenizer.encode(FILLER, add_special=False)
+    question = tokenizer.encode(QUESTION, add_special=False)
+    key_ids = tokenizer.encode(_key_sentence(key), add_special=False)
+    n_fill = _n_fill(n_tokens, intro, filler, question, [key_ids])
+    cut = round(depth * n_fill)
+    return intro + filler * cut + key_ids + filler * (n_fill - cut) + question
+
+
+def _n_fill(n_tokens, intro, filler, question, key_ids) -> int:
+    return max(1, (n_tokens - len(intro) - len(question) - max(map(len, key_ids))) // len(filler))
 
 
 def _feed(model, kv, ids: list[int], start: int, chunk: int, logits_last: bool = False) -> torch.Tensor | None:
@@ -54,7 +71,7 @@ def _feed(model, kv, ids: list[int], start: int, chunk: int, logits_last: bool =
 
 
 def run_passkey(model, tokenizer, n_tokens: int, depths: list[float], cache_types: list[str], seed: int = 1,
-                chunk: int = 512, answer_tokens: int = 7, log=None) -> list[Trial]:
+                chunk: int = 1024, answer_tokens: int = 7, log=None) -> list[Trial]:
     """One context of about n_tokens; per depth a different 5-digit key; for each cache type."""
     rnd = random.Random(seed)
     keys = [rnd.randint(10000, 99999) for _ in depths]
@@ -62,7 +79,7 @@ def run_passkey(model, tokenizer, n_tokens: int, depths: list[float], cache_type
     filler = tokenizer.encode(FILLER, add_special=False)
     question = tokenizer.encode(QUESTION, add_special=False)
     key_ids = [tokenizer.encode(_key_sentence(k), add_special=False) for k in keys]
-    n_fill = max(1, (n_tokens - len(intro) - len(question) - max(map(len, key_ids))) // len(filler))
+    n_fill = _n_fill(n_tokens, intro, filler, question, key_ids)
     # filler sentences before each key: the trials share the prompt up to the first key
     cut = [round(d * n_fill) for d in depths]
     order = sorted(range(len(depths)), key=lambda i: cut[i])
@@ -83,6 +100,13 @@ def run_passkey(model, tokenizer, n_tokens: int, depths: list[float], cache_type
             rest = key_ids[i] + filler * (n_fill - cut[i]) + question
             logits = _feed(model, branch, rest, pos, chunk, logits_last=True)
             p = pos + len(rest)
+            # teacher-forced log-probability of the key, on a fork of the branch
+            target = tokenizer.encode(f" {keys[i]}", add_special=False)
+            probe = branch.fork()
+            (lg,) = model.forward([SeqChunk(torch.tensor(target[:-1]), p, probe, "all")]) if len(target) > 1 else (logits[:0],)
+            lp = torch.log_softmax(torch.cat([logits[-1:], lg]).double(), -1)
+            nll = -float(lp[torch.arange(len(target)), torch.tensor(target)].sum())
+            probe.release()
             out = []
             for _ in range(answer_tokens):
                 t = int(logits[-1].argmax())
@@ -90,23 +114,23 @@ def run_passkey(model, tokenizer, n_tokens: int, depths: list[float], cache_type
                 (logits,) = model.forward([SeqChunk(torch.tensor([t]), p, branch, "last")])
                 p += 1
             branch.release()
-            tr = Trial(ct, p - len(out), depths[i], keys[i], tokenizer.decode(out))
+            tr = Trial(ct, p - len(out), depths[i], keys[i], tokenizer.decode(out), nll)
             trials.append(tr)
             if log:
                 log(f"{ct:11s} {tr.n_tokens:6d} tokens depth {tr.depth:.2f} key {tr.key}: {tr.answer.strip()!r} "
-                    f"{'ok' if tr.found else 'MISSED'}")
+                    f"{'ok' if tr.found else 'MISSED'} (key NLL {tr.key_nll:.3f})")
         kv.release()
     return trials
 
 
-def summary(trials: list[Trial], reference: str = "f16") -> list[tuple[str, int, int, int]]:
-    """(cache type, retrieved, trials, answers equal to the reference type's)."""
+def summary(trials: list[Trial], reference: str = "f16") -> list[tuple[str, int, int, int, float]]:
+    """(cache type, retrieved, trials, answers equal to the reference type's, mean key NLL)."""
     ref = {(t.n_tokens, t.depth): t.answer for t in trials if t.cache_type == reference}
     rows = []
     for ct in dict.fromkeys(t.cache_type for t in trials):
         ts = [t for t in trials if t.cache_type == ct]
         same = sum(1 for t in ts if ref.get((t.n_tokens, t.depth)) == t.answer)
-        rows.append((ct, sum(t.found for t in ts), len(ts), same))
+        rows.append((ct, sum(t.found for t in ts), len(ts), same, sum(t.key_nll for t in ts) / len(ts)))
     return rows
 
 
@@ -124,7 +148,14 @@ def main(argv=None) -> int:
     ap.add_argument("--types", nargs="+", default=[t for t in CACHE_TYPES if t not in ("f32", "bf16")])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("-t", "--threads", type=int, default=0)
+    ap.add_argument("--smooth-clamp", type=float, default=None, help="SequenceKV.SMOOTH_CLAMP (1: centering only)")
+    ap.add_argument("--plain-keys", action="store_true", help="no key preconditioning")
     args = ap.parse_args(argv)
+    from engine.kv import SequenceKV
+    if args.smooth_clamp is not None:
+        SequenceKV.SMOOTH_CLAMP = args.smooth_clamp
+    if args.plain_keys:
+        SequenceKV.PRECONDITION_KEYS = False
     torch.set_num_threads(args.threads or default_threads())
     model = open_model(ensure_model(args.model))
     tok = Tokenizer.from_metadata(model.file.metadata)
@@ -133,9 +164,9 @@ def main(argv=None) -> int:
     for i, n in enumerate(args.tokens):
         trials += run_passkey(model, tok, n, args.depths, args.types, seed=args.seed + i,
                               log=lambda s: print(s, flush=True))
-    print(f"\n{time.time() - t0:.0f} s\n\n| cache type | retrieved | same answer as f16 |\n|---|---|---|")
-    for ct, found, n, same in summary(trials):
-        print(f"| {ct} | {found}/{n} | {same}/{n} |")
+    print(f"\n{time.time() - t0:.0f} s\n\n| cache type | retrieved | same answer as f16 | mean key NLL |\n|---|---|---|---|")
+    for ct, found, n, same, nll in summary(trials):
+        print(f"| {ct} | {found}/{n} | {same}/{n} | {nll:.3f} |")
     model.close()
     return 0
 

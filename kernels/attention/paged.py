@@ -39,7 +39,7 @@ def _next_pow2(n: int) -> int:
 if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, cbk_ptr, cbv_ptr, acc_ptr, ml_ptr,
-                       scale, H, HKV, MAXB, RBK, RBV, WINDOW, NSPLIT,
+                       scale, H, HKV, MAXB, RBK, RBV, NSPLIT, WINDOW: tl.constexpr,
                        G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BS: tl.constexpr, BLOCK_T: tl.constexpr, CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
         b = tl.program_id(0)
@@ -85,7 +85,7 @@ if triton is not None:
 
     @triton.jit
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, start_ptr, cbk_ptr, cbv_ptr, out_ptr,
-                        scale, H, HKV, MAXB, RBK, RBV, WINDOW,
+                        scale, H, HKV, MAXB, RBK, RBV, WINDOW: tl.constexpr,
                         G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
                         CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
@@ -175,7 +175,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ml = torch.empty(B, H, n_split, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(B, hkv, n_split)](
         q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml,
-        float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], int(window), n_split,
+        float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, WINDOW=int(window),
         G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t,
         CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
     m, l_ = ml[..., 0], ml[..., 1]
@@ -207,7 +207,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if N:
         _prefill_kernel[(B, -(-longest // block_m), hkv)](
             q_st, k_cache, v_cache, bt, cu, starts, codec_k.codebook(q.device), codec_v.codebook(q.device), out_st,
-            float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], int(window),
+            float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], WINDOW=int(window),
             G=G, G_PAD=_next_pow2(G), DK=dk, DV=dv, BS=bs, BLOCK_M=block_m, BLOCK_T=block_t,
             CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
     return _finish(out_st, codec_v, head_dim_v, gate)
