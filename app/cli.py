@@ -47,7 +47,7 @@ def _sampling(args):
 def _engine(args):
     from engine.engine import Engine, EngineConfig
     return Engine(EngineConfig(model=args.model, ctx_size=getattr(args, "ctx_size", 0) or 0,
-                               threads=getattr(args, "threads", 0) or 0),
+                               threads=getattr(args, "threads", 0) or 0, device=getattr(args, "device", "cpu")),
                   progress=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -147,9 +147,16 @@ def cmd_perplexity(args) -> int:
 
         def progress(i, n, ppl):
             print(f"[{i}/{n}] {ppl:.4f}", file=sys.stderr)
+        runner = None
+        if args.device != "cpu":
+            from engine.runner import Runner
+            if args.cache_type_k != args.cache_type_v:
+                raise ValueError("the GPU path takes one cache type for K and V for now")
+            n_ctx = base.n_ctx if base is not None else args.ctx_size
+            runner = Runner(model, device=args.device, n_slots=1, max_ctx=n_ctx, cache_type=args.cache_type_k)
         res = perplexity(model, tok, text=text, n_ctx=args.ctx_size, n_chunks=args.chunks, n_batch=args.batch_size,
                          base=base, progress=progress, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                         save_base=args.save_kl_divergence_base)
+                         save_base=args.save_kl_divergence_base, runner=runner)
         print(res.report())
         print(f"{res.n_scored} tokens scored in {res.seconds:.1f} s", file=sys.stderr)
     finally:
@@ -213,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("-c", "--ctx-size", type=int, default=0)
     c.add_argument("-t", "--threads", type=int, default=0)
+    c.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
     c.set_defaults(func=cmd_chat)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -224,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-echo", action="store_true", help="do not print the prompt first")
     g.add_argument("-c", "--ctx-size", type=int, default=0)
     g.add_argument("-t", "--threads", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
@@ -241,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type for V (same choices)")
     q.add_argument("--save-kl-divergence-base", default=None, metavar="FILE",
                    help="write this run's log-probs as a llama.cpp-format KL-divergence base file")
+    q.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (engine/runner.py)")
     q.set_defaults(func=cmd_perplexity)
 
     t = sub.add_parser("tokenize", help="print token ids like llama-tokenize")

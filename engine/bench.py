@@ -1,8 +1,13 @@
 """Benchmarks (`hivejet bench SCENARIO`). Speed is measured here, on a GPU, never in unit tests.
 
-Scenarios so far:
+Scenarios:
   matmul  the 4-bit quantized matmul on the 27B model's Q4_K shapes, rows M = 1..64: time per call,
           weight bytes streamed per second, against the card's copy bandwidth measured in the same run.
+  decode  a model on the GPU through engine/runner.py (CUDA graphs): pp512 and tg128 at each depth
+          (0 and 23000 by default, like `llama-bench -p 512 -n 128 -d 0,23000`), and the row-scaling
+          table: one decode step with 1, 2, 4, .., 64 rows (sequences). With --llamacpp DIR, llama-bench
+          from DIR runs on the same GGUF in the same run and both are printed side by side.
+  plot    a PNG of a decode result's row-scaling table (`hivejet bench plot RESULT.json OUT.png`).
 """
 from __future__ import annotations
 
@@ -69,13 +74,38 @@ def _print_matmul(res: dict) -> None:
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", choices=["matmul"])
+    p.add_argument("scenario", choices=["matmul", "decode", "plot"])
+    p.add_argument("paths", nargs="*", help="plot: RESULT.json OUT.png")
+    p.add_argument("-m", "--model", default=None, help="decode: the GGUF model")
+    p.add_argument("--llamacpp", default=None, help="decode: a directory with llama-bench (same run, same model)")
+    p.add_argument("--depths", type=int, nargs="+", default=[0, 23000])
+    p.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("--profile", action="store_true", help="decode: print the CUDA time per kernel of one step")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
 def run_bench(args) -> int:
-    res = bench_matmul()
-    _print_matmul(res)
+    if args.scenario == "plot":
+        if len(args.paths) != 2:
+            print("usage: hivejet bench plot RESULT.json OUT.png", file=sys.stderr)
+            return 2
+        from engine.bench_decode import plot_rows
+        with open(args.paths[0]) as f:
+            plot_rows(json.load(f), args.paths[1])
+        return 0
+    if args.scenario == "decode":
+        if not args.model:
+            print("hivejet bench decode needs -m MODEL.gguf", file=sys.stderr)
+            return 2
+        from engine.bench_decode import bench_decode, print_decode
+        res = bench_decode(args.model, depths=args.depths, rows=args.rows, n_prompt=args.n_prompt,
+                           n_gen=args.n_gen, llamacpp=args.llamacpp, profile=args.profile, json_path=args.json)
+        print_decode(res)
+    else:
+        res = bench_matmul()
+        _print_matmul(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

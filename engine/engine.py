@@ -8,6 +8,7 @@ token budget. So several requests progress together and a long prompt never bloc
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -23,6 +24,8 @@ from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
+from engine.prefix import Entry, ResidentCache, add_checkpoint
+from kernels.quant.ref import ROW_BLOCK
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.types import (ContextTooLongError, EngineError, FinishEvent, QueueFullError, Request, Timings,
@@ -34,7 +37,8 @@ log = logging.getLogger("hivejet.engine")
 @dataclass
 class EngineConfig:
     model: str                      # a GGUF path or a catalog name ("demo", "gemma3-270m")
-    device: str = "cpu"
+    device: str = "cpu"             # cpu, cuda[:N], or auto: cuda when there is one and the GPU path
+                                    # can serve this configuration (no images, one f16/bf16/q8_0 KV type)
     max_seqs: int = 16              # sequences advanced together in one step
     ctx_size: int = 0               # context per sequence; 0 = the model's training context
     step_tokens: int = 512          # rows per step: decode rows first, prompt chunks fill the rest
@@ -45,6 +49,21 @@ class EngineConfig:
     cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
     cache_type_v: str = "f16"
     mmproj: str | None = None       # vision projector GGUF (image input); "auto": the mmproj beside the model
+    resident_tokens: int = 32768    # tokens of finished conversations kept for follow-ups and shared
+                                    # prefixes (engine/prefix.py; CPU path); 0 turns prefix reuse off
+    static_slots: bool = False      # step through engine/runner.py (what device="cuda" does) on any device;
+                                    # on the CPU this tests the GPU path's scheduling without a GPU
+
+
+def resolve_auto_device(config: EngineConfig) -> str:
+    """device="auto": the GPU path when torch sees a CUDA GPU and the configuration is one it serves
+    (no vision projector; K and V of one type among f16/bf16/f32/q8_0), else the CPU."""
+    from engine.runner import SLOT_CACHE_TYPES
+    if not torch.cuda.is_available() or config.mmproj:
+        return "cpu"
+    if config.cache_type_k != config.cache_type_v or config.cache_type_k not in SLOT_CACHE_TYPES:
+        return "cpu"
+    return "cuda"
 
 
 def _has_image_parts(messages) -> bool:
@@ -121,6 +140,9 @@ class _Sequence:
         self.t_first: float | None = None
         self.recent = collections.deque()    # (time, tokens) for tok/s over the last seconds
         self.vision = None                   # engine.vision.prompt.VisionPrompt when the prompt holds images
+        self.slot: int | None = None         # the runner's slot (GPU path) while running
+        self.cached = 0                      # prompt tokens taken from a resident/shared prefix
+        self.checkpoints: dict[int, dict] = {}   # recurrent-state snapshots by length (engine/prefix.py)
 
     @property
     def image_hashes(self) -> list[str]:
@@ -150,9 +172,13 @@ class _Sequence:
 
 class Engine:
     def __init__(self, config: EngineConfig, progress=None):
+        if config.device == "auto":
+            config = dataclasses.replace(config, device=resolve_auto_device(config))
         self.config = config
-        if config.device != "cpu":
-            raise EngineError(f"device {config.device!r} is not supported yet (the GPU path is a later issue); use cpu")
+        if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
+            raise EngineError(f"unknown device {config.device!r} (cpu or cuda)")
+        if config.device != "cpu" and not torch.cuda.is_available():
+            raise EngineError(f"device {config.device!r} asked for, but torch sees no CUDA GPU")
         torch.set_num_threads(config.threads or default_threads())
         path = ensure_model(config.model, progress=progress or (lambda *_: None))
         self.model = open_model(path)
@@ -179,6 +205,10 @@ class Engine:
         if config.mmproj:
             self._open_vision(config.mmproj, path)
         self.ctx_size = config.ctx_size or self.spec.context_length
+        self.runner = None            # engine/runner.py: the GPU path (static KV/state slots, CUDA graphs)
+        self._resident = ResidentCache(config.resident_tokens)
+        if config.device != "cpu" or config.static_slots:
+            self._open_runner()
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)
         self._inbox: queue.Queue = queue.Queue()
@@ -190,6 +220,38 @@ class Engine:
         self._last_step = {"rows": 0, "seqs": 0, "ms": 0.0}
         self._thread = threading.Thread(target=self._loop, name="hivejet-engine", daemon=True)
         self._thread.start()
+
+    def _open_runner(self) -> None:
+        """Put the model on the device with one slot per concurrent sequence. The context per slot is
+        the asked one, or on a GPU as much as fits in 90 % of the memory left after the weights
+        (the model's training context at most); too little memory for 256 tokens is an error."""
+        from engine.runner import Runner, slot_bytes_per_token
+        c = self.config
+        dev = torch.device(c.device)
+        if c.cache_type_k != c.cache_type_v:
+            self.model.close()
+            raise EngineError("the GPU path takes one KV cache type for K and V for now")
+        want = c.ctx_size or self.spec.context_length
+        try:
+            if dev.type == "cuda" and not c.ctx_size:
+                self.model.to_device(dev)
+                free, _ = torch.cuda.mem_get_info(dev)
+                per_token = slot_bytes_per_token(self.model, c.cache_type_k) * (c.max_seqs + 1)
+                fit = int(0.9 * free) // max(per_token, 1)
+                if fit < 256:
+                    raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
+                                      f"the weights, {per_token} bytes per token for {c.max_seqs} sequences")
+                want = min(want, fit // 16 * 16)
+            self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, max_ctx=want, cache_type=c.cache_type_k)
+        except (ValueError, torch.OutOfMemoryError) as e:
+            self.model.close()
+            raise EngineError(f"cannot set up the {c.device} path: {e}") from None
+        except EngineError:
+            self.model.close()
+            raise
+        self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
+        self._free_slots = list(range(c.max_seqs - 1, -1, -1))
+        self._resident = ResidentCache(0)   # prefix reuse is on the CPU path only for now
 
     def _open_vision(self, mmproj: str, model_path) -> None:
         from engine.vision import check_pair, find_mmproj, open_mmproj
@@ -234,13 +296,16 @@ class Engine:
         ids, vision = self._tokenize(req)
         if not ids:
             raise EngineError("the prompt is empty")
+        if vision is not None and self.runner is not None:
+            raise EngineError("image input runs on the CPU path only for now (start the engine with device='cpu')")
         if len(ids) >= self.ctx_size:
             raise ContextTooLongError(len(ids), self.ctx_size)
         if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
             raise QueueFullError(f"too many waiting requests ({self.config.max_queue}); try again later")
         rid = next(self._ids)
         handle = RequestHandle(rid, len(ids))
-        seq = _Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, self.model.new_kv())
+        kv = self.model.new_kv() if self.runner is None else None   # the runner keeps KV in its slots
+        seq = _Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, kv)
         seq.vision = vision
         self._inbox.put(seq)
         return handle
@@ -336,7 +401,7 @@ class Engine:
         for s in running:
             seqs.append(dict(id=s.id, session=s.req.session, state=s.state(), context=len(s.tokens),
                              ctx_limit=self.ctx_size, prompt_tokens=s.n_prompt, generated=s.n_generated,
-                             cached_tokens=0, tok_per_s=round(s.tok_per_s(now), 2), queue_position=None,
+                             cached_tokens=s.cached, tok_per_s=round(s.tok_per_s(now), 2), queue_position=None,
                              images=len(s.image_hashes)))
         for i, s in enumerate(waiting):
             seqs.append(dict(id=s.id, session=s.req.session, state="queued", context=len(s.tokens),
@@ -348,12 +413,15 @@ class Engine:
                           n_params=self.vision.n_params)
         return dict(model=self.model_name, path=str(self.model_path), arch=self.spec.arch, device=self.config.device,
                     ctx_size=self.ctx_size, running=len(running), waiting=len(waiting) + self._inbox.qsize(),
-                    sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals), vision=vision)
+                    sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals), vision=vision,
+                    resident=dict(conversations=len(self._resident.entries), tokens=self._resident.n_tokens,
+                                  budget=self._resident.budget, evicted=self._resident.evicted))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout)
+        self._resident.clear()
         self.model.close()
         if self.vision is not None:
             self.vision.close()
@@ -396,7 +464,29 @@ class Engine:
             while self._waiting and len(self._running) < self.config.max_seqs:
                 s = self._waiting.popleft()
                 s.t_start = time.monotonic()
+                if self.runner is not None:
+                    s.slot = self._free_slots.pop()
+                else:
+                    self._reuse_prefix(s)
                 self._running.append(s)
+
+    def _reuse_prefix(self, s: _Sequence) -> None:
+        """Start s from the longest prefix of its prompt that a resident or running sequence holds."""
+        if self._resident.budget <= 0 or s.vision is not None or s.n_prompt < 2 * ROW_BLOCK:
+            return
+        running = [Entry(r.tokens[:r.n_computed], r.kv, r.checkpoints) for r in self._running
+                   if r.vision is None and r.kv is not None]
+        n, entry, _ = self._resident.best(s.tokens[:s.n_prompt], bool(self.spec.recurrent_layers), running)
+        if entry is None:
+            return
+        old = s.kv
+        s.kv = entry.kv.fork()
+        old.release()
+        if entry.checkpoints:
+            s.kv.restore(entry.checkpoints[n])
+        s.kv.truncate(n)
+        s.n_computed = s.cached = n
+        self._totals["cached_tokens"] += n
 
     def _drop_cancelled(self) -> None:
         for s in [s for s in self._running + list(self._waiting) if s.handle.cancelled]:
@@ -417,7 +507,8 @@ class Engine:
         for s in self._running:
             if s.n_computed < s.n_prompt:
                 lo = s.n_computed
-                hi = min(lo + self.config.prefill_chunk, s.n_prompt)
+                pc = self.config.prefill_chunk
+                hi = min((lo // pc + 1) * pc, s.n_prompt)   # chunk ends at fixed positions, even after a reused prefix
                 vp = s.vision
                 if vp is not None:
                     hi = vp.chunk_end(lo, hi)  # an image attended both ways is never split
@@ -472,7 +563,42 @@ class Engine:
             vp.encode_ms += 1000 * (time.monotonic() - t0)
             self._totals["image_encode_ms"] += round(1000 * (time.monotonic() - t0), 3)
 
+    def _step_runner(self) -> None:
+        """One step on the runner: every generating sequence's next token in one decode call (a CUDA
+        graph on the GPU), then prompt chunks (each cut at multiples of prefill_chunk) within the
+        step's token budget, in arrival order."""
+        t0 = time.monotonic()
+        r = self.runner
+        budget = max(self.config.step_tokens, len(self._running))
+        dec = [s for s in self._running if s.n_computed >= s.n_prompt]
+        results = []
+        if dec:
+            pos = [len(s.tokens) - 1 for s in dec]
+            logits = r.decode([s.slot for s in dec], [s.tokens[-1] for s in dec], pos).float().cpu()
+            results += [(s, p + 1, logits[i]) for i, (s, p) in enumerate(zip(dec, pos))]
+            budget -= len(dec)
+        rows = len(dec)
+        for s in [s for s in self._running if s.n_computed < s.n_prompt]:
+            lo = s.n_computed
+            hi = min(lo + self.config.prefill_chunk, s.n_prompt)
+            if hi - lo > budget and rows:
+                continue
+            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=self.config.prefill_chunk)
+            results.append((s, hi, out[-1].float().cpu() if hi == s.n_prompt else None))
+            budget -= hi - lo
+            rows += hi - lo
+        for s, n_computed, lg in results:
+            s.n_computed = n_computed
+            if lg is not None:
+                if s.n_generated == 0:
+                    self._totals["prompt_tokens"] += s.n_prompt
+                self._on_logits(s, lg)
+        self._last_step = {"rows": rows, "seqs": len(results), "ms": round(1000 * (time.monotonic() - t0), 2)}
+        self._totals["steps"] += 1
+
     def _step(self) -> None:
+        if self.runner is not None:
+            return self._step_runner()
         t0 = time.monotonic()
         if self.vision is not None:
             self._encode_images()
@@ -481,8 +607,11 @@ class Engine:
             return
         logits = self.model.forward([c for _, c in plan])
         rows = sum(len(c.tokens) for _, c in plan)
+        recurrent = bool(self.spec.recurrent_layers) and self._resident.budget > 0
         for (s, c), lg in zip(plan, logits):
             s.n_computed = c.start + len(c.tokens)
+            if recurrent and s.vision is None and s.n_computed <= s.n_prompt:
+                add_checkpoint(s.checkpoints, s.kv)   # a later request can resume here
             if s.n_computed == s.n_prompt and s.n_generated == 0:
                 self._totals["prompt_tokens"] += s.n_prompt
             if lg.shape[0]:
@@ -537,7 +666,17 @@ class Engine:
                 self._waiting.remove(s)
             else:
                 return
-        s.kv = None  # frees the sequence's KV now
+        if s.kv is not None:
+            if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
+                if self.spec.recurrent_layers:
+                    add_checkpoint(s.checkpoints, s.kv)
+                self._resident.add(s.id, Entry(s.tokens[:s.n_computed], s.kv, s.checkpoints))
+            else:
+                s.kv.release()
+        s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
+        if getattr(s, "slot", None) is not None:
+            self._free_slots.append(s.slot)   # the runner's slot: its KV is overwritten by the next user
+            s.slot = None
         now = time.monotonic()
         t_first = s.t_first or now
         n_gen = s.n_generated

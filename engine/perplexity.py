@@ -120,11 +120,15 @@ def make_chunks(tokens: list[int], n_ctx: int, n_chunks: int, bos_id: int | None
 
 
 def _chunk_logprobs(model, chunk: np.ndarray, first: int, n_batch: int, cache_type_k: str | None = None,
-                    cache_type_v: str | None = None) -> torch.Tensor:
-    """Log-softmax [n_ctx - 1 - first, vocab] of a fresh-context evaluation, fed n_batch at a time."""
+                    cache_type_v: str | None = None, runner=None) -> torch.Tensor:
+    """Log-softmax [n_ctx - 1 - first, vocab] of a fresh-context evaluation, fed n_batch at a time
+    (through `runner`, engine/runner.py, when given: the GPU path, slot 0)."""
+    n_ctx = len(chunk)
+    if runner is not None:
+        logits = runner.prefill(0, torch.from_numpy(chunk), chunk=n_batch, all_logits=True)
+        return torch.log_softmax(logits[first:n_ctx - 1].double().cpu(), dim=-1)
     kv = model.new_kv(cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     out = []
-    n_ctx = len(chunk)
     for start in range(0, n_ctx, n_batch):
         toks = torch.from_numpy(chunk[start:start + n_batch])
         want_from = max(0, first - start)
@@ -191,9 +195,10 @@ class BaseWriter:
 def perplexity(model, tokenizer, text: str | None = None, n_ctx: int = 512, n_chunks: int = -1,
                n_batch: int = 2048, base: BaseLogprobs | None = None, progress=None,
                cache_type_k: str | None = None, cache_type_v: str | None = None,
-               save_base: str | Path | None = None) -> PerplexityResult:
+               save_base: str | Path | None = None, runner=None) -> PerplexityResult:
     """llama-perplexity's numbers. cache_type_k/v: the KV cache types (default: the model's);
-    save_base: also write this run's log-probs as a KL-divergence base file for later runs."""
+    save_base: also write this run's log-probs as a KL-divergence base file for later runs;
+    runner: evaluate through engine/runner.py (the GPU path) instead of the model's CPU forward."""
     t0 = time.time()
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     if base is not None:
@@ -215,7 +220,7 @@ def perplexity(model, tokenizer, text: str | None = None, n_ctx: int = 512, n_ch
     per_chunk = n_ctx - 1 - first
     writer = BaseWriter(save_base, n_ctx, chunks) if save_base else None
     for i, chunk in enumerate(chunks):
-        lp = _chunk_logprobs(model, chunk, first, n_batch, cache_type_k, cache_type_v)
+        lp = _chunk_logprobs(model, chunk, first, n_batch, cache_type_k, cache_type_v, runner)
         if writer is not None:
             writer.write(lp)
         targets = torch.from_numpy(chunk[first + 1:]).long()

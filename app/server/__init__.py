@@ -37,8 +37,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond the running ones; more get 429 (default 64)")
     p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=0, metavar="N",
                    help="context per conversation (default: the model's)")
-    p.add_argument("--cache-type-k", default="f16", help="KV cache type for K (only f16 on the CPU engine for now)")
-    p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (only f16 on the CPU engine for now)")
+    p.add_argument("--cache-type-k", default="f16",
+                   help="KV cache type for K: f16, bf16, q8_0, turbo4, turbo3, turbo2, turbo3_tcq, turbo2_tcq "
+                        "(the GPU path: f16, bf16, q8_0)")
+    p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (same choices)")
+    p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
+                                                    "cache types), cpu or cuda")
     p.add_argument("--spec", default="off", help="speculative decoding: off (drafters come with the GPU engine)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -76,9 +80,12 @@ def run_serve(args) -> int:
     except SettingsError as e:
         err(e)
         return 2
+    from kernels.kvcodec import cache_type_name
     for name in ("cache_type_k", "cache_type_v"):
-        if getattr(args, name) not in ("f16", "F16"):
-            err(f"--{name.replace('_', '-')} {getattr(args, name)}: only f16 is available in this engine build")
+        try:
+            setattr(args, name, cache_type_name(getattr(args, name).lower()))
+        except ValueError as e:
+            err(f"--{name.replace('_', '-')}: {e}")
             return 2
     if args.spec not in ("off", "none"):
         err(f"--spec {args.spec}: speculative decoding is not available in this engine build (use off)")
@@ -94,7 +101,9 @@ def run_serve(args) -> int:
         from engine.engine import Engine, EngineConfig
         try:
             eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
-                                      max_queue=args.max_queue, threads=args.threads),
+                                      max_queue=args.max_queue, threads=args.threads,
+                                      device=args.device, cache_type_k=args.cache_type_k,
+                                      cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))
         except Exception as e:  # shown by /health and the log; the server keeps answering 503
             logging.getLogger("hivejet.server").error("model failed to load: %s", e)

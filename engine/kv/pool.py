@@ -31,12 +31,31 @@ class PoolFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class LayerKV:
-    """Shape of one attention layer's KV: heads, K and V head sizes, sliding window (0: none)."""
+    """Shape of one attention layer's KV: heads, K and V head sizes, sliding window (0: none), and
+    the keys' RoPE pairs (for the key preconditioning of engine/kv/sequence.py): `partner[c]`, the
+    channel RoPE rotates channel c with (c itself where not rotated); None: unknown."""
 
     n_head_kv: int
     head_dim_k: int
     head_dim_v: int
     window: int = 0
+    partner: tuple[int, ...] | None = None
+
+
+def rope_key_pairs(head_dim: int, rope_dim: int, neox: bool, inv_freq=None, horizon: int = 0,
+                   max_angle: float = 1.0) -> tuple[int, ...]:
+    """partner[c] of a head whose first `rope_dim` channels RoPE rotates in pairs: (i, i + rope_dim/2)
+    for NEOX, (2i, 2i+1) otherwise, at inv_freq[i] radians per position. A pair that turns less than
+    `max_angle` over `horizon` positions (the model's context), and unrotated channels, are their own
+    partners: their energy stays where it is."""
+    partner = list(range(head_dim))
+    half = rope_dim // 2
+    for i in range(half):
+        if inv_freq is not None and float(inv_freq[i]) * horizon < max_angle:
+            continue
+        a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        partner[a], partner[b] = b, a
+    return tuple(partner)
 
 
 class LayerGroup:
@@ -145,15 +164,19 @@ class KVPool:
             self.add_layer(il, spec)
 
     @classmethod
-    def for_model(cls, spec, cache_type_k: str = "f16", cache_type_v: str | None = None, **kw) -> "KVPool":
+    def for_model(cls, spec, cache_type_k: str = "f16", cache_type_v: str | None = None, rope=None,
+                  **kw) -> "KVPool":
         """A pool for a ModelSpec: its attention layers only (not qwen35's recurrent layers), with
-        gemma3's sliding-window layers in their own group."""
+        gemma3's sliding-window layers in their own group. rope(il) -> (rope_dim, neox, inv_freq) or
+        None: the layer's key RoPE (the model knows it), for the key preconditioning."""
         layers = {}
         for il in range(spec.n_layer):
             if spec.is_recurrent(il):
                 continue
             window = spec.sliding_window if spec.is_swa(il) else 0
-            layers[il] = LayerKV(spec.n_head_kv, spec.head_dim, spec.head_dim_v, window)
+            r = rope(il) if rope is not None else None
+            partner = rope_key_pairs(spec.head_dim, *r, horizon=spec.context_length) if r is not None else None
+            layers[il] = LayerKV(spec.n_head_kv, spec.head_dim, spec.head_dim_v, window, partner)
         return cls(layers, cache_type_k, cache_type_v, **kw)
 
     def add_layer(self, layer: int, spec: LayerKV) -> LayerGroup:

@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--types", nargs="+", default=None, help="K/V pairs as K:V (default: all of TYPES)")
     ap.add_argument("--plain-keys", action="store_true",
                     help="turn the key preconditioning (centering + smoothing) off; runs get a '.plain' suffix")
+    ap.add_argument("--smooth-clamp", type=float, default=None,
+                    help="SequenceKV.SMOOTH_CLAMP for these runs (files get a '.cX' suffix)")
     args = ap.parse_args(argv)
     types = [tuple(t.split(":")) if ":" in t else (t, t) for t in args.types] if args.types else TYPES
     suffix = ""
@@ -66,6 +68,10 @@ def main(argv=None) -> int:
         from engine.kv import SequenceKV
         SequenceKV.PRECONDITION_KEYS = False
         suffix = ".plain"
+    if args.smooth_clamp is not None:
+        from engine.kv import SequenceKV
+        SequenceKV.SMOOTH_CLAMP = args.smooth_clamp
+        suffix += f".c{args.smooth_clamp:g}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

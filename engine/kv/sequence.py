@@ -10,18 +10,20 @@ attention output is rotated back.
 Key preconditioning (rotated K cache types only), exact for attention:
 - centering: the keys of a head share a large common component (35-75 % of their energy in
   SmolLM2 and Gemma-3), which the rotation would spread over every coordinate, so its quantization
-  error would land on the part that matters. The codec stores k - m, m the mean key of the
-  sequence's first chunk (per layer and KV head). Scores change by q.m, the same for every key of
-  a query, which softmax ignores: nothing is added back.
-- smoothing: the codec stores (k - m) / w and the query is multiplied by w, w per channel
-  (sqrt(rms(k - m) / rms(q)) over the first chunk, per layer and KV head, clamped to 1/8..8 around
-  its geometric mean): q.k is unchanged, and the rotated-domain quantization noise, white in the
-  stored domain, weighs less where the queries are large (score-error variance down 1.6x (SmolLM2)
-  and 1.9x (Gemma-3) at the median head).
-Both are per-sequence constants fixed by its first chunk (`kprep`; a first chunk of fewer than 16
-tokens leaves the keys as they are), so a sequence's numbers do not depend on other sequences; a
-fork shares them with its blocks. (Centering V, adding its mean back
-to the output, measured worse: attention-sink tokens have small values far from the mean.)
+  error would land on the part that matters. The codec stores k - c_s, c_s the center of the key's
+  segment (SEGMENT = 256 positions): the mean of that segment's keys when the chunk writing it
+  brings at least 64 of them, else of the previous 256 stored keys. Attention adds q . c_s to the
+  score of each key of segment s (`score_bias`), which restores q . k exactly. Centers per segment
+  because RoPE turns most channels: one mean taken at the start goes stale thousands of positions
+  later (measured: one center for the whole sequence wrecked 8K-token passkey retrieval).
+- smoothing: the codec stores (k - c) / w and the query is multiplied by w (`prep_query`), w per
+  channel, sqrt(rms(k - c) / rms(q)) over the first chunk with each RoPE pair's two channels pooled
+  (RoPE moves energy within a pair, so the pooled weights hold at every position), within 1/2..2
+  of its geometric mean: q.k is unchanged, and the quantization noise, white in the stored domain,
+  weighs less where the queries are large.
+Both are per-sequence constants (a sequence's numbers do not depend on other sequences); a fork
+shares them with its blocks. (Centering V, adding its mean back to the output, measured worse:
+attention-sink tokens have small values far from the mean.)
 
 Blocks are released when the sequence is released (`release()`) or garbage-collected.
 """
@@ -96,7 +98,7 @@ class SequenceKV:
         self.length = 0  # tokens stored (committed after each forward)
         self.recurrent: dict[int, tuple[torch.Tensor, ...]] = {}
         self.recurrent_length = 0  # tokens the recurrent states have consumed
-        self.kprep: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # layer -> (key mean, channel weights)
+        self.kprep: dict[int, dict] = {}  # layer -> key preconditioning: {"w": weights, "centers": [per segment]}
         self._finalizer = weakref.finalize(self, _release_tables, self.tables)
 
     @property
@@ -153,56 +155,122 @@ class SequenceKV:
                 t.blocks[i] = nb
                 t._changed()
 
-    SMOOTH_CLAMP = 8.0
     PRECONDITION_KEYS = True   # False: the plain codec (for measuring what centering + smoothing buy)
-    PREP_MIN_TOKENS = 16       # a shorter first chunk leaves the keys as they are
+    SMOOTH_CLAMP = 2.0         # channel weights within 1/2..2 of their geometric mean
+    PREP_MIN_TOKENS = 16       # a first chunk shorter than this gets no smoothing (and centers need 16 keys)
+    SEGMENT = 256              # positions per key center
+    SEG_MIN_KEYS = 64          # a segment's own keys give its center when a chunk brings this many
 
-    def _kprep(self, layer: int, k: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The layer's key preconditioning (mean [Hkv, D], weights [Hkv, D] or None), fixed by the
-        first chunk written; None when the K cache type is not rotated."""
+    def _kp(self, layer: int) -> dict | None:
+        return self.kprep.get(layer)
+
+    def _first_kprep(self, layer: int, start: int, k: torch.Tensor, q: torch.Tensor | None) -> dict | None:
+        """The layer's key preconditioning, made on its first write: channel weights from this chunk
+        (RoPE pairs pooled), and the list of segment centers."""
         if not self.pool.codec_k.rotated or not self.PRECONDITION_KEYS:
             return None
-        c = self.kprep.get(layer)
-        if c is None and k.shape[0]:
-            kf = k.float()
-            w = None
-            if k.shape[0] < self.PREP_MIN_TOKENS:   # too few keys to estimate from: the plain codec
-                mean = torch.zeros_like(kf[0])
-            else:
-                mean = kf.mean(0)
-            if q is not None and k.shape[0] >= self.PREP_MIN_TOKENS:
+        kp = self.kprep.get(layer)
+        if kp is None:
+            kp = self.kprep[layer] = {"w": None, "centers": [], "stacked": None}
+            self._add_centers(layer, kp, start, k)
+            n = k.shape[0]
+            if q is not None and n >= self.PREP_MIN_TOKENS:
+                spec = self.pool.layers[layer]
                 hkv, d = k.shape[1], k.shape[2]
+                kc = k.float() - self._centers_at(kp, start, n)
                 qg = q.float()[..., :d].reshape(q.shape[0], hkv, -1, d)          # [n, Hkv, G, D]
-                rk = (kf - mean).pow(2).mean(0).sqrt()
-                rq = qg.pow(2).mean((0, 2)).sqrt()
-                w = (rk.clamp_min(1e-12) / rq.clamp_min(1e-12)).sqrt()
+                ek = kc.pow(2).mean(0)
+                eq = qg.pow(2).mean((0, 2))
+                if spec.partner is not None:        # RoPE turns each pair: pool its energy, so the
+                    part = torch.tensor(spec.partner)   # weights hold at every position
+                    ek = (ek + ek[:, part]) / 2
+                    eq = (eq + eq[:, part]) / 2
+                w = (ek.sqrt().clamp_min(1e-12) / eq.sqrt().clamp_min(1e-12)).sqrt()
                 gm = w.log().mean(-1, keepdim=True).exp()
-                w = (w / gm).clamp(1 / self.SMOOTH_CLAMP, self.SMOOTH_CLAMP)
-            c = self.kprep[layer] = (mean.to(self.pool.device), None if w is None else w.to(self.pool.device))
-        return c
+                kp["w"] = (w / gm).clamp(1 / self.SMOOTH_CLAMP, self.SMOOTH_CLAMP).to(self.pool.device)
+        return kp
 
-    def _prep_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        c = self.kprep.get(layer)
-        if c is None:
+    def _add_centers(self, layer: int, kp: dict, start: int, k: torch.Tensor) -> None:
+        """Centers for every segment the rows start..start+n reach that has none yet: the mean of the
+        segment's own keys in this chunk when there are SEG_MIN_KEYS of them (or, for the first
+        segment, PREP_MIN_TOKENS), else of the stored keys of the previous SEGMENT positions."""
+        seg, n = self.SEGMENT, k.shape[0]
+        end = start + n
+        cs = kp["centers"]
+        while len(cs) * seg < end:
+            s = len(cs)
+            lo, hi = max(s * seg, start), min((s + 1) * seg, end)
+            own = k[lo - start:hi - start].float() if hi > lo else k[:0].float()
+            if own.shape[0] >= (self.PREP_MIN_TOKENS if s == 0 else self.SEG_MIN_KEYS):
+                c = own.mean(0)
+            elif s == 0:
+                c = torch.zeros_like(k[0], dtype=torch.float32)
+            else:
+                c = self._recent_key_mean(layer, kp, s * seg, start, k)
+            cs.append(c.to(self.pool.device))
+            kp["stacked"] = None
+
+    def _recent_key_mean(self, layer: int, kp: dict, pos: int, start: int, k: torch.Tensor) -> torch.Tensor:
+        """Mean of the keys at positions pos - SEGMENT .. pos: stored ones (decoded) and this chunk's."""
+        lo = max(0, pos - self.SEGMENT)
+        parts = []
+        if lo < start:
+            t = self.tables[self.pool.group(layer).gid]
+            first, kp_rows, _ = self._gather(layer, t, start)
+            lo2 = max(lo, first)
+            if lo2 < start:
+                rows = kp_rows[lo2 - first:]
+                dec = self.pool.codec_k.decode(rows, k.shape[-1])
+                parts.append(self._unprep_keys(layer, lo2, dec))
+        if pos > start:
+            parts.append(k[max(0, lo - start):pos - start].float())
+        if not parts or sum(p.shape[0] for p in parts) == 0:
+            return kp["centers"][-1].clone() if kp["centers"] else torch.zeros_like(k[0], dtype=torch.float32)
+        return torch.cat(parts).mean(0)
+
+    def _stacked(self, kp: dict) -> torch.Tensor:
+        if kp["stacked"] is None or kp["stacked"].shape[0] != len(kp["centers"]):
+            kp["stacked"] = torch.stack(kp["centers"])                       # [n_seg, Hkv, D]
+        return kp["stacked"]
+
+    def _centers_at(self, kp: dict, first: int, n: int) -> torch.Tensor:
+        """Each position's center: [n, Hkv, D] for positions first..first+n."""
+        return self._stacked(kp)[torch.arange(first, first + n) // self.SEGMENT]
+
+    def _prep_keys(self, layer: int, start: int, k: torch.Tensor) -> torch.Tensor:
+        kp = self._kp(layer)
+        if kp is None:
             return k
-        mean, w = c
-        k = k.float() - mean
-        return k / w if w is not None else k
+        k = k.float() - self._centers_at(kp, start, k.shape[0])
+        return k / kp["w"] if kp["w"] is not None else k
 
-    def _unprep_keys(self, layer: int, K: torch.Tensor) -> torch.Tensor:
-        c = self.kprep.get(layer)
-        if c is None:
+    def _unprep_keys(self, layer: int, first: int, K: torch.Tensor) -> torch.Tensor:
+        kp = self._kp(layer)
+        if kp is None:
             return K
-        mean, w = c
-        return (K * w if w is not None else K) + mean
+        K = K * kp["w"] if kp["w"] is not None else K
+        return K + self._centers_at(kp, first, K.shape[0])
 
     def prep_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The query as the stored keys need it (times the layer's channel weights)."""
-        c = self.kprep.get(layer)
-        if c is None or c[1] is None:
+        kp = self._kp(layer)
+        if kp is None or kp["w"] is None:
             return q
-        w = c[1]                                                              # [Hkv, D]
+        w = kp["w"]                                                           # [Hkv, D]
         return q.float() * w.repeat_interleave(q.shape[1] // w.shape[0], dim=0)
+
+    def score_bias(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """(bias [T, H, n_seg], SEGMENT): what to add to the score of a key in segment s (before the
+        scale) to undo its centering: q . center_s. (None, 0) for a layer without centering."""
+        kp = self._kp(layer)
+        if kp is None:
+            return None, 0
+        c = self._stacked(kp)                                                 # [n_seg, Hkv, D]
+        T, H, D = q.shape
+        hkv = c.shape[1]
+        qg = q.float()[..., :c.shape[2]].reshape(T, hkv, H // hkv, -1)
+        bias = torch.einsum("tkgd,skd->tkgs", qg, c)
+        return bias.reshape(T, H, c.shape[0]), self.SEGMENT
 
     def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None) -> BlockTable:
         n = k.shape[0]
@@ -212,8 +280,10 @@ class SequenceKV:
             return t
         g, bs, p = t.group, self.pool.block_size, self.pool
         k, v = k.to(p.device), v.to(p.device)
-        self._kprep(layer, k, q)
-        k = self._prep_keys(layer, k)
+        kp = self._first_kprep(layer, start, k, q)
+        if kp is not None:
+            self._add_centers(layer, kp, start, k)
+            k = self._prep_keys(layer, start, k)
         pos = torch.arange(start, start + n)
         blk = t.tensor()[pos // bs].to(g.k[layer].device)
         slot = (pos % bs).to(blk.device)
@@ -238,8 +308,8 @@ class SequenceKV:
         (float32, original domain; a sliding-window layer's from the first block it still holds:
         `first_position(layer)`)."""
         t = self._write(layer, start, k, v)
-        _, kp, vp = self._gather(layer, t, start + k.shape[0])
-        K = self._unprep_keys(layer, self.pool.codec_k.decode(kp, k.shape[-1]))
+        first, kp, vp = self._gather(layer, t, start + k.shape[0])
+        K = self._unprep_keys(layer, first, self.pool.codec_k.decode(kp, k.shape[-1]))
         return K, self.pool.codec_v.decode(vp, v.shape[-1])
 
     def first_position(self, layer: int) -> int:
@@ -258,7 +328,9 @@ class SequenceKV:
         K = ck.decode_stored(kp)
         V = cv.decode_stored(vp)
         qs = ck.to_stored(self.prep_query(layer, q))
-        out = causal_attention(qs, K, V, start, scale, window, k_start=first, bidirectional=bidirectional)
+        bias, seg = self.score_bias(layer, q)
+        out = causal_attention(qs, K, V, start, scale, window, k_start=first, bidirectional=bidirectional,
+                               seg_bias=bias, seg_len=seg)
         return cv.from_stored(out, v.shape[-1])
 
     def truncate(self, length: int) -> None:
@@ -289,7 +361,8 @@ class SequenceKV:
             t.group.incref(nt.blocks)
             other.tables[gid] = nt
         other.length = self.length
-        other.kprep = dict(self.kprep)
+        other.kprep = {il: {"w": kp["w"], "centers": list(kp["centers"]), "stacked": None}
+                       for il, kp in self.kprep.items()}
         other.recurrent = {il: tuple(x.clone() for x in st) for il, st in self.recurrent.items()}
         other.recurrent_length = self.recurrent_length
         return other

@@ -6,12 +6,14 @@ so each weight matrix is read once per step; attention runs per sequence over it
 """
 from __future__ import annotations
 
+import contextvars
 import math
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.reader import GGUFError, GGUFFile
@@ -22,6 +24,9 @@ from kernels.quant import (check_supported, dequantize_rows, matmul_row_invarian
                            round_activations_like_llamacpp)
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+# True while the GPU path runs prompt rows (engine/runner.py's prefill): matmuls then take their
+# prefill configuration (kernels/quant/packed.py: tuned_config)
+PREFILL_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("prefill_rows", default=False)
 _POOL_LOCK = threading.Lock()
 
 
@@ -53,15 +58,49 @@ class Weight:
     def n_in(self) -> int:
         return self.shape[-1]
 
+    gpu = None  # the matrix on the GPU (engine/runner.py): a PackedWeight, or a float tensor for F32/F16/BF16
+
+    def to_device(self, device: torch.device) -> None:
+        """Put this tensor on `device` once: vectors as float32, matrices repacked for the GPU
+        kernels (kernels/quant/packed.py) or, for float types, as they are."""
+        if self.dense is not None:
+            self.dense = self.dense.to(device)
+            return
+        if device.type == "cpu" or self.gpu is not None:
+            return
+        from kernels.quant.packed import pack_weight
+        raw = self.raw.to(device)
+        if self.qtype in _FLOAT_TYPES:
+            dt = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}[self.qtype]
+            self.gpu = raw.view(dt).view(self.n_out, self.n_in)
+        else:
+            self.gpu = pack_weight(raw, self.qtype, self.n_out, self.n_in)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, n_in] float32 -> x @ W.T [M, n_out]."""
+        if x.is_cuda:
+            return self._matmul_gpu(x)
         if self.qtype == QT.F32:
             return matmul_row_invariant(x, self.raw.view(torch.float32).view(self.n_out, self.n_in))
         x = round_activations_like_llamacpp(x, self.qtype)
         return quantized_matmul_ref(x, self.raw, self.qtype, self.n_out, self.n_in)
 
+    def _matmul_gpu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gpu is None:
+            raise RuntimeError(f"tensor {self.name!r} is not on the GPU (call model.to_device first)")
+        if isinstance(self.gpu, torch.Tensor):
+            w = self.gpu
+            return (x.to(w.dtype) @ w.T).float()
+        from kernels.quant.packed import matmul_tuned
+        return matmul_tuned(x, self.gpu, PREFILL_ROWS.get())
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantize only the given rows (embedding lookup)."""
+        if self.gpu is not None and ids.is_cuda:
+            if isinstance(self.gpu, torch.Tensor):
+                return self.gpu[ids].float()
+            from kernels.quant.packed import packed_rows
+            return packed_rows(self.gpu, ids)
         row_bytes = self.raw.numel() // self.n_out
         raw_rows = self.raw.view(self.n_out, row_bytes)[ids]
         return dequantize_rows(raw_rows, self.qtype, self.n_in)
@@ -91,9 +130,37 @@ class WeightSet:
         return self.get(name, shape) if self.has(name) else None
 
 
+# Elementwise ops: torch on the CPU; on the GPU the fused Triton kernels of kernels/fused.py (one
+# launch each instead of several, which matters inside a decode step's CUDA graph).
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if x.is_cuda and x.ndim in (2, 3):
+        from kernels import fused
+        return fused.rms_norm(x, w, eps) if x.ndim == 2 else fused.head_rms_norm(x, w, eps)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * w if w is not None else y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.is_cuda:
+        from kernels import fused
+        return fused.silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.is_cuda:
+        from kernels import fused
+        return fused.gelu_tanh_mul(gate, up)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def sigmoid_mul(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """a * sigmoid(gate) (gate reshaped to a's shape)."""
+    if a.is_cuda:
+        from kernels import fused
+        return fused.sigmoid_gate_mul(a, gate)
+    return a * torch.sigmoid(gate.reshape(a.shape))
 
 
 class Rope:
@@ -111,6 +178,9 @@ class Rope:
             inv = inv / freq_factors.to(torch.float64)
         self.inv_freq = inv
 
+    def to_device(self, device: torch.device) -> None:
+        self.inv_freq = self.inv_freq.to(device)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         theta = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
         return theta.cos().float(), theta.sin().float()
@@ -118,6 +188,9 @@ class Rope:
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, H, D]; cos/sin [N, dim/2]."""
         d = self.dim
+        if x.is_cuda:
+            from kernels import fused
+            return fused.rope(x, cos, sin, d, self.neox)
         rot, rest = x[..., :d], x[..., d:]
         c, s = cos[:, None, :], sin[:, None, :]
         if self.neox:
@@ -160,6 +233,7 @@ class Batch:
     positions: torch.Tensor = field(init=False)
     offsets: list[int] = field(init=False)
     rope: dict = field(init=False, default_factory=dict)  # cos/sin tables, filled by the model's prepare()
+    slots = None  # set by engine/runner.py's SlotBatch: rows live in the runner's static KV/state slots
 
     def __post_init__(self):
         self.offsets = [0]
@@ -242,6 +316,8 @@ class DecoderModel:
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
                scale: float, window: int = 0) -> torch.Tensor:
         """Write each chunk's k, v into its KV and attend its queries over everything stored."""
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py)
+            return batch.attend(il, q, k, v, scale, window)
         outs = []
         for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
             outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
@@ -267,8 +343,16 @@ class DecoderModel:
             pools = self.__dict__.setdefault("_kv_pools", {})
             pool = pools.get((kt, vt))
             if pool is None:
-                pool = pools[(kt, vt)] = KVPool.for_model(self.spec, kt, vt, block_size=self.kv_block_size)
+                pool = pools[(kt, vt)] = KVPool.for_model(self.spec, kt, vt, rope=self.kv_rope,
+                                                          block_size=self.kv_block_size)
             return pool
+
+    def kv_rope(self, il: int):
+        """(rope_dim, neox, inv_freq) of layer il's keys, for the KV cache's key preconditioning."""
+        rope = getattr(self, "rope", None)
+        if rope is None:
+            return None
+        return rope.dim, getattr(rope, "neox", True), rope.inv_freq
 
     def new_kv(self, dtype: torch.dtype | None = None, cache_type_k: str | None = None,
                cache_type_v: str | None = None) -> SequenceKV:
@@ -277,6 +361,24 @@ class DecoderModel:
         if dtype is not None:
             cache_type_k = cache_type_v = cache_type_name(dtype)
         return SequenceKV(self.spec.n_layer, pool=self.kv_pool(cache_type_k, cache_type_v))
+
+    # ----- device -----
+    device = torch.device("cpu")
+
+    def to_device(self, device) -> None:
+        """Move the model to `device` once (weights repacked for the GPU kernels; engine/runner.py
+        runs it there). The CPU copy of the weights stays the memory-mapped file."""
+        device = torch.device(device)
+        for w in self.w._cache.values():
+            w.to_device(device)
+        for layer in list(getattr(self, "layers", [])) + [getattr(self, "mtp", None) or {}]:
+            for key, val in layer.items():
+                if isinstance(val, torch.Tensor):
+                    layer[key] = val.to(device)
+        for rope in self.__dict__.values():
+            if isinstance(rope, Rope):
+                rope.to_device(device)
+        self.device = device
 
     def close(self) -> None:
         self.w = None

@@ -6,9 +6,8 @@ before; GELU(tanh)-gated FFN; output tied to the embedding. GGUF norm weights al
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from engine.models.common import Batch, DecoderModel, Rope, rms_norm
+from engine.models.common import Batch, DecoderModel, Rope, gelu_tanh_mul, rms_norm
 
 
 class Gemma3Model(DecoderModel):
@@ -40,6 +39,10 @@ class Gemma3Model(DecoderModel):
                 post_ffn_norm=w.get(p + "post_ffw_norm.weight", (s.n_embd,)),
             ))
 
+    def kv_rope(self, il: int):
+        rope = self.rope_local if self.spec.is_swa(il) else self.rope_global
+        return rope.dim, True, rope.inv_freq
+
     def prepare(self, batch: Batch) -> None:
         batch.rope[False] = self.rope_global.cos_sin(batch.positions)
         batch.rope[True] = self.rope_local.cos_sin(batch.positions)
@@ -60,6 +63,6 @@ class Gemma3Model(DecoderModel):
         a = L["wo"].matmul(a.reshape(n, -1))
         x = x + rms_norm(a, L["post_attn_norm"].dense, s.rms_eps)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
-        f = F.gelu(L["gate"].matmul(h), approximate="tanh") * L["up"].matmul(h)
+        f = gelu_tanh_mul(L["gate"].matmul(h), L["up"].matmul(h))
         f = L["down"].matmul(f)
         return x + rms_norm(f, L["post_ffn_norm"].dense, s.rms_eps)

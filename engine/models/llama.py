@@ -4,9 +4,8 @@ rope_freqs factors (Llama 3.1 scaling), SwiGLU FFN, output tied to the embedding
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from engine.models.common import Batch, DecoderModel, Rope, default_attn_scale, rms_norm
+from engine.models.common import Batch, DecoderModel, Rope, default_attn_scale, rms_norm, silu_mul
 
 
 class LlamaModel(DecoderModel):
@@ -68,7 +67,7 @@ class LlamaModel(DecoderModel):
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, -1)
         x = x + self._proj(L["wo"], L["bo"], a)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
-        f = F.silu(L["gate"].matmul(h)) * L["up"].matmul(h)
+        f = silu_mul(L["gate"].matmul(h), L["up"].matmul(h))
         return x + L["down"].matmul(f)
 
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.gguf.reader import GGUFError
-from engine.models.common import Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm
+from engine.models.common import (Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm,
+                                  sigmoid_mul, silu_mul)
 from kernels.quant import dequantize_rows
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
@@ -55,6 +56,10 @@ class MRope(Rope):
             else:
                 axis.append(3)
         self.axis = torch.tensor(axis, dtype=torch.long)
+
+    def to_device(self, device: torch.device) -> None:
+        super().to_device(device)
+        self.axis = self.axis.to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] (text: one position for all axes) or [N, 3] (t, h, w) or [N, 4]."""
@@ -114,10 +119,10 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     kb = k * beta[..., None]
     vb = v * beta[..., None]
     gc = g.cumsum(-1)                                              # [H, N, C] log decay since chunk start
-    incl = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~incl, float("-inf")).exp()  # [H, N, C, C]
     lower = ((kb @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(chunk, dtype=q.dtype)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     system = lower + eye
     u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)                      # [H,N,C,Dv]
     w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)  # [H,N,C,Dk]
@@ -126,7 +131,7 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     kg = k * (gc[..., -1:] - gc).exp()[..., None]
     g_last = gc[..., -1].exp()                                      # [H, N]
     S = state
-    out = torch.empty(H, n_chunks, chunk, Dv, dtype=q.dtype)
+    out = torch.empty(H, n_chunks, chunk, Dv, dtype=q.dtype, device=q.device)
     for i in range(n_chunks):
         v_new = u[:, i] - w[:, i] @ S
         out[:, i] = qg[:, i] @ S + qk[:, i] @ v_new
@@ -276,7 +281,7 @@ class Qwen35Model(DecoderModel):
 
     def _ffn(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, L["post_norm"].dense, self.spec.rms_eps)
-        return x + L["down"].matmul(F.silu(L["gate"].matmul(h)) * L["up"].matmul(h))
+        return x + L["down"].matmul(silu_mul(L["gate"].matmul(h), L["up"].matmul(h)))
 
     def _gated_attention(self, il: int, L: dict, h: torch.Tensor, batch: Batch) -> torch.Tensor:
         s = self.spec
@@ -291,42 +296,52 @@ class Qwen35Model(DecoderModel):
         q = self.rope.apply(q, cos, sin)
         k = self.rope.apply(k, cos, sin)
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, s.n_head * hd)
-        a = a * torch.sigmoid(gate.reshape(n, s.n_head * hd))
+        a = sigmoid_mul(a, gate)
         return L["wo"].matmul(a)
 
     def _gated_delta_net(self, il: int, L: dict, h: torch.Tensor, batch: Batch) -> torch.Tensor:
         s = self.spec
         n = h.shape[0]
-        Hk, Hv, D, K = self.n_k_heads, self.n_v_heads, self.d_state, s.ssm_d_conv
+        Hv, D = self.n_v_heads, self.d_state
         qkv = L["wqkv"].matmul(h)                                             # [n, conv_dim]
         z = L["wz"].matmul(h)                                                 # [n, Hv * D]
         beta = torch.sigmoid(L["beta"].matmul(h))                             # [n, Hv]
         g = F.softplus(L["alpha"].matmul(h) + L["dt"].dense) * L["a"].dense   # [n, Hv], log decay <= 0
-        outs = []
-        for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
-            m = hi - lo
-            st = c.kv.recurrent.get(il)
-            if st is None:
-                conv_state = qkv.new_zeros((K - 1, self.conv_dim))
-                S = qkv.new_zeros((Hv, D, D))
-            else:
-                conv_state, S = st
-            xin = torch.cat([conv_state, qkv[lo:hi]], dim=0)                 # [K-1+m, conv_dim]
-            conv = (xin.unfold(0, K, 1) * L["conv"]).sum(-1)                  # [m, conv_dim]
-            conv = F.silu(conv)
-            q = l2_norm(conv[:, :self.key_dim].reshape(m, Hk, D), s.rms_eps)
-            k = l2_norm(conv[:, self.key_dim:2 * self.key_dim].reshape(m, Hk, D), s.rms_eps)
-            v = conv[:, 2 * self.key_dim:].reshape(m, Hv, D)
-            if Hv != Hk:  # tiled V-head order: V head j uses K head j % Hk (ggml_repeat)
-                q = q.repeat(1, Hv // Hk, 1)
-                k = k.repeat(1, Hv // Hk, 1)
-            rule = delta_rule_recurrent if m == 1 else delta_rule_chunked
-            o, S = rule(q, k, v, g[lo:hi], beta[lo:hi], S)
-            c.kv.recurrent[il] = (xin[-(K - 1):].clone(), S)
-            outs.append(o)
-        o = torch.cat(outs, dim=0)                                            # [n, Hv, D]
-        o = rms_norm(o, L["ssm_norm"].dense, s.rms_eps) * F.silu(z.view(n, Hv, D))
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py)
+            o = batch.delta_net(il, self, L, qkv, g, beta)
+        else:
+            outs = []
+            for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
+                o, state = self.delta_net_rows(L, qkv[lo:hi], g[lo:hi], beta[lo:hi], c.kv.recurrent.get(il))
+                c.kv.recurrent[il] = state
+                outs.append(o)
+            o = torch.cat(outs, dim=0)
+        o = silu_mul(z.view(n, Hv, D), rms_norm(o, L["ssm_norm"].dense, s.rms_eps))
         return L["ssm_out"].matmul(o.reshape(n, Hv * D))
+
+    def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple]:
+        """One sequence's m consecutive rows through the conv and the delta rule, from `state`
+        (conv window [K-1, conv_dim], S [Hv, D, D]; None: zeros). Returns o [m, Hv, D] and the new state."""
+        s = self.spec
+        m = qkv.shape[0]
+        Hk, Hv, D, K = self.n_k_heads, self.n_v_heads, self.d_state, s.ssm_d_conv
+        if state is None:
+            conv_state = qkv.new_zeros((K - 1, self.conv_dim))
+            S = qkv.new_zeros((Hv, D, D))
+        else:
+            conv_state, S = state
+        xin = torch.cat([conv_state, qkv], dim=0)                            # [K-1+m, conv_dim]
+        conv = F.silu((xin.unfold(0, K, 1) * L["conv"]).sum(-1))            # [m, conv_dim]
+        q = l2_norm(conv[:, :self.key_dim].reshape(m, Hk, D), s.rms_eps)
+        k = l2_norm(conv[:, self.key_dim:2 * self.key_dim].reshape(m, Hk, D), s.rms_eps)
+        v = conv[:, 2 * self.key_dim:].reshape(m, Hv, D)
+        if Hv != Hk:  # tiled V-head order: V head j uses K head j % Hk (ggml_repeat)
+            q = q.repeat(1, Hv // Hk, 1)
+            k = k.repeat(1, Hv // Hk, 1)
+        rule = delta_rule_recurrent if m == 1 else delta_rule_chunked
+        o, S = rule(q, k, v, g, beta, S)
+        return o, (xin[-(K - 1):].clone(), S)
 
     # ------------------------------------------------------------------------------------------
     # MTP (NextN) block

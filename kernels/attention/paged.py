@@ -16,7 +16,8 @@ Both take a sliding window (keys with p - p' < window) and qwen35's output gate 
 
 The query must be given as the keys were stored: engine/kv's SequenceKV centers and smooths keys
 of rotated cache types per sequence, so its `prep_query(layer, q)` (q times the channel weights)
-is what goes in; centering needs nothing (softmax ignores the constant it adds to every score).
+is what goes in, with `score_bias(layer, q)` (q . the center of each key segment, added to the
+score of every key of that segment).
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def _next_pow2(n: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, cbk_ptr, cbv_ptr, acc_ptr, ml_ptr,
-                       scale, H, HKV, MAXB, RBK, RBV, NSPLIT, WINDOW: tl.constexpr,
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, cbk_ptr, cbv_ptr, acc_ptr, ml_ptr, sb_ptr,
+                       scale, H, HKV, MAXB, RBK, RBV, NSPLIT, NSEG, WINDOW: tl.constexpr, SEG: tl.constexpr,
                        G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BS: tl.constexpr, BLOCK_T: tl.constexpr, CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
         b = tl.program_id(0)
@@ -68,7 +69,11 @@ if triton is not None:
             blk = tl.maximum(blk, 0).to(tl.int64)
             row = (blk * BS + t % BS) * HKV + h
             kt = load_values(k_ptr, row * RBK, dk, mt, cbk_ptr, CODEC_K)            # [BLOCK_T, DK]
-            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale          # [G_PAD, BLOCK_T]
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee")                  # [G_PAD, BLOCK_T]
+            if SEG > 0:   # the keys' per-segment centers: q . center of the key's segment
+                s += tl.load(sb_ptr + (b * H + qh)[:, None].to(tl.int64) * NSEG + (t // SEG)[None, :],
+                             mask=mg[:, None] & mt[None, :], other=0.0)
+            s = s * scale
             s = tl.where(mt[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -84,8 +89,8 @@ if triton is not None:
         tl.store(ml_ptr + o * 2 + 1, l_i, mask=mg)
 
     @triton.jit
-    def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, start_ptr, cbk_ptr, cbv_ptr, out_ptr,
-                        scale, H, HKV, MAXB, RBK, RBV, WINDOW: tl.constexpr,
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, start_ptr, cbk_ptr, cbv_ptr, out_ptr, sb_ptr,
+                        scale, H, HKV, MAXB, RBK, RBV, NSEG, WINDOW: tl.constexpr, SEG: tl.constexpr,
                         G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
                         CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
@@ -120,7 +125,11 @@ if triton is not None:
                 blk = tl.maximum(blk, 0).to(tl.int64)
                 krow = (blk * BS + t % BS) * HKV + h
                 kt = load_values(k_ptr, krow * RBK, dk, mt, cbk_ptr, CODEC_K)
-                s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale      # [R, BLOCK_T]
+                s = tl.dot(q, tl.trans(kt), input_precision="ieee")              # [R, BLOCK_T]
+                if SEG > 0:
+                    s += tl.load(sb_ptr + qrow[:, None] * NSEG + (t // SEG)[None, :],
+                                 mask=mrow[:, None] & mt[None, :], other=0.0)
+                s = s * scale
                 vis = mt[None, :] & (t[None, :] <= qpos[:, None])
                 if WINDOW > 0:
                     vis = vis & (qpos[:, None] - t[None, :] < WINDOW)
@@ -142,6 +151,13 @@ def _finish(out_st: torch.Tensor, codec_v: KVCodec, head_dim_v: int, gate: torch
     return out * torch.sigmoid(gate.float()) if gate is not None else out
 
 
+def _seg_args(seg_bias, seg_len, q):
+    if seg_bias is None or not seg_len:
+        return torch.zeros(1, dtype=torch.float32, device=q.device), 1, 0
+    sb = seg_bias.float().contiguous()
+    return sb, sb.shape[-1], int(seg_len)
+
+
 def _check(k_cache, v_cache, codec_k, codec_v, q_st_dim):
     nblk, bs, hkv, rbk = k_cache.shape
     dk = rbk // codec_k.group_bytes * codec_k.group
@@ -157,9 +173,10 @@ def _check(k_cache, v_cache, codec_k, codec_v, q_st_dim):
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
                            window: int = 0, gate: torch.Tensor | None = None, n_split: int | None = None,
-                           block_t: int = 32) -> torch.Tensor:
+                           block_t: int = 32, seg_bias: torch.Tensor | None = None, seg_len: int = 0) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at position seq_lens[b] - 1, its K/V already written);
-    block_tables int [B, max_blocks] (-1: dropped); seq_lens int [B]. Returns float32 [B, H, head_dim_v]."""
+    block_tables int [B, max_blocks] (-1: dropped); seq_lens int [B]; seg_bias [B, H, n_seg] and
+    seg_len: the key centers' score correction (SequenceKV.score_bias). Returns float32 [B, H, head_dim_v]."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     B, H, _ = q.shape
@@ -173,10 +190,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lens = seq_lens.to(torch.int32).to(q.device).contiguous()
     acc = torch.empty(B, H, n_split, dv, dtype=torch.float32, device=q.device)
     ml = torch.empty(B, H, n_split, 2, dtype=torch.float32, device=q.device)
+    sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
     _decode_kernel[(B, hkv, n_split)](
-        q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml,
-        float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, WINDOW=int(window),
-        G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t,
+        q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml, sb,
+        float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, nseg, WINDOW=int(window),
+        SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t,
         CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
     m, l_ = ml[..., 0], ml[..., 1]
     mx = m.max(-1, keepdim=True).values
@@ -188,10 +206,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens: torch.Tensor, q_starts: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec,
                             scale: float, head_dim_v: int, window: int = 0, gate: torch.Tensor | None = None,
-                            block_m: int = 16, block_t: int = 32) -> torch.Tensor:
+                            block_m: int = 16, block_t: int = 32, seg_bias: torch.Tensor | None = None,
+                            seg_len: int = 0) -> torch.Tensor:
     """Chunks of several sequences: q [N, H, D], rows cu_seqlens[b]..cu_seqlens[b+1] belong to
     sequence b and sit at positions q_starts[b]..; each attends causally over its KV up to its last
-    row (already written). Returns float32 [N, H, head_dim_v]."""
+    row (already written). seg_bias [N, H, n_seg], seg_len: as for paged_decode_attention.
+    Returns float32 [N, H, head_dim_v]."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     N, H, _ = q.shape
@@ -204,10 +224,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     longest = int((cu[1:] - cu[:-1]).max()) if B else 0
     bt = block_tables.to(torch.int32).contiguous()
     out_st = torch.zeros(N, H, dv, dtype=torch.float32, device=q.device)
+    sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
     if N:
         _prefill_kernel[(B, -(-longest // block_m), hkv)](
             q_st, k_cache, v_cache, bt, cu, starts, codec_k.codebook(q.device), codec_v.codebook(q.device), out_st,
-            float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], WINDOW=int(window),
-            G=G, G_PAD=_next_pow2(G), DK=dk, DV=dv, BS=bs, BLOCK_M=block_m, BLOCK_T=block_t,
+            sb, float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], nseg, WINDOW=int(window),
+            SEG=seg, G=G, G_PAD=_next_pow2(G), DK=dk, DV=dv, BS=bs, BLOCK_M=block_m, BLOCK_T=block_t,
             CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
     return _finish(out_st, codec_v, head_dim_v, gate)

@@ -10,19 +10,27 @@ from kernels.kvcodec import KVCodec
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
                      window: int = 0, k_start: int = 0,
-                     bidirectional: list[tuple[int, int]] | None = None) -> torch.Tensor:
+                     bidirectional: list[tuple[int, int]] | None = None,
+                     seg_bias: torch.Tensor | None = None, seg_len: int = 0) -> torch.Tensor:
     """Causal attention of q [T, H, D] (positions q_start..q_start+T) over k, v [S, Hkv, D]
     (positions k_start..k_start+S). GQA: each KV head serves H/Hkv query heads (query head i uses KV
     head i // (H/Hkv)). window > 0: a query at p sees keys at p' with p - p' < window (llama.cpp's
     standard sliding window). bidirectional: position spans [lo, hi) whose tokens also see the later
-    tokens of their span (Gemma 3 image tokens)."""
+    tokens of their span (Gemma 3 image tokens). seg_bias [T, H, n_seg]: added to the score of a key
+    at position p (before `scale`) is seg_bias[..., p // seg_len] (the KV cache's per-segment key
+    centers, engine/kv/sequence.py)."""
     T, H, D = q.shape
     S, Hkv, _ = k.shape
     g = H // Hkv
     qh = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3)            # [Hkv, g, T, D]
     kh = k.permute(1, 0, 2)[:, None]                              # [Hkv, 1, S, D]
     vh = v.permute(1, 0, 2)[:, None]
-    scores = (qh @ kh.transpose(-1, -2)) * scale                  # [Hkv, g, T, S]
+    scores = qh @ kh.transpose(-1, -2)                            # [Hkv, g, T, S]
+    if seg_bias is not None:
+        kseg = torch.arange(k_start, k_start + S, device=scores.device) // seg_len
+        b = seg_bias.reshape(T, Hkv, g, -1).permute(1, 2, 0, 3)   # [Hkv, g, T, n_seg]
+        scores = scores + b[..., kseg]
+    scores = scores * scale
     qpos = torch.arange(q_start, q_start + T)[:, None]
     kpos = torch.arange(k_start, k_start + S)[None, :]
     masked = kpos > qpos
@@ -50,28 +58,32 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, end: int) -> t
 
 def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         q_start: int, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
-                        window: int = 0, gate: torch.Tensor | None = None) -> torch.Tensor:
+                        window: int = 0, gate: torch.Tensor | None = None, seg_bias: torch.Tensor | None = None,
+                        seg_len: int = 0) -> torch.Tensor:
     """One sequence's chunk: q [T, H, D] at positions q_start.. attends causally over the cache up to
-    q_start + T (the chunk's own K/V already written; q as the keys were stored, see
-    SequenceKV.prep_query). Returns float32 [T, H, head_dim_v];
+    q_start + T (the chunk's own K/V already written; q and seg_bias/seg_len as the keys were
+    stored, see SequenceKV.prep_query / score_bias). Returns float32 [T, H, head_dim_v];
     `gate` [T, H, head_dim_v]: qwen35's gated attention, output * sigmoid(gate)."""
     T = q.shape[0]
     first, kp = gather_blocks(k_cache, block_table, q_start + T)
     _, vp = gather_blocks(v_cache, block_table, q_start + T)
     K = codec_k.decode_stored(kp, impl="ref")
     V = codec_v.decode_stored(vp, impl="ref")
-    out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first)
+    out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first, seg_bias=seg_bias,
+                           seg_len=seg_len)
     out = codec_v.from_stored(out, head_dim_v)
     return out * torch.sigmoid(gate.float()) if gate is not None else out
 
 
 def ref_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
-                     window: int = 0, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode: q [B, H, D], one query per sequence at position seq_lens[b] - 1."""
+                     window: int = 0, gate: torch.Tensor | None = None, seg_bias: torch.Tensor | None = None,
+                     seg_len: int = 0) -> torch.Tensor:
+    """Decode: q [B, H, D], one query per sequence at position seq_lens[b] - 1; seg_bias [B, H, n_seg]."""
     outs = []
     for b in range(q.shape[0]):
         L = int(seq_lens[b])
         outs.append(ref_paged_attention(q[b:b + 1], k_cache, v_cache, block_tables[b], L - 1, codec_k, codec_v,
-                                        scale, head_dim_v, window, None if gate is None else gate[b:b + 1]))
+                                        scale, head_dim_v, window, None if gate is None else gate[b:b + 1],
+                                        None if seg_bias is None else seg_bias[b:b + 1], seg_len))
     return torch.cat(outs)

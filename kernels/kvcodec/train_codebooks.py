@@ -11,7 +11,7 @@
    (SmolLM2-135M Q4_1, Gemma-3-270M Q4_K_M) read two texts that the quality tests do not use
    (the first tokens of CPython's Lib/argparse.py and Lib/pydoc_data/topics.py of the running
    Python) with a turbo4 KV cache; every attention layer's K and V rows exactly as the cache
-   encodes them (after RoPE; keys centered and smoothed by the sequence's first chunk, see
+   encodes them (after RoPE; keys centered per segment and smoothed, see
    engine/kv/sequence.py) are rotated (zero-padded to 128) and normalised like the codec does; `--groups` random 128-value groups per
    model are the training set, another `--groups / 4` the held-out set. Training starts from a
    seeded N(0, 1) codebook and alternates Viterbi encoding (the codec's own `viterbi`) with setting

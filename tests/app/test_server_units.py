@@ -234,4 +234,5 @@ def test_serve_refuses_public_bind_without_key(capsys, monkeypatch):
     add_serve_args(p)
     assert run_serve(p.parse_args(["--host", "0.0.0.0"])) == 2
     assert "API key" in capsys.readouterr().err
-    assert run_serve(p.parse_args(["--cache-type-k", "turbo3"])) == 2
+    assert run_serve(p.parse_args(["--cache-type-k", "turbo5"])) == 2
+    assert "unknown KV cache type" in capsys.readouterr().err

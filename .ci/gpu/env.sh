@@ -1,0 +1,10 @@
+# Source this on the GPU machine (the `run` tool's working tree): installs the wheels its image lacks,
+# carried in .whl/ (gguf, platformdirs, pytest and its dependencies), and points HIVEJET_MODELS at
+# .models/dl. The real test models do not fit in one call's 64 MiB: they were carried in parts (split -b
+# 50000000), the first part copied to /tmp by one call and joined with the second by the next call
+# (cat /tmp/PART1 .models/b/PART2 > .models/dl/FILE), then checked with sha256sum.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+export HIVEJET_MODELS=$PWD/.models/dl
+mkdir -p "$HIVEJET_MODELS"

@@ -1,0 +1,219 @@
+"""One decode step of Qwen3.5's Gated DeltaNet (the recurrent part: causal conv, L2 norm, delta rule)
+for B sequences of one token each, their state in static per-slot buffers (CUDA-graph friendly).
+
+Shapes (C = conv_dim = (2 Hk + Hv) D, K = the conv kernel size, 4 in Qwen3.5):
+  qkv [B, C]                  the fused projection of the new token (q | k | v channels)
+  conv_w [C, K]               the depthwise causal conv (tap K-1 multiplies the new token)
+  conv_state [n_slots, K-1, C] float32, the last K-1 inputs of each slot (updated in place)
+  S [n_slots, Hv, D, D]        float32, the delta-rule state [head, k-dim, v-dim] (updated in place)
+  slots [B] int32/int64       each row's slot; < 0: a padding row (state untouched, o = 0)
+  g [B, Hv]                   log decay (softplus(alpha x + dt_bias) * a, <= 0); beta [B, Hv] (sigmoid'ed)
+Returns o [B, Hv, D] float32 (before the gated RMSNorm). Semantics as engine/models/qwen35.py for
+one token: conv = silu(sum_t xin[t] w[:, t]) over xin = [conv_state; qkv]; q, k L2-normed (eps),
+V head j uses K head j % Hk (GGUF's tiled order), q scaled by D^-1/2; S <- S exp(g);
+S <- S + k (beta (v - S^T k))^T; o = S^T q; the new conv_state is xin[1:].
+
+The Triton path is two launches, no host synchronisation (capturable in a CUDA graph):
+1. `_conv_kernel`, grid (B, 2 Hk + Hv), one program per (row, head of q, k or v channels): the
+   conv + SiLU of its D channels, the L2 norm (and q's scale) for q/k heads, written to a small
+   scratch [B, C]; it also shifts its channels of conv_state in place. Each channel has exactly one
+   owner, so the in-place update cannot race with a reader - which it would if every delta-rule
+   program recomputed the conv of its (shared) q/k channels from conv_state while another program
+   of the same row had already shifted them (there is no grid-wide barrier inside one kernel).
+   The scratch is B * C * 4 bytes, ~0.3% of the bytes of S.
+2. `_delta_kernel`, grid (B, Hv, D / BV), one program per (row, v-head, slice of BV v-columns):
+   loads q, k (its K head) and its slice of v from the scratch, reads its [D, BV] tile of S once,
+   decays, applies the delta rule, writes the tile back once, and writes o[b, h, slice].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+    from kernels._interpreter_compat import apply as _fix_interpreter
+    _fix_interpreter()
+except ImportError:  # CPU-only installs use ref_gdn_decode
+    triton = None
+    HAVE_TRITON = False
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state):
+    """Validates shapes (metadata only: no host sync). Returns B, C, K, Hk, Hv, D."""
+    if qkv.ndim != 2:
+        raise ValueError(f"qkv must be [B, conv_dim], got {tuple(qkv.shape)}")
+    B, C = qkv.shape
+    Hk, D = int(n_k_heads), int(d_state)
+    if g.ndim != 2 or g.shape[0] != B or beta.shape != g.shape:
+        raise ValueError(f"g and beta must be [B, Hv] with B = {B}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    Hv = g.shape[1]
+    if Hk <= 0 or Hv % Hk:
+        raise ValueError(f"n_v_heads ({Hv}) must be a multiple of n_k_heads ({Hk})")
+    if C != (2 * Hk + Hv) * D:
+        raise ValueError(f"conv_dim {C} != (2 * {Hk} + {Hv}) * {D}")
+    if conv_w.ndim != 2 or conv_w.shape[0] != C:
+        raise ValueError(f"conv_w must be [conv_dim, K], got {tuple(conv_w.shape)}")
+    K = conv_w.shape[1]
+    if conv_state.ndim != 3 or conv_state.shape[1:] != (K - 1, C):
+        raise ValueError(f"conv_state must be [n_slots, {K - 1}, {C}], got {tuple(conv_state.shape)}")
+    if S.ndim != 4 or S.shape[1:] != (Hv, D, D):
+        raise ValueError(f"S must be [n_slots, {Hv}, {D}, {D}], got {tuple(S.shape)}")
+    if slots.shape != (B,):
+        raise ValueError(f"slots must be [{B}], got {tuple(slots.shape)}")
+    return B, C, K, Hk, Hv, D
+
+
+def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
+                   slots: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n_k_heads: int, d_state: int,
+                   eps: float) -> torch.Tensor:
+    """Torch reference of the decode step (see the module doc). Updates conv_state[slots] and
+    S[slots] in place and returns o [B, Hv, D] float32 (zeros for padding rows, slot < 0).
+    Selects the valid rows with nonzero(): a host sync on CUDA, so not for graph capture.
+    Slots of valid rows must be distinct."""
+    B, C, K, Hk, Hv, D = _check(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state)
+    o = torch.zeros(B, Hv, D, dtype=torch.float32, device=qkv.device)
+    rows = (slots >= 0).nonzero().squeeze(1)
+    n = rows.numel()
+    if n == 0:
+        return o
+    sl = slots[rows].long()
+    key_dim = Hk * D
+    xin = torch.cat([conv_state[sl].float(), qkv[rows].float()[:, None, :]], dim=1)   # [n, K, C]
+    conv = F.silu((xin.transpose(1, 2) * conv_w.float()).sum(-1))                      # [n, C]
+    q = conv[:, :key_dim].reshape(n, Hk, D)
+    k = conv[:, key_dim:2 * key_dim].reshape(n, Hk, D)
+    v = conv[:, 2 * key_dim:].reshape(n, Hv, D)
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + eps)
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)
+    if Hv != Hk:  # tiled V-head order: V head j uses K head j % Hk
+        q = q.repeat(1, Hv // Hk, 1)
+        k = k.repeat(1, Hv // Hk, 1)
+    q = q * D ** -0.5
+    St = S[sl].float() * g[rows].float().exp()[:, :, None, None]                      # [n, Hv, D, D]
+    kv_mem = torch.einsum("nhkv,nhk->nhv", St, k)
+    delta = (v - kv_mem) * beta[rows].float()[:, :, None]
+    St = St + k[:, :, :, None] * delta[:, :, None, :]
+    o[rows] = torch.einsum("nhkv,nhk->nhv", St, q)
+    S[sl] = St.to(S.dtype)
+    conv_state[sl] = xin[:, 1:].to(conv_state.dtype)
+    return o
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _conv_kernel(qkv_ptr, w_ptr, cs_ptr, slot_ptr, x_ptr, C, HK, D, eps, scale,
+                     K: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr):
+        b = tl.program_id(0)
+        hh = tl.program_id(1)                      # head of channels: q 0..HK-1, k HK..2HK-1, v after
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if slot >= 0:
+            d = tl.arange(0, DP)
+            md = d < D
+            ch = hh * D + d                        # [DP] channels
+            r = tl.arange(0, KP)                   # [KP] taps: rows 0..K-2 of the state, K-1 the new token
+            cs = cs_ptr + slot * (K - 1) * C
+            row = b.to(tl.int64) * C
+            mstate = (r[:, None] < K - 1) & md[None, :]
+            mnew = (r[:, None] == K - 1) & md[None, :]
+            xin = (tl.load(cs + r[:, None] * C + ch[None, :], mask=mstate, other=0.0)
+                   + tl.load(qkv_ptr + row + ch[None, :] + 0 * r[:, None], mask=mnew, other=0.0)).to(tl.float32)
+            # the new state: row r <- xin[r + 1], read before anything is written
+            mstate1 = (r[:, None] + 1 < K - 1) & md[None, :]
+            mnew1 = (r[:, None] + 1 == K - 1) & md[None, :]
+            nxt = (tl.load(cs + (r[:, None] + 1) * C + ch[None, :], mask=mstate1, other=0.0)
+                   + tl.load(qkv_ptr + row + ch[None, :] + 0 * r[:, None], mask=mnew1, other=0.0)).to(tl.float32)
+            w = tl.load(w_ptr + ch[None, :].to(tl.int64) * K + r[:, None], mask=(r[:, None] < K) & md[None, :],
+                        other=0.0).to(tl.float32)
+            conv = tl.sum(xin * w, axis=0)         # [DP]
+            conv = conv / (1.0 + tl.exp(-conv))    # SiLU (padded channels stay 0)
+            nrm = tl.where(hh < 2 * HK, 1.0 / tl.sqrt(tl.sum(conv * conv, axis=0) + eps), 1.0)
+            fac = tl.where(hh < HK, nrm * scale, nrm)
+            tl.store(x_ptr + row + ch, conv * fac, mask=md)
+            tl.debug_barrier()                     # all reads of this slot's channels precede the shift
+            tl.store(cs + r[:, None] * C + ch[None, :], nxt, mask=mstate)
+
+    @triton.jit
+    def _delta_kernel(x_ptr, s_ptr, slot_ptr, g_ptr, beta_ptr, o_ptr, C, HK, HV, D,
+                      DP: tl.constexpr, BV: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        dv = vb * BV + tl.arange(0, BV)
+        mv = dv < D
+        orow = (b * HV + h).to(tl.int64) * D
+        if slot >= 0:
+            dk = tl.arange(0, DP)
+            mk = dk < D
+            row = b.to(tl.int64) * C
+            hk = h % HK
+            q = tl.load(x_ptr + row + hk * D + dk, mask=mk, other=0.0)                 # normed, scaled
+            k = tl.load(x_ptr + row + HK * D + hk * D + dk, mask=mk, other=0.0)        # normed
+            v = tl.load(x_ptr + row + 2 * HK * D + h * D + dv, mask=mv, other=0.0)
+            gg = tl.load(g_ptr + b * HV + h).to(tl.float32)
+            bb = tl.load(beta_ptr + b * HV + h).to(tl.float32)
+            sp = s_ptr + (slot * HV + h) * D * D + dk[:, None] * D + dv[None, :]
+            ms = mk[:, None] & mv[None, :]
+            s = tl.load(sp, mask=ms, other=0.0) * tl.exp(gg)                           # [DP, BV]
+            kv_mem = tl.sum(s * k[:, None], axis=0)                                     # [BV]
+            delta = (v - kv_mem) * bb
+            s = s + k[:, None] * delta[None, :]
+            o = tl.sum(s * q[:, None], axis=0)
+            tl.store(sp, s, mask=ms)
+            tl.store(o_ptr + orow + dv, o, mask=mv)
+        else:
+            tl.store(o_ptr + orow + dv, tl.zeros((BV,), tl.float32), mask=mv)
+
+
+def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
+                      slots: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n_k_heads: int, d_state: int,
+                      eps: float, block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """The Triton decode step (module doc). block_v: v-columns per delta-rule program (a power of two;
+    default 16 when B * Hv * D / 32 < 256 programs, else 32); num_warps: for the delta-rule kernel."""
+    if not HAVE_TRITON:
+        raise RuntimeError("Triton is not installed")
+    B, C, K, Hk, Hv, D = _check(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state)
+    if conv_state.dtype != torch.float32 or S.dtype != torch.float32:
+        raise ValueError("conv_state and S must be float32")
+    if not (conv_state.is_contiguous() and S.is_contiguous()):
+        raise ValueError("conv_state and S must be contiguous (they are updated in place)")
+    o = torch.empty(B, Hv, D, dtype=torch.float32, device=qkv.device)
+    if B == 0:
+        return o
+    DP = _next_pow2(D)
+    if block_v is None:
+        block_v = 16 if B * Hv * max(1, DP // 32) < 256 else 32
+    BV = min(_next_pow2(block_v), DP)
+    if num_warps is None:
+        num_warps = max(1, min(8, DP * BV // 1024))
+    qkv_c = qkv.contiguous()
+    w = conv_w.contiguous()
+    sl = slots.contiguous()
+    g_c = g.contiguous()
+    beta_c = beta.contiguous()
+    x = torch.empty(B, C, dtype=torch.float32, device=qkv.device)   # conv + norm output (scratch)
+    _conv_kernel[(B, 2 * Hk + Hv)](qkv_c, w, conv_state, sl, x, C, Hk, D, float(eps), float(D ** -0.5),
+                                   K=K, KP=_next_pow2(K), DP=DP, num_warps=max(1, min(4, DP * _next_pow2(K) // 256)))
+    _delta_kernel[(B, Hv, triton.cdiv(D, BV))](x, S, sl, g_c, beta_c, o, C, Hk, Hv, D, DP=DP, BV=BV,
+                                               num_warps=num_warps)
+    return o
+
+
+def gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
+               slots: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n_k_heads: int, d_state: int,
+               eps: float, impl: str = "auto", **kw) -> torch.Tensor:
+    """The decode step: Triton for CUDA tensors (impl="auto"), else `ref_gdn_decode`; impl "ref" or
+    "triton" forces one (the tests run "triton" on the CPU, in Triton's interpreter). `kw`
+    (block_v, num_warps) go to the Triton path. The slots of non-padding rows must be distinct."""
+    if impl not in ("auto", "ref", "triton"):
+        raise ValueError(f"impl must be 'auto', 'ref' or 'triton', not {impl!r}")
+    if impl == "triton" or (impl == "auto" and HAVE_TRITON and qkv.is_cuda):
+        return gdn_decode_triton(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state, eps, **kw)
+    return ref_gdn_decode(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state, eps)

@@ -1,0 +1,246 @@
+"""The packed layout for every quantized GGUF type (kernels/quant/packed.py): repacking matches
+gguf's dequantization (bit-exact where no fp16 scale product is rounded), the Triton kernel matches
+the torch reference for several M, a row's result does not depend on the other rows, and the
+packed bytes stay near the GGUF bytes. On the CPU the kernel runs in Triton's interpreter (tiny
+shapes, 1-2 K steps per program); the `gpu` tests use real sizes and skip without CUDA."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+triton = pytest.importorskip("triton")
+
+from kernels.quant.packed import (  # noqa: E402
+    PACKED_TYPES, dequant_packed_ref, pack_weight, packed_matmul, packed_rows,
+)
+from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
+
+TYPES = sorted(t for t in SUPPORTED_TYPES if t not in (QT.F32, QT.F16, QT.BF16))
+
+# byte offsets of each block's fp16 super-scales (d, and dmin / m where present)
+F16_FIELDS = {
+    QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
+    QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+    QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
+}
+# types whose packed scale/min is a product rounded to fp16 (exact only for special scales)
+ROUNDED = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS}
+
+
+def _random_weight(qtype, n, k, seed=0, pow2=False):
+    """Random GGUF bytes of an [n, k] weight, with finite modest fp16 super-scales: uniform in
+    [-0.01, 0.01), or (pow2) +-2^-e, e in 8..11, which makes every scale product exact in fp16."""
+    g = torch.Generator().manual_seed(seed)
+    nb, bs = GGML_QUANT_SIZES[qtype]
+    raw = torch.randint(0, 256, (n * k // nb * bs,), dtype=torch.uint8, generator=g)
+    blk = raw.view(-1, bs)
+    rng = np.random.default_rng(seed)
+    for off in F16_FIELDS[qtype]:
+        if pow2:
+            v = rng.choice([-1.0, 1.0], blk.shape[0]) * 2.0 ** -rng.integers(8, 12, blk.shape[0])
+        else:
+            v = (rng.random(blk.shape[0]) * 0.02 - 0.01)
+        blk.view(torch.int16)[:, off // 2] = torch.from_numpy(v.astype(np.float16)).view(torch.int16)
+    return raw
+
+
+def test_every_quantized_type_is_packable():
+    assert set(TYPES) == set(PACKED_TYPES)
+    for qt in (QT.F32, QT.F16, QT.BF16):
+        with pytest.raises(ValueError):
+            pack_weight(torch.zeros(4 * 32 * 4, dtype=torch.uint8), qt, 4, 32)
+    with pytest.raises(ValueError):
+        pack_weight(torch.zeros(4 * 18, dtype=torch.uint8), QT.Q4_0, 4, 64)  # wrong byte count
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_pack_matches_gguf_dequant(qtype):
+    n, k = 8, 512
+    # exact whenever the scale products are exact in fp16 (power-of-two super-scales)
+    raw = _random_weight(qtype, n, k, seed=1, pow2=True)
+    assert torch.equal(dequant_packed_ref(pack_weight(raw, qtype, n, k)), dequantize(raw, qtype, (n, k)))
+    # random super-scales: exact unless a scale product is rounded to fp16
+    raw = _random_weight(qtype, n, k, seed=2)
+    ref = dequantize(raw, qtype, (n, k))
+    packed = dequant_packed_ref(pack_weight(raw, qtype, n, k))
+    if qtype in ROUNDED:
+        assert torch.allclose(packed, ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+    else:
+        assert torch.equal(packed, ref)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
+def test_4bit_types_pack_exactly_like_packed4(qtype):
+    from kernels.quant.q4_gemm import pack_q4
+    n, k = 4, 512
+    raw = _random_weight(qtype, n, k, seed=10)
+    p, p4 = pack_weight(raw, qtype, n, k), pack_q4(raw, qtype, n, k)
+    assert p.hi_bits == 0 and p.group == 32 and len(p.planes) == 1
+    for a, b in ((p.planes[0], p4.q), (p.scale, p4.scale), (p.minv, p4.minv)):
+        assert torch.equal(a, b)
+
+
+def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
+    import kernels.quant.packed as packed_mod
+    n, k = 7, 512
+    raw = _random_weight(QT.Q6_K, n, k, seed=3)
+    whole = pack_weight(raw, QT.Q6_K, n, k)
+    monkeypatch.setattr(packed_mod, "_CHUNK_VALUES", 2 * k)  # 2 rows per step, last step 1 row
+    buf = torch.empty(raw.numel() + 1, dtype=torch.uint8)
+    buf[1:] = raw
+    chunked = pack_weight(buf[1:], QT.Q6_K, n, k)  # odd storage offset
+    for a, b in zip((*whole.planes, whole.scale, whole.minv), (*chunked.planes, chunked.scale, chunked.minv)):
+        assert torch.equal(a, b)
+
+
+# Packed bytes / GGUF bytes (bits per value: packed / GGUF), as the layout defines them:
+#   Q4_0 1.111 (5/4.5)     Q4_1 1.000 (5/5)       Q5_0 1.091 (6/5.5)     Q5_1 1.000 (6/6)
+#   Q8_0 1.059 (9/8.5)     Q4_K 1.111 (5/4.5)     Q5_K 1.091 (6/5.5)     Q6_K 1.219 (8/6.5625)
+#   Q2_K 2.286 (6/2.625)   Q3_K 1.745 (6/3.4375)  IQ4_NL 2.000 (9/4.5)   IQ4_XS 2.118 (9/4.25)
+# The last four exceed 1.25x by construction: Q2_K/Q3_K keep q in the 4-bit plane and have two
+# fp16 numbers per 16 values (2 bits/value alone); IQ4 stores the codebook value as int8.
+RATIO = {QT.Q4_0: 10 / 9, QT.Q4_1: 1.0, QT.Q5_0: 12 / 11, QT.Q5_1: 1.0, QT.Q8_0: 18 / 17,
+         QT.Q4_K: 10 / 9, QT.Q5_K: 12 / 11, QT.Q6_K: 8 / 6.5625, QT.Q2_K: 6 / 2.625,
+         QT.Q3_K: 6 / 3.4375, QT.IQ4_NL: 2.0, QT.IQ4_XS: 9 / 4.25}
+OVER_BUDGET = {QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_bytes_near_gguf_bytes(qtype):
+    n, k = 4, 512
+    raw = _random_weight(qtype, n, k)
+    ratio = pack_weight(raw, qtype, n, k).nbytes / raw.numel()
+    assert ratio == pytest.approx(RATIO[qtype])
+    if qtype not in OVER_BUDGET:
+        assert ratio <= 1.25
+
+
+def test_packed_rows():
+    n, k = 16, 512
+    for qtype in (QT.Q6_K, QT.Q8_0, QT.Q5_1):
+        p = pack_weight(_random_weight(qtype, n, k, seed=4), qtype, n, k)
+        ids = torch.tensor([[3, 0], [15, 3]])
+        got = packed_rows(p, ids)
+        assert got.shape == (2, 2, k)
+        assert torch.equal(got, dequant_packed_ref(p)[ids])
+
+
+def _check(y, x, p):
+    ref = x.half().float() @ dequant_packed_ref(p).T
+    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-3, err
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_matches_reference(qtype):
+    n, k = 32, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=5), qtype, n, k)
+    for m in (1, 3, 17):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        _check(packed_matmul(x, p, block_n=32, block_k=256, split_k=2), x, p)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_do_not_depend_on_batch(qtype):
+    n, k = 32, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=6), qtype, n, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(6))
+    kw = dict(block_n=32, block_k=256, split_k=2)
+    assert torch.equal(packed_matmul(x[:1], p, **kw), packed_matmul(x, p, **kw)[:1])
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+def test_swapped_operands_and_tuned_configs(qtype):
+    """SWAP_AB (weight tile as the dot's first operand) and the engine's tuned decode / prefill
+    configurations give the reference's result, and a row's result does not depend on the batch."""
+    from kernels.quant.packed import tuned_config
+    n, k = 64, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=7), qtype, n, k)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(7))
+    kw = dict(block_n=32, block_k=128, split_k=2, swap_ab=True)
+    y = packed_matmul(x, p, **kw)
+    _check(y, x, p)
+    assert torch.equal(packed_matmul(x[:1], p, **kw), y[:1])
+    for prefill in (False, True):
+        cfg = tuned_config(p, prefill, 4)
+        _check(packed_matmul(x, p, **cfg), x, p)
+
+
+def test_defaults_tails_and_dtypes():
+    # default block sizes and split (4 "SMs" under the interpreter), N not a multiple of block_n
+    n, k = 40, 512
+    p = pack_weight(_random_weight(QT.Q5_K, n, k, seed=7), QT.Q5_K, n, k)
+    x = torch.randn(2, 3, k, dtype=torch.bfloat16)
+    y = packed_matmul(x, p)
+    assert y.shape == (2, 3, n) and y.dtype == torch.float32
+    _check(y.view(6, n), x.view(6, k).float(), p)
+    y16 = packed_matmul(x, p, out_dtype=torch.float16, block_n=32, block_k=128, split_k=4)
+    assert y16.dtype == torch.float16
+    _check(y16.view(6, n), x.view(6, k).float(), p)
+    # K not a multiple of split_k * block_k: masked K tail (and a split with no work left)
+    n, k = 32, 160
+    p = pack_weight(_random_weight(QT.Q5_0, n, k, seed=8), QT.Q5_0, n, k)
+    x = torch.randn(3, k)
+    _check(packed_matmul(x, p, block_n=32, block_k=64, split_k=2), x, p)
+    assert packed_matmul(x[:0], p).shape == (0, n)
+
+
+# --- GPU (real sizes; skipped without CUDA) ----------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(17408, 5120), (5120, 17408)])
+def test_kernel_real_shapes_on_gpu(qtype, n, k):
+    raw = _random_weight(qtype, n, k).cuda()
+    p = pack_weight(raw, qtype, n, k)
+    w = dequant_packed_ref(p)
+    ref_full = dequantize(raw, qtype, (n, k))
+    assert torch.allclose(w, ref_full, rtol=2e-3, atol=2e-3 * ref_full.abs().max().item())
+    del ref_full
+    for m in (1, 16, 64):
+        x = torch.randn(m, k, device="cuda")
+        y = packed_matmul(x, p)
+        ref = x.half().float() @ w.T
+        assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-3
+        assert torch.equal(packed_matmul(x[:1], p), y[:1])  # batch invariance
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_type_on_gpu(qtype):
+    n, k = 2048, 4096
+    raw = _random_weight(qtype, n, k, seed=9).cuda()
+    p = pack_weight(raw, qtype, n, k)
+    w = dequant_packed_ref(p)
+    ref_w = dequantize(raw, qtype, (n, k))
+    if qtype in ROUNDED:
+        assert torch.allclose(w, ref_w, rtol=2e-3, atol=2e-3 * ref_w.abs().max().item())
+    else:
+        assert torch.equal(w, ref_w)
+    for m in (1, 5, 33):
+        x = torch.randn(m, k, device="cuda")
+        y = packed_matmul(x, p)
+        _check(y, x, p)
+        assert torch.equal(packed_matmul(x[:1], p), y[:1])
+    ids = torch.tensor([0, 7, n - 1], device="cuda")
+    assert torch.equal(packed_rows(p, ids), w[ids])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    n, k = 4096, 5120
+    p = pack_weight(_random_weight(QT.Q6_K, n, k).cuda(), QT.Q6_K, n, k)
+    x = torch.randn(4, k, device="cuda")
+    eager = packed_matmul(x, p)  # compiles, caches the SM count
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = packed_matmul(x, p)
+    x.copy_(torch.randn(4, k, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, packed_matmul(x, p))
+    assert not torch.equal(y, eager)
