@@ -47,7 +47,8 @@ def _sampling(args):
 def _engine(args):
     from engine.engine import Engine, EngineConfig
     return Engine(EngineConfig(model=args.model, ctx_size=getattr(args, "ctx_size", 0) or 0,
-                               threads=getattr(args, "threads", 0) or 0, device=getattr(args, "device", "cpu")),
+                               threads=getattr(args, "threads", 0) or 0, device=getattr(args, "device", "cpu"),
+                               spec=getattr(args, "spec", "off")),
                   progress=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -221,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-c", "--ctx-size", type=int, default=0)
     c.add_argument("-t", "--threads", type=int, default=0)
     c.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
+    c.add_argument("--spec", default="off", choices=["off", "ngram"],
+                   help="speculative decoding: ngram drafts from the conversation (exact output)")
     c.set_defaults(func=cmd_chat)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -233,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-c", "--ctx-size", type=int, default=0)
     g.add_argument("-t", "--threads", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
+    g.add_argument("--spec", default="off", choices=["off", "ngram"],
+                   help="speculative decoding: ngram drafts from the conversation (exact output)")
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 

@@ -25,6 +25,8 @@ from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.prefix import Entry, ResidentCache, add_checkpoint
+from engine.spec.ngram import NgramDrafter, SharedNgramPool
+from engine.spec.verify import draw_from
 from kernels.quant.ref import ROW_BLOCK
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -49,6 +51,9 @@ class EngineConfig:
     cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
     cache_type_v: str = "f16"
     mmproj: str | None = None       # vision projector GGUF (image input); "auto": the mmproj beside the model
+    spec: str = "off"               # speculative decoding: "off" or "ngram" (prompt lookup; CPU path,
+                                    # models without recurrent layers for now)
+    spec_max_drafts: int = 8        # draft rows per sequence and step at most (adapted per sequence)
     resident_tokens: int = 32768    # tokens of finished conversations kept for follow-ups and shared
                                     # prefixes (engine/prefix.py; CPU path); 0 turns prefix reuse off
     static_slots: bool = False      # step through engine/runner.py (what device="cuda" does) on any device;
@@ -142,6 +147,10 @@ class _Sequence:
         self.vision = None                   # engine.vision.prompt.VisionPrompt when the prompt holds images
         self.slot: int | None = None         # the runner's slot (GPU path) while running
         self.cached = 0                      # prompt tokens taken from a resident/shared prefix
+        self.drafter = None                  # engine.spec.ngram.NgramDrafter when speculating
+        self.drafts: list[int] = []          # this step's draft tokens (verified after the forward)
+        self.spec_k = 0                      # current draft length (adapted from acceptance)
+        self.drafted = self.accepted = 0     # draft tokens proposed / accepted so far
         self.checkpoints: dict[int, dict] = {}   # recurrent-state snapshots by length (engine/prefix.py)
 
     @property
@@ -205,6 +214,10 @@ class Engine:
         if config.mmproj:
             self._open_vision(config.mmproj, path)
         self.ctx_size = config.ctx_size or self.spec.context_length
+        if config.spec not in ("off", "ngram"):
+            self.model.close()
+            raise EngineError(f"unknown speculative decoding mode {config.spec!r} (off or ngram)")
+        self._ngram_pool = SharedNgramPool()
         self.runner = None            # engine/runner.py: the GPU path (static KV/state slots, CUDA graphs)
         self._resident = ResidentCache(config.resident_tokens)
         if config.device != "cpu" or config.static_slots:
@@ -402,6 +415,8 @@ class Engine:
             seqs.append(dict(id=s.id, session=s.req.session, state=s.state(), context=len(s.tokens),
                              ctx_limit=self.ctx_size, prompt_tokens=s.n_prompt, generated=s.n_generated,
                              cached_tokens=s.cached, tok_per_s=round(s.tok_per_s(now), 2), queue_position=None,
+                             drafted=s.drafted, accepted=s.accepted,
+                             acceptance=round(s.accepted / s.drafted, 3) if s.drafted else None,
                              images=len(s.image_hashes)))
         for i, s in enumerate(waiting):
             seqs.append(dict(id=s.id, session=s.req.session, state="queued", context=len(s.tokens),
@@ -468,7 +483,17 @@ class Engine:
                     s.slot = self._free_slots.pop()
                 else:
                     self._reuse_prefix(s)
+                    if self._spec_ok(s):
+                        s.drafter = NgramDrafter(pool=self._ngram_pool)
+                        s.drafter.extend(s.tokens)
+                        s.spec_k = self.config.spec_max_drafts
                 self._running.append(s)
+
+    def _spec_ok(self, s: _Sequence) -> bool:
+        """n-gram drafts for this sequence: on, no grammar constraint (it must see every token), no
+        images, and a model whose state rolls back by truncating KV (no recurrent layers yet)."""
+        return (self.config.spec == "ngram" and self.config.spec_max_drafts > 0 and s.req.constraint is None
+                and s.vision is None and not self.spec.recurrent_layers)
 
     def _reuse_prefix(self, s: _Sequence) -> None:
         """Start s from the longest prefix of its prompt that a resident or running sequence holds."""
@@ -497,12 +522,16 @@ class Engine:
         budget = max(self.config.step_tokens, len(self._running))
         plan = []
         for s in self._running:
-            if s.n_computed >= s.n_prompt:  # generating: feed the last sampled token
+            if s.n_computed >= s.n_prompt:  # generating: feed the last sampled token (and drafts after it)
                 lo, hi = s.n_computed, len(s.tokens)
                 vp = s.vision
                 pos = vp.generated_positions(lo, hi) if vp is not None and vp.positions is not None else None
-                plan.append((s, SeqChunk(torch.tensor(s.tokens[lo:hi]), lo, s.kv, "last", positions=pos)))
-                budget -= 1
+                room = min(s.spec_k, self.ctx_size - hi - 1, s.params.max_tokens - s.n_generated - 1)
+                s.drafts = s.drafter.propose(room) if s.drafter is not None and room > 0 else []
+                toks = s.tokens[lo:hi] + s.drafts
+                plan.append((s, SeqChunk(torch.tensor(toks), lo, s.kv, "all" if s.drafts else "last", positions=pos,
+                                         rowwise=bool(s.drafts))))
+                budget -= len(toks)
         prefilling = False
         for s in self._running:
             if s.n_computed < s.n_prompt:
@@ -609,15 +638,51 @@ class Engine:
         rows = sum(len(c.tokens) for _, c in plan)
         recurrent = bool(self.spec.recurrent_layers) and self._resident.budget > 0
         for (s, c), lg in zip(plan, logits):
-            s.n_computed = c.start + len(c.tokens)
+            # with drafts only the fed token's KV is known good; accepted drafts add theirs below
+            s.n_computed = c.start + (1 if s.drafts else len(c.tokens))
             if recurrent and s.vision is None and s.n_computed <= s.n_prompt:
                 add_checkpoint(s.checkpoints, s.kv)   # a later request can resume here
             if s.n_computed == s.n_prompt and s.n_generated == 0:
                 self._totals["prompt_tokens"] += s.n_prompt
-            if lg.shape[0]:
+            if s.drafts:
+                self._verify_drafts(s, c.start, lg)
+            elif lg.shape[0]:
                 self._on_logits(s, lg[-1])
         self._last_step = {"rows": rows, "seqs": len(plan), "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
+
+    def _verify_drafts(self, s: _Sequence, start: int, lg: torch.Tensor) -> None:
+        """Rows of [last token, draft 1..k]: accept drafts as the target would have produced them
+        (greedy: while they equal its choice; sampled: with probability p(draft), the first rejection
+        drawn from p without the draft; engine/spec/verify.py), then roll the KV back to what stayed."""
+        drafts, s.drafts = s.drafts, []
+        n_acc = 0
+        p = s.params
+        for i in range(len(drafts) + 1):
+            if i == len(drafts) or p.greedy:
+                tok, lp = s.sampler.sample_with_logprobs(lg[i], s.tokens)
+            else:
+                probs = torch.softmax(s.sampler.final_logits(lg[i], s.tokens).double(), 0)
+                x = drafts[i]
+                if torch.rand((), generator=s.sampler.generator, dtype=torch.float64).item() < float(probs[x]):
+                    tok = x
+                else:
+                    probs[x] = 0.0
+                    tok = draw_from(probs, s.sampler.generator)
+                lp = s.sampler.logprob_of(lg[i], tok) if p.logprobs is not None else None
+            accepted = i < len(drafts) and tok == drafts[i]
+            n_acc += accepted
+            s.n_computed += accepted         # the row that fed this draft holds its KV
+            self._append_token(s, tok, lp)
+            if s.kv is None or not accepted:   # finished, or the target disagreed: the rest is void
+                break
+        s.drafted += len(drafts)
+        s.accepted += n_acc
+        self._totals["drafted_tokens"] += len(drafts)
+        self._totals["accepted_tokens"] += n_acc
+        s.spec_k = min(self.config.spec_max_drafts, 2 * s.spec_k) if n_acc == len(drafts) else max(1, n_acc + 1)
+        if s.kv is not None:
+            s.kv.truncate(s.n_computed)
 
     def _on_logits(self, s: _Sequence, logits: torch.Tensor) -> None:
         p = s.params
@@ -631,6 +696,15 @@ class Engine:
             constraint.accept(tok)
         else:
             tok, lp = s.sampler.sample_with_logprobs(logits, s.tokens)
+        self._append_token(s, tok, lp)
+
+    def _append_token(self, s: _Sequence, tok: int, lp) -> None:
+        """A sampled token: stream it, and finish the sequence on end of generation, a stop string,
+        a finished grammar, max_tokens or the context limit."""
+        p = s.params
+        constraint = s.req.constraint
+        if s.drafter is not None:
+            s.drafter.extend([tok])
         now = time.monotonic()
         if s.t_first is None:
             s.t_first = now
@@ -666,6 +740,8 @@ class Engine:
                 self._waiting.remove(s)
             else:
                 return
+        if s.drafter is not None:
+            self._ngram_pool.add(s.tokens)   # other conversations can draft from this one
         if s.kv is not None:
             if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
                 if self.spec.recurrent_layers:

@@ -43,7 +43,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (same choices)")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
                                                     "cache types), cpu or cuda")
-    p.add_argument("--spec", default="off", help="speculative decoding: off (drafters come with the GPU engine)")
+    p.add_argument("--spec", default="off", help="speculative decoding: off, or ngram (prompt lookup; exact, "
+                                                 "CPU path, models without recurrent layers)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; default: CORS off)")
@@ -87,8 +88,10 @@ def run_serve(args) -> int:
         except ValueError as e:
             err(f"--{name.replace('_', '-')}: {e}")
             return 2
-    if args.spec not in ("off", "none"):
-        err(f"--spec {args.spec}: speculative decoding is not available in this engine build (use off)")
+    if args.spec == "none":
+        args.spec = "off"
+    if args.spec not in ("off", "ngram"):
+        err(f"--spec {args.spec}: choose off or ngram (MTP and DFlash drafters are not in this build yet)")
         return 2
     if args.agents < 1 or args.max_queue < 0 or args.ctx < 0:
         err("--agents must be >= 1, --max-queue >= 0 and --ctx >= 0")
@@ -102,7 +105,7 @@ def run_serve(args) -> int:
         try:
             eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
                                       max_queue=args.max_queue, threads=args.threads,
-                                      device=args.device, cache_type_k=args.cache_type_k,
+                                      device=args.device, spec=args.spec, cache_type_k=args.cache_type_k,
                                       cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))
         except Exception as e:  # shown by /health and the log; the server keeps answering 503

@@ -225,6 +225,9 @@ class SeqChunk:
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # position spans [lo, hi) inside this chunk whose tokens attend to each other both ways (Gemma 3 images)
     bidirectional: list[tuple[int, int]] | None = None
+    # attend one row at a time, exactly as single-token decode steps would (draft verification: the
+    # accepted tokens must get the numbers decoding without drafts gives them)
+    rowwise: bool = False
 
 
 @dataclass
@@ -320,7 +323,11 @@ class DecoderModel:
             return batch.attend(il, q, k, v, scale, window)
         outs = []
         for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
-            outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
+            if c.rowwise:
+                for r in range(lo, hi):
+                    outs.append(c.kv.attend(il, q[r:r + 1], k[r:r + 1], v[r:r + 1], c.start + r - lo, scale, window))
+            else:
+                outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
         return torch.cat(outs, dim=0)
 
     # ----- KV cache -----

@@ -28,6 +28,11 @@ def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
     return out
 
 
+def draw_from(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One draw from unnormalised probabilities (inverse CDF, one uniform from `gen`)."""
+    return _draw(probs, gen)
+
+
 def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One categorical draw by inverse CDF with one uniform number from the request's generator."""
     u = torch.rand((), generator=gen, dtype=torch.float64).item()
