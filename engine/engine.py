@@ -491,9 +491,9 @@ class Engine:
 
     def _spec_ok(self, s: _Sequence) -> bool:
         """n-gram drafts for this sequence: on, no grammar constraint (it must see every token), no
-        images, and a model whose state rolls back by truncating KV (no recurrent layers yet)."""
+        images. (qwen35's recurrent states roll back to the snapshot after the last accepted row.)"""
         return (self.config.spec == "ngram" and self.config.spec_max_drafts > 0 and s.req.constraint is None
-                and s.vision is None and not self.spec.recurrent_layers)
+                and s.vision is None)
 
     def _reuse_prefix(self, s: _Sequence) -> None:
         """Start s from the longest prefix of its prompt that a resident or running sequence holds."""
@@ -638,8 +638,7 @@ class Engine:
         rows = sum(len(c.tokens) for _, c in plan)
         recurrent = bool(self.spec.recurrent_layers) and self._resident.budget > 0
         for (s, c), lg in zip(plan, logits):
-            # with drafts only the fed token's KV is known good; accepted drafts add theirs below
-            s.n_computed = c.start + (1 if s.drafts else len(c.tokens))
+            s.n_computed = c.start + len(c.tokens)   # with drafts: set again by _verify_drafts
             if recurrent and s.vision is None and s.n_computed <= s.n_prompt:
                 add_checkpoint(s.checkpoints, s.kv)   # a later request can resume here
             if s.n_computed == s.n_prompt and s.n_generated == 0:
@@ -654,15 +653,18 @@ class Engine:
     def _verify_drafts(self, s: _Sequence, start: int, lg: torch.Tensor) -> None:
         """Rows of [last token, draft 1..k]: accept drafts as the target would have produced them
         (greedy: while they equal its choice; sampled: with probability p(draft), the first rejection
-        drawn from p without the draft; engine/spec/verify.py), then roll the KV back to what stayed."""
+        drawn from p without the draft; engine/spec/verify.py). The KV and recurrent states are rolled
+        back to the accepted rows first, then the tokens are streamed (which may finish the sequence)."""
         drafts, s.drafts = s.drafts, []
-        n_acc = 0
         p = s.params
+        hist = list(s.tokens)
+        out = []
+        n_acc = 0
         for i in range(len(drafts) + 1):
             if i == len(drafts) or p.greedy:
-                tok, lp = s.sampler.sample_with_logprobs(lg[i], s.tokens)
+                tok, lp = s.sampler.sample_with_logprobs(lg[i], hist)
             else:
-                probs = torch.softmax(s.sampler.final_logits(lg[i], s.tokens).double(), 0)
+                probs = torch.softmax(s.sampler.final_logits(lg[i], hist).double(), 0)
                 x = drafts[i]
                 if torch.rand((), generator=s.sampler.generator, dtype=torch.float64).item() < float(probs[x]):
                     tok = x
@@ -670,19 +672,22 @@ class Engine:
                     probs[x] = 0.0
                     tok = draw_from(probs, s.sampler.generator)
                 lp = s.sampler.logprob_of(lg[i], tok) if p.logprobs is not None else None
-            accepted = i < len(drafts) and tok == drafts[i]
-            n_acc += accepted
-            s.n_computed += accepted         # the row that fed this draft holds its KV
-            self._append_token(s, tok, lp)
-            if s.kv is None or not accepted:   # finished, or the target disagreed: the rest is void
+            out.append((tok, lp))
+            hist.append(tok)
+            if i == len(drafts) or tok != drafts[i]:
                 break
+            n_acc += 1
         s.drafted += len(drafts)
         s.accepted += n_acc
         self._totals["drafted_tokens"] += len(drafts)
         self._totals["accepted_tokens"] += n_acc
         s.spec_k = min(self.config.spec_max_drafts, 2 * s.spec_k) if n_acc == len(drafts) else max(1, n_acc + 1)
-        if s.kv is not None:
-            s.kv.truncate(s.n_computed)
+        s.n_computed = start + 1 + n_acc          # the fed token and the accepted drafts have good KV
+        s.kv.keep_rows(start, 1 + n_acc)
+        for tok, lp in out:
+            self._append_token(s, tok, lp)
+            if s.kv is None:                      # finished (end of generation, stop string, limit)
+                break
 
     def _on_logits(self, s: _Sequence, logits: torch.Tensor) -> None:
         p = s.params

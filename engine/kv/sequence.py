@@ -98,6 +98,7 @@ class SequenceKV:
         self.length = 0  # tokens stored (committed after each forward)
         self.recurrent: dict[int, tuple[torch.Tensor, ...]] = {}
         self.recurrent_length = 0  # tokens the recurrent states have consumed
+        self.row_states: dict[int, list] = {}  # layer -> state after each row of a rowwise chunk (drafts)
         self.kprep: dict[int, dict] = {}  # layer -> key preconditioning: {"w": weights, "centers": [per segment]}
         self._finalizer = weakref.finalize(self, _release_tables, self.tables)
 
@@ -120,13 +121,15 @@ class SequenceKV:
             t = self.tables[g.gid] = BlockTable(g)
         return t
 
-    def _prepare(self, t: BlockTable, start: int, end: int) -> None:
+    def _prepare(self, t: BlockTable, start: int, end: int, window_from: int | None = None) -> None:
         """Blocks for positions start..end: allocate missing ones, copy shared ones about to be
         written (copy-on-write), and let a sliding-window group drop blocks before the window of
-        the first query (position `start`). Idempotent: the first layer of a group does the work."""
+        the first query (position `start`, or `window_from` when earlier: draft rows written one at a
+        time keep what the first of them needs, since the sequence may roll back to it). Idempotent:
+        the first layer of a group does the work."""
         g, bs = t.group, self.pool.block_size
         if g.window > 0:
-            keep_from = max(0, start - g.window + 1)
+            keep_from = max(0, min(start, start if window_from is None else window_from) - g.window + 1)
             first_needed = keep_from // bs
             if first_needed < len(t.blocks) and any(b < 0 for b in t.blocks[first_needed: -(-start // bs)]):
                 raise ValueError(f"the sliding-window KV before position {start} was dropped; "
@@ -272,10 +275,11 @@ class SequenceKV:
         bias = torch.einsum("tkgd,skd->tkgs", qg, c)
         return bias.reshape(T, H, c.shape[0]), self.SEGMENT
 
-    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None) -> BlockTable:
+    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None,
+               window_from: int | None = None) -> BlockTable:
         n = k.shape[0]
         t = self._table(layer, k, v)
-        self._prepare(t, start, start + n)
+        self._prepare(t, start, start + n, window_from)
         if n == 0:
             return t
         g, bs, p = t.group, self.pool.block_size, self.pool
@@ -318,11 +322,12 @@ class SequenceKV:
         return t.first_kept * self.pool.block_size if t is not None else 0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-               window: int = 0, bidirectional: list[tuple[int, int]] | None = None) -> torch.Tensor:
+               window: int = 0, bidirectional: list[tuple[int, int]] | None = None,
+               window_from: int | None = None) -> torch.Tensor:
         """Store k, v [n, Hkv, D] at start..start+n, then causal attention of q [n, H, D] over all
         stored KV (sliding window if window > 0; `bidirectional` spans as in causal_attention).
         Returns [n, H, Dv] float32."""
-        t = self._write(layer, start, k, v, q)
+        t = self._write(layer, start, k, v, q, window_from)
         first, kp, vp = self._gather(layer, t, start + k.shape[0])
         ck, cv = self.pool.codec_k, self.pool.codec_v
         K = ck.decode_stored(kp)
@@ -338,6 +343,16 @@ class SequenceKV:
         be rewound, so a hybrid model needs `restore(snapshot)` to go back (its forward refuses a
         chunk that does not start where its recurrent states are)."""
         self.length = min(self.length, length)
+
+    def keep_rows(self, start: int, n_rows: int) -> None:
+        """After a rowwise chunk written at `start`: keep its first n_rows rows (the fed token and the
+        accepted drafts): KV by truncation, recurrent states from the snapshot after that row."""
+        self.truncate(start + n_rows)
+        if self.row_states:
+            for il, states in self.row_states.items():
+                self.recurrent[il] = states[n_rows - 1]
+            self.recurrent_length = start + n_rows
+        self.row_states = {}
 
     def snapshot(self) -> dict:
         """What `restore` needs to return to this point: lengths and copies of the recurrent states

@@ -325,7 +325,8 @@ class DecoderModel:
         for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
             if c.rowwise:
                 for r in range(lo, hi):
-                    outs.append(c.kv.attend(il, q[r:r + 1], k[r:r + 1], v[r:r + 1], c.start + r - lo, scale, window))
+                    outs.append(c.kv.attend(il, q[r:r + 1], k[r:r + 1], v[r:r + 1], c.start + r - lo, scale, window,
+                                            window_from=c.start))
             else:
                 outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
         return torch.cat(outs, dim=0)

@@ -312,6 +312,15 @@ class Qwen35Model(DecoderModel):
         else:
             outs = []
             for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
+                if c.rowwise:  # draft verification: one row at a time like decode, the state after each kept
+                    state, row_states = c.kv.recurrent.get(il), []
+                    for r in range(lo, hi):
+                        o, state = self.delta_net_rows(L, qkv[r:r + 1], g[r:r + 1], beta[r:r + 1], state)
+                        row_states.append(state)
+                        outs.append(o)
+                    c.kv.row_states[il] = row_states
+                    c.kv.recurrent[il] = state
+                    continue
                 o, state = self.delta_net_rows(L, qkv[lo:hi], g[lo:hi], beta[lo:hi], c.kv.recurrent.get(il))
                 c.kv.recurrent[il] = state
                 outs.append(o)

@@ -32,10 +32,12 @@ def _ids(n, seed):
     return [1 + (seed * 31 + 7 * j + j * j) % 400 for j in range(n)]
 
 
-def test_follow_up_reuses_the_conversation_and_matches_a_cold_engine(model_path):
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_follow_up_reuses_the_conversation_and_matches_a_cold_engine(model_path, spec):
+    """(with n-gram drafts too: rolled-back draft rows must not leak into what a follow-up reuses)"""
     first = _ids(70, 1)
     cfg = dict(model=str(model_path), ctx_size=512, prefill_chunk=32)
-    warm = Engine(EngineConfig(**cfg))
+    warm = Engine(EngineConfig(**cfg, spec=spec))
     cold = Engine(EngineConfig(**cfg, resident_tokens=0))
     try:
         answer, _ = _run(warm, first)

@@ -34,10 +34,11 @@ def test_greedy_code_edit_is_identical_and_accepts_drafts(smollm2_path):
     assert t["accepted_tokens"] > 0 and t["steps"] < out["off"][1]["steps"]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("spec") / "llama.gguf"
-    write_synthetic(path, "llama", "tiny", seed=4)
+@pytest.fixture(scope="module", params=["llama", "qwen35"])
+def tiny_llama(request, tmp_path_factory):
+    """A tiny synthetic model: llama, and qwen35 (recurrent states rolled back per draft row)."""
+    path = tmp_path_factory.mktemp("spec") / f"{request.param}.gguf"
+    write_synthetic(path, request.param, "tiny", seed=4)
     return path
 
 
