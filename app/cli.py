@@ -222,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-c", "--ctx-size", type=int, default=0)
     c.add_argument("-t", "--threads", type=int, default=0)
     c.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
-    c.add_argument("--spec", default="off", choices=["off", "ngram"],
-                   help="speculative decoding: ngram drafts from the conversation (exact output)")
+    c.add_argument("--spec", default="off", choices=["off", "ngram", "mtp"],
+                   help="speculative decoding (exact output): ngram drafts from the conversation, or mtp "
+                        "(Qwen3.5/3.6's own MTP block)")
     c.set_defaults(func=cmd_chat)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -236,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-c", "--ctx-size", type=int, default=0)
     g.add_argument("-t", "--threads", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
-    g.add_argument("--spec", default="off", choices=["off", "ngram"],
-                   help="speculative decoding: ngram drafts from the conversation (exact output)")
+    g.add_argument("--spec", default="off", choices=["off", "ngram", "mtp"],
+                   help="speculative decoding (exact output): ngram drafts from the conversation, or mtp "
+                        "(Qwen3.5/3.6's own MTP block)")
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 

@@ -25,6 +25,7 @@ from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.prefix import Entry, ResidentCache, add_checkpoint
+from engine.spec.mtp import CatchUp, MtpState, catch_up
 from engine.spec.ngram import NgramDrafter, SharedNgramPool
 from engine.spec.verify import draw_from
 from kernels.quant.ref import ROW_BLOCK
@@ -51,8 +52,8 @@ class EngineConfig:
     cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
     cache_type_v: str = "f16"
     mmproj: str | None = None       # vision projector GGUF (image input); "auto": the mmproj beside the model
-    spec: str = "off"               # speculative decoding: "off" or "ngram" (prompt lookup; CPU path,
-                                    # models without recurrent layers for now)
+    spec: str = "off"               # speculative decoding (CPU path): "off", "ngram" (prompt lookup) or
+                                    # "mtp" (Qwen3.5/3.6's own MTP block, when the GGUF has it)
     spec_max_drafts: int = 8        # draft rows per sequence and step at most (adapted per sequence)
     resident_tokens: int = 32768    # tokens of finished conversations kept for follow-ups and shared
                                     # prefixes (engine/prefix.py; CPU path); 0 turns prefix reuse off
@@ -147,7 +148,8 @@ class _Sequence:
         self.vision = None                   # engine.vision.prompt.VisionPrompt when the prompt holds images
         self.slot: int | None = None         # the runner's slot (GPU path) while running
         self.cached = 0                      # prompt tokens taken from a resident/shared prefix
-        self.drafter = None                  # engine.spec.ngram.NgramDrafter when speculating
+        self.drafter = None                  # engine.spec.ngram.NgramDrafter when speculating with n-grams
+        self.mtp = None                      # engine.spec.mtp.MtpState when drafting with the MTP block
         self.drafts: list[int] = []          # this step's draft tokens (verified after the forward)
         self.spec_k = 0                      # current draft length (adapted from acceptance)
         self.drafted = self.accepted = 0     # draft tokens proposed / accepted so far
@@ -214,9 +216,12 @@ class Engine:
         if config.mmproj:
             self._open_vision(config.mmproj, path)
         self.ctx_size = config.ctx_size or self.spec.context_length
-        if config.spec not in ("off", "ngram"):
+        if config.spec not in ("off", "ngram", "mtp"):
             self.model.close()
-            raise EngineError(f"unknown speculative decoding mode {config.spec!r} (off or ngram)")
+            raise EngineError(f"unknown speculative decoding mode {config.spec!r} (off, ngram or mtp)")
+        if config.spec == "mtp" and getattr(self.model, "mtp", None) is None:
+            self.model.close()
+            raise EngineError(f"{path.name} has no MTP (NextN) block: use --spec ngram or off")
         self._ngram_pool = SharedNgramPool()
         self.runner = None            # engine/runner.py: the GPU path (static KV/state slots, CUDA graphs)
         self._resident = ResidentCache(config.resident_tokens)
@@ -484,15 +489,18 @@ class Engine:
                 else:
                     self._reuse_prefix(s)
                     if self._spec_ok(s):
-                        s.drafter = NgramDrafter(pool=self._ngram_pool)
-                        s.drafter.extend(s.tokens)
                         s.spec_k = self.config.spec_max_drafts
+                        if self.config.spec == "ngram":
+                            s.drafter = NgramDrafter(pool=self._ngram_pool)
+                            s.drafter.extend(s.tokens)
+                        elif s.cached == 0:   # a reused prefix has no MTP rows: no MTP drafts then
+                            s.mtp = MtpState(self.model.new_mtp_kv())
                 self._running.append(s)
 
     def _spec_ok(self, s: _Sequence) -> bool:
         """n-gram drafts for this sequence: on, no grammar constraint (it must see every token), no
         images. (qwen35's recurrent states roll back to the snapshot after the last accepted row.)"""
-        return (self.config.spec == "ngram" and self.config.spec_max_drafts > 0 and s.req.constraint is None
+        return (self.config.spec in ("ngram", "mtp") and self.config.spec_max_drafts > 0 and s.req.constraint is None
                 and s.vision is None)
 
     def _reuse_prefix(self, s: _Sequence) -> None:
@@ -527,7 +535,12 @@ class Engine:
                 vp = s.vision
                 pos = vp.generated_positions(lo, hi) if vp is not None and vp.positions is not None else None
                 room = min(s.spec_k, self.ctx_size - hi - 1, s.params.max_tokens - s.n_generated - 1)
-                s.drafts = s.drafter.propose(room) if s.drafter is not None and room > 0 else []
+                if room <= 0:
+                    s.drafts = []
+                elif s.mtp is not None:
+                    s.drafts = s.mtp.drafts[:room]
+                else:
+                    s.drafts = s.drafter.propose(room) if s.drafter is not None else []
                 toks = s.tokens[lo:hi] + s.drafts
                 plan.append((s, SeqChunk(torch.tensor(toks), lo, s.kv, "all" if s.drafts else "last", positions=pos,
                                          rowwise=bool(s.drafts))))
@@ -634,7 +647,12 @@ class Engine:
         plan = self._plan()
         if not plan:
             return
-        logits = self.model.forward([c for _, c in plan])
+        chunks = [c for _, c in plan]
+        mtp = self.config.spec == "mtp" and any(s.mtp is not None for s, _ in plan)
+        if mtp:
+            logits, hidden = self.model.forward_with_hidden(chunks)
+        else:
+            logits = self.model.forward(chunks)
         rows = sum(len(c.tokens) for _, c in plan)
         recurrent = bool(self.spec.recurrent_layers) and self._resident.budget > 0
         for (s, c), lg in zip(plan, logits):
@@ -647,6 +665,16 @@ class Engine:
                 self._verify_drafts(s, c.start, lg)
             elif lg.shape[0]:
                 self._on_logits(s, lg[-1])
+        if mtp:
+            items = []
+            for (s, c), h in zip(plan, hidden):
+                if s.mtp is None or s.kv is None:
+                    continue
+                k = 0
+                if s.n_computed >= s.n_prompt:
+                    k = max(0, min(s.spec_k, self.ctx_size - len(s.tokens) - 1, s.params.max_tokens - s.n_generated - 1))
+                items.append(CatchUp(s.mtp, s.tokens, c.start, h, s.n_computed - c.start, k))
+            catch_up(self.model, items)
         self._last_step = {"rows": rows, "seqs": len(plan), "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
 

@@ -43,8 +43,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (same choices)")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
                                                     "cache types), cpu or cuda")
-    p.add_argument("--spec", default="off", help="speculative decoding: off, or ngram (prompt lookup; exact, "
-                                                 "CPU path, models without recurrent layers)")
+    p.add_argument("--spec", default="off", help="speculative decoding, exact at any temperature (CPU path): off, "
+                                                 "ngram (prompt lookup) or mtp (Qwen3.5/3.6's MTP block)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; default: CORS off)")
@@ -90,8 +90,8 @@ def run_serve(args) -> int:
             return 2
     if args.spec == "none":
         args.spec = "off"
-    if args.spec not in ("off", "ngram"):
-        err(f"--spec {args.spec}: choose off or ngram (MTP and DFlash drafters are not in this build yet)")
+    if args.spec not in ("off", "ngram", "mtp"):
+        err(f"--spec {args.spec}: choose off, ngram or mtp (DFlash drafters are not in this build yet)")
         return 2
     if args.agents < 1 or args.max_queue < 0 or args.ctx < 0:
         err("--agents must be >= 1, --max-queue >= 0 and --ctx >= 0")
