@@ -7,6 +7,8 @@ Scenarios:
           (0 and 23000 by default, like `llama-bench -p 512 -n 128 -d 0,23000`), and the row-scaling
           table: one decode step with 1, 2, 4, .., 64 rows (sequences). With --llamacpp DIR, llama-bench
           from DIR runs on the same GGUF in the same run and both are printed side by side.
+  spec    speculative decoding on a code-edit workload (any device), and the speedup modelled from a
+          decode result's row table (engine/bench_spec.py).
   plot    a PNG of a decode result's row-scaling table (`hivejet bench plot RESULT.json OUT.png`).
 """
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _print_matmul(res: dict) -> None:
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", choices=["matmul", "decode", "plot"])
+    p.add_argument("scenario", choices=["matmul", "decode", "spec", "plot"])
     p.add_argument("paths", nargs="*", help="plot: RESULT.json OUT.png")
     p.add_argument("-m", "--model", default=None, help="decode: the GGUF model")
     p.add_argument("--llamacpp", default=None, help="decode: a directory with llama-bench (same run, same model)")
@@ -83,6 +85,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="decode: print the CUDA time per kernel of one step")
+    p.add_argument("--device", default="cpu", help="spec: the engine's device (cpu, cuda)")
+    p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -95,7 +99,10 @@ def run_bench(args) -> int:
         with open(args.paths[0]) as f:
             plot_rows(json.load(f), args.paths[1])
         return 0
-    if args.scenario == "decode":
+    if args.scenario == "spec":
+        from engine.bench_spec import run
+        res = run(args)
+    elif args.scenario == "decode":
         if not args.model:
             print("hivejet bench decode needs -m MODEL.gguf", file=sys.stderr)
             return 2

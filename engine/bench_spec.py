@@ -1,0 +1,87 @@
+"""`hivejet bench spec`: speculative decoding on a code-edit workload, and the modelled speedup.
+
+Measured: the prompt holds a source file and asks for it back with one small change (what an agent's
+edit looks like); greedy decoding of n tokens with each drafting mode (off, ngram, and mtp when the model
+has the block): steps, accepted tokens per step, tok/s, and whether the output equals spec=off.
+
+Modelled (with --rows-json, a `hivejet bench decode` result): a step verifying k drafts costs what a
+(k+1)-row step costs in that table, so speedup = tokens per step / (cost of k+1 rows / cost of 1 row),
+at the acceptance rates published for DFlash (Qwen3-8B, code, temperature 0: about 6.5 tokens per step
+with blocks of 16) and MTP (about 73 % per draft with 3 drafts).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+EDIT_FILE = Path(__file__).resolve().parent / "prefix.py"
+
+
+def _prompt() -> list[dict]:
+    code = EDIT_FILE.read_text()[:1500]
+    return [{"role": "user", "content": "Here is a file:\n```python\n" + code + "\n```\nRewrite it exactly, but "
+             "rename `common_prefix` to `shared_prefix`. Output only the code."}]
+
+
+def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", "ngram", "mtp")) -> list[dict]:
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling import SamplingParams
+    from engine.types import EngineError, Request
+    rows, base = [], None
+    for mode in modes:
+        try:
+            eng = Engine(EngineConfig(model=model, device=device, spec=mode, ctx_size=4096, resident_tokens=0))
+        except EngineError as e:
+            rows.append(dict(spec=mode, error=str(e)))
+            continue
+        try:
+            t0 = time.perf_counter()
+            _, ids, _ = eng.submit(Request(messages=_prompt(), sampling=SamplingParams(max_tokens=n_tokens,
+                                                                                        temperature=0.0))).result()
+            secs = time.perf_counter() - t0
+            tot = eng.stats()["totals"]
+        finally:
+            eng.shutdown()
+        if base is None:
+            base = ids
+        steps = tot["steps"]
+        rows.append(dict(spec=mode, tokens=len(ids), steps=steps, seconds=secs, tok_s=len(ids) / secs,
+                         tokens_per_step=len(ids) / steps, drafted=tot.get("drafted_tokens", 0),
+                         accepted=tot.get("accepted_tokens", 0), same_as_off=ids == base))
+    return rows
+
+
+def modelled(rows_table: list[dict]) -> list[dict]:
+    cost = {r["rows"]: r["ms"] / rows_table[0]["ms"] for r in rows_table}
+
+    def step_cost(n_rows):
+        k = min((r for r in cost if r >= n_rows), default=max(cost))
+        return cost[k]
+    out = []
+    for name, drafts, tokens_per_step in (("DFlash (published: ~6.5 tokens/step, blocks of 16)", 15, 6.5),
+                                          ("MTP (published: ~73 % per draft, 3 drafts)", 3,
+                                           sum(0.73 ** i for i in range(4)))):
+        c = step_cost(drafts + 1)
+        out.append(dict(drafter=name, rows=drafts + 1, step_cost=c, tokens_per_step=tokens_per_step,
+                        speedup=tokens_per_step / c))
+    return out
+
+
+def run(args) -> dict:
+    res = dict(date=time.strftime("%Y-%m-%d %H:%M"), model=args.model, measured=[], modelled=[])
+    if args.model:
+        res["measured"] = measure(args.model, args.n_gen, args.device)
+    if args.rows_json:
+        res["modelled"] = modelled(json.loads(Path(args.rows_json).read_text())["rows"])
+    for r in res["measured"]:
+        if "error" in r:
+            print(f"{r['spec']:6s} not run: {r['error']}")
+        else:
+            print(f"{r['spec']:6s} {r['tokens']:4d} tokens in {r['steps']:4d} steps ({r['tokens_per_step']:.2f}/step), "
+                  f"{r['tok_s']:6.2f} tok/s, drafts {r['accepted']}/{r['drafted']} accepted, "
+                  f"same output as off: {r['same_as_off']}")
+    for r in res["modelled"]:
+        print(f"{r['drafter']}: a {r['rows']}-row step costs {r['step_cost']:.2f}x a 1-row step -> "
+              f"{r['tokens_per_step']:.2f} tokens/step = {r['speedup']:.2f}x")
+    return res
