@@ -23,6 +23,20 @@ from engine.sampling import SamplingParams
 from engine.types import FinishEvent, Request, Timings, TokenEvent, Usage
 
 
+def choose_device(kv_cache: str, mmproj: str | None) -> tuple[str, str | None, str]:
+    """Where the app runs a model: the GPU when torch sees one and the GPU path serves the KV cache type
+    (speed first: a 27B model is not usable on a CPU), as text only since image input is on the CPU path
+    for now (the note says so); else the CPU with the vision projector. Returns (device, mmproj, note)."""
+    import torch
+
+    from engine.runner import SLOT_CACHE_TYPES
+    if torch.cuda.is_available() and kv_cache in SLOT_CACHE_TYPES:
+        note = "image input is not on the GPU path yet, so this model runs on the GPU as text only" \
+            if mmproj else ""
+        return "cuda", None, note
+    return "cpu", mmproj, ""
+
+
 @dataclass
 class LoadedInfo:
     name: str
@@ -74,12 +88,13 @@ class EngineController(QObject):
             progress = lambda m: self.loadProgress.emit(str(m))  # noqa: E731
             try:
                 self.loadProgress.emit(f"Opening {model} ...")
+                device, proj, note = choose_device(kv, mmproj)
                 cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads, cache_type_k=kv,
-                                   cache_type_v=kv, mmproj=mmproj)
+                                   cache_type_v=kv, mmproj=proj, device=device)
                 try:
                     eng = Engine(cfg, progress=progress)
                 except EngineError as e:
-                    if mmproj != "auto" or not str(e).startswith("vision projector"):
+                    if proj != "auto" or not str(e).startswith("vision projector"):
                         raise
                     note = f"its mmproj file was not loaded ({e})"
                     self.loadProgress.emit(f"Loading without images: {note}")

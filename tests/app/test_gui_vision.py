@@ -117,3 +117,18 @@ def test_planner_cell_applies_kv_cache_type(win, qapp, smollm2_path):
     assert win.ctl.engine.ctx_size == 8192
     assert "KV cache q8_0" in win.statusBar().currentMessage()
     assert "GPU engine" not in win.statusBar().currentMessage()
+
+
+def test_device_choice_for_the_app(monkeypatch):
+    """GPU first when torch sees one and the GPU path serves the cache type (text only, said in the
+    note); the CPU with the projector otherwise."""
+    import torch
+
+    from app.gui.controller import choose_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert choose_device("f16", "auto") == ("cpu", "auto", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dev, proj, note = choose_device("q8_0", "auto")
+    assert (dev, proj) == ("cuda", None) and "GPU" in note
+    assert choose_device("f16", None) == ("cuda", None, "")
+    assert choose_device("turbo3_tcq", "auto") == ("cpu", "auto", "")   # not on the GPU path yet
