@@ -795,6 +795,6 @@ class Engine:
                           decode_ms=1000 * decode_s, prompt_tokens_per_s=s.n_computed / prompt_s if s.t_first else 0.0,
                           decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 else 0.0,
                           image_encode_ms=s.vision.encode_ms if s.vision is not None else 0.0)
-        usage = Usage(prompt_tokens=s.n_prompt, completion_tokens=n_gen)
+        usage = Usage(prompt_tokens=s.n_prompt, completion_tokens=n_gen, cached_tokens=s.cached)
         s.handle._put(FinishEvent(reason=reason, usage=usage, timings=timings, error=error,
                                   stop_string=s.stopper.matched))

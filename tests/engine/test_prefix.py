@@ -42,7 +42,8 @@ def test_follow_up_reuses_the_conversation_and_matches_a_cold_engine(model_path,
     try:
         answer, _ = _run(warm, first)
         follow = first + answer + _ids(25, 2)          # the client resends everything plus a new turn
-        got, _ = _run(warm, follow)
+        got, fin = _run(warm, follow)
+        assert fin.usage.cached_tokens >= 64        # what the APIs report as cached prompt tokens
         st = warm.stats()
         assert st["totals"]["cached_tokens"] >= 64       # most of the first conversation was not recomputed
         assert st["resident"]["conversations"] == 2
