@@ -24,6 +24,7 @@ from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
+from engine.kv.pool import PoolFullError
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.spec.mtp import CatchUp, MtpState, catch_up
 from engine.spec.ngram import NgramDrafter, SharedNgramPool
@@ -55,10 +56,21 @@ class EngineConfig:
     spec: str = "off"               # speculative decoding (CPU path): "off", "ngram" (prompt lookup) or
                                     # "mtp" (Qwen3.5/3.6's own MTP block, when the GGUF has it)
     spec_max_drafts: int = 8        # draft rows per sequence and step at most (adapted per sequence)
+    kv_memory: int = 0              # bytes the CPU path's KV pool may use (0: a quarter of the RAM); when
+                                    # full: resident conversations are evicted, then the newest request
+                                    # waits (its KV recomputed later)
     resident_tokens: int = 32768    # tokens of finished conversations kept for follow-ups and shared
                                     # prefixes (engine/prefix.py; CPU path); 0 turns prefix reuse off
     static_slots: bool = False      # step through engine/runner.py (what device="cuda" does) on any device;
                                     # on the CPU this tests the GPU path's scheduling without a GPU
+
+
+def _default_kv_memory() -> int:
+    """A quarter of the machine's RAM (8 GiB where that cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (AttributeError, ValueError, OSError):
+        return 8 << 30
 
 
 def resolve_auto_device(config: EngineConfig) -> str:
@@ -165,6 +177,12 @@ class _Sequence:
     def n_generated(self) -> int:
         return len(self.tokens) - self.n_prompt
 
+    @property
+    def target(self) -> int:
+        """Tokens to have in the KV before decoding: the prompt, or after a pre-emption everything but
+        the last sampled token (which the next decode row feeds)."""
+        return self.n_prompt if self.n_generated == 0 else len(self.tokens) - 1
+
     def state(self) -> str:
         if self.t_start is None:
             return "queued"
@@ -225,8 +243,15 @@ class Engine:
         self._ngram_pool = SharedNgramPool()
         self.runner = None            # engine/runner.py: the GPU path (static KV/state slots, CUDA graphs)
         self._resident = ResidentCache(config.resident_tokens)
+        self._pool_tokens = None      # the CPU pool's token limit (None on the GPU path)
         if config.device != "cpu" or config.static_slots:
             self._open_runner()
+        if self.runner is None:
+            pool = self.model.kv_pool()
+            if pool.groups:   # (a model with no attention layers has no KV to limit)
+                budget = config.kv_memory or _default_kv_memory()
+                pool.set_limit(max(256, budget // max(pool.bytes_per_token(), 1)))
+                self._pool_tokens = pool.max_tokens
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)
         self._inbox: queue.Queue = queue.Queue()
@@ -318,6 +343,9 @@ class Engine:
             raise EngineError("image input runs on the CPU path only for now (start the engine with device='cpu')")
         if len(ids) >= self.ctx_size:
             raise ContextTooLongError(len(ids), self.ctx_size)
+        if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
+            raise EngineError(f"the prompt has {len(ids)} tokens but the KV cache memory holds {self._pool_tokens} "
+                              f"(raise kv_memory / --kv-memory, or use a smaller KV cache type)")
         if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
             raise QueueFullError(f"too many waiting requests ({self.config.max_queue}); try again later")
         rid = next(self._ids)
@@ -482,6 +510,8 @@ class Engine:
                 item = None
         with self._lock:
             while self._waiting and len(self._running) < self.config.max_seqs:
+                if self._running and not self._pool_has_room(self._waiting[0]):
+                    break   # waits until a running sequence finishes and frees KV
                 s = self._waiting.popleft()
                 s.t_start = time.monotonic()
                 if self.runner is not None:
@@ -496,6 +526,49 @@ class Engine:
                         elif s.cached == 0:   # a reused prefix has no MTP rows: no MTP drafts then
                             s.mtp = MtpState(self.model.new_mtp_kv())
                 self._running.append(s)
+
+    def _pool_has_room(self, s: _Sequence) -> bool:
+        """Whether the CPU pool (free blocks plus evictable resident ones) can take s's tokens."""
+        if self._pool_tokens is None:
+            return True
+        pool = self.model.kv_pool()
+        free = min((g.n_free + (g.limit or g.capacity) - g.capacity) for g in pool.groups) * pool.block_size
+        return free + self._resident.n_tokens >= len(s.tokens) + pool.block_size
+
+    def _reserve_kv(self, plan: list) -> list:
+        """Allocate every chunk's KV blocks before the forward. When the pool is full: evict resident
+        conversations (least recently used first), then pre-empt the newest running sequence (its KV
+        freed, back to the front of the queue, recomputed when there is room); a sequence that cannot
+        fit even alone stops with reason "length". Returns the plan without pre-empted sequences."""
+        while True:
+            try:
+                for s, c in plan:
+                    s.kv.reserve(c.start, c.start + len(c.tokens))
+                return plan
+            except PoolFullError:
+                if self._resident.evict_one():
+                    continue
+                if len(plan) <= 1 and len(self._running) <= 1:
+                    s = plan[0][0] if plan else None
+                    if s is not None:
+                        log.warning("KV pool full: request %d stopped at %d tokens", s.id, len(s.tokens))
+                        self._totals["pool_full_stops"] += 1
+                        self._finish(s, "length")
+                    return []
+                victim = max(self._running, key=lambda r: (r.t_start or 0, r.id))
+                self._preempt(victim)
+                plan = [(s, c) for s, c in plan if s is not victim]
+
+    def _preempt(self, s: _Sequence) -> None:
+        with self._lock:
+            self._running.remove(s)
+            self._waiting.appendleft(s)
+        s.kv.release()
+        s.kv = self.model.new_kv()
+        s.n_computed = s.cached = 0
+        s.drafts = []
+        s.t_start = None
+        self._totals["preempted"] += 1
 
     def _spec_ok(self, s: _Sequence) -> bool:
         """n-gram drafts for this sequence: on, no grammar constraint (it must see every token), no
@@ -530,7 +603,7 @@ class Engine:
         budget = max(self.config.step_tokens, len(self._running))
         plan = []
         for s in self._running:
-            if s.n_computed >= s.n_prompt:  # generating: feed the last sampled token (and drafts after it)
+            if s.n_computed >= s.target:  # generating: feed the last sampled token (and drafts after it)
                 lo, hi = s.n_computed, len(s.tokens)
                 vp = s.vision
                 pos = vp.generated_positions(lo, hi) if vp is not None and vp.positions is not None else None
@@ -547,10 +620,10 @@ class Engine:
                 budget -= len(toks)
         prefilling = False
         for s in self._running:
-            if s.n_computed < s.n_prompt:
+            if s.n_computed < s.target:
                 lo = s.n_computed
                 pc = self.config.prefill_chunk
-                hi = min((lo // pc + 1) * pc, s.n_prompt)   # chunk ends at fixed positions, even after a reused prefix
+                hi = min((lo // pc + 1) * pc, s.target)   # chunk ends at fixed positions, even after a reused prefix
                 vp = s.vision
                 if vp is not None:
                     hi = vp.chunk_end(lo, hi)  # an image attended both ways is never split
@@ -558,7 +631,7 @@ class Engine:
                 if n > budget and plan and (prefilling or n <= self.config.step_tokens):
                     continue  # waits for a step with room; chunks are never cut differently (a chunk
                     # longer than a whole step, e.g. a large image read in one piece, goes with decode rows)
-                last = hi == s.n_prompt
+                last = hi == s.n_prompt and s.n_generated == 0   # (a recomputed sequence samples nothing here)
                 pos = emb = bidir = None
                 if vp is not None:
                     pos, emb, bidir = vp.chunk_inputs(lo, hi)
@@ -644,7 +717,7 @@ class Engine:
         t0 = time.monotonic()
         if self.vision is not None:
             self._encode_images()
-        plan = self._plan()
+        plan = self._reserve_kv(self._plan())
         if not plan:
             return
         chunks = [c for _, c in plan]

@@ -97,6 +97,15 @@ class ResidentCache:
             old.kv.release()
             self.evicted += 1
 
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry (False when there is none)."""
+        if not self.entries:
+            return False
+        _, old = self.entries.popitem(last=False)
+        old.kv.release()
+        self.evicted += 1
+        return True
+
     def best(self, prompt: list[int], recurrent: bool, running: list[Entry] = ()) -> tuple[int, Entry | None, int | None]:
         """The longest reusable prefix among resident entries and `running` ones:
         (length, entry, resident key or None)."""

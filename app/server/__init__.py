@@ -41,6 +41,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache type for K: f16, bf16, q8_0, turbo4, turbo3, turbo2, turbo3_tcq, turbo2_tcq "
                         "(the GPU path: f16, bf16, q8_0)")
     p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (same choices)")
+    p.add_argument("--kv-memory", type=float, default=0.0, metavar="GIB",
+                   help="KV cache memory on the CPU path in GiB (default: a quarter of the RAM); when full, "
+                        "finished conversations are evicted and the newest request waits")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
                                                     "cache types), cpu or cuda")
     p.add_argument("--spec", default="off", help="speculative decoding, exact at any temperature (CPU path): off, "
@@ -93,8 +96,8 @@ def run_serve(args) -> int:
     if args.spec not in ("off", "ngram", "mtp"):
         err(f"--spec {args.spec}: choose off, ngram or mtp (DFlash drafters are not in this build yet)")
         return 2
-    if args.agents < 1 or args.max_queue < 0 or args.ctx < 0:
-        err("--agents must be >= 1, --max-queue >= 0 and --ctx >= 0")
+    if args.agents < 1 or args.max_queue < 0 or args.ctx < 0 or args.kv_memory < 0:
+        err("--agents must be >= 1, --max-queue >= 0, --ctx >= 0 and --kv-memory >= 0")
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     app = _create(None, settings)
@@ -106,6 +109,7 @@ def run_serve(args) -> int:
             eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
                                       max_queue=args.max_queue, threads=args.threads,
                                       device=args.device, spec=args.spec, cache_type_k=args.cache_type_k,
+                                      kv_memory=int(args.kv_memory * 2**30),
                                       cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))
         except Exception as e:  # shown by /health and the log; the server keeps answering 503

@@ -67,6 +67,7 @@ class LayerGroup:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.fixed = n_blocks is not None
+        self.limit: int | None = None   # growing pools stop here (KVPool.set_limit); then PoolFullError
         self.capacity = n_blocks or 0
         self.refcount = [0] * self.capacity
         self.free_list = list(range(self.capacity - 1, -1, -1))   # pop() gives the lowest id first
@@ -80,10 +81,12 @@ class LayerGroup:
         self.v[layer] = torch.zeros(shape_v, dtype=torch.uint8, device=p.device)
 
     def _grow(self, need: int) -> None:
-        if self.fixed:
+        if self.fixed or (self.limit is not None and self.capacity + need > self.limit):
             raise PoolFullError(f"KV pool full: {need} more blocks of {self.pool.block_size} tokens needed, "
-                                f"{len(self.free_list)} of {self.capacity} free")
+                                f"{len(self.free_list)} of {self.limit or self.capacity} free")
         new_cap = max(2 * self.capacity, self.capacity + need, 16)
+        if self.limit is not None:
+            new_cap = min(new_cap, self.limit)
         for store in (self.k, self.v):
             for layer, t in store.items():
                 grown = torch.zeros((new_cap,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -201,6 +204,22 @@ class KVPool:
 
     def has_layer(self, layer: int) -> bool:
         return layer in self._group_of
+
+    def set_limit(self, max_tokens: int) -> None:
+        """Let every group grow to at most max_tokens tokens of blocks (a memory budget: the pool
+        then raises PoolFullError instead of growing)."""
+        with self.lock:
+            for g in self.groups:
+                if not g.fixed:
+                    g.limit = max(g.capacity, -(-max_tokens // self.block_size))
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Tokens one group can hold at most (None: unbounded)."""
+        caps = [g.capacity if g.fixed else g.limit for g in self.groups]
+        if not caps or any(c is None for c in caps):
+            return None
+        return min(caps) * self.block_size
 
     def bytes_per_token(self) -> int:
         """K + V bytes one token takes in all layers (padding of rotated types included)."""

@@ -306,6 +306,15 @@ class SequenceKV:
         vp = g.v[layer][ids].flatten(0, 1)[: end - first]
         return first, kp, vp
 
+    def reserve(self, start: int, end: int) -> None:
+        """Allocate (and copy-on-write) the blocks of positions start..end in every layer group before a
+        forward, so a full pool (PoolFullError) is found before any layer has changed anything."""
+        for g in self.pool.groups:
+            t = self.tables.get(g.gid)
+            if t is None:
+                t = self.tables[g.gid] = BlockTable(g)
+            self._prepare(t, start, end)
+
     # ----- the surface the models use -----
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [n, Hkv, D] at positions start..start+n; return the stored K, V up to the end
