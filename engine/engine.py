@@ -25,7 +25,7 @@ from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.kv.pool import PoolFullError
-from engine.prefix import Entry, ResidentCache, add_checkpoint
+from engine.prefix import Entry, ResidentCache, add_checkpoint, common_prefix
 from engine.spec.mtp import CatchUp, MtpState, catch_up
 from engine.spec.ngram import NgramDrafter, SharedNgramPool
 from engine.spec.verify import draw_from
@@ -294,7 +294,7 @@ class Engine:
             raise
         self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
         self._free_slots = list(range(c.max_seqs - 1, -1, -1))
-        self._resident = ResidentCache(0)   # prefix reuse is on the CPU path only for now
+        self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
 
     def _open_vision(self, mmproj: str, model_path) -> None:
         from engine.vision import check_pair, find_mmproj, open_mmproj
@@ -462,7 +462,8 @@ class Engine:
         return dict(model=self.model_name, path=str(self.model_path), arch=self.spec.arch, device=self.config.device,
                     ctx_size=self.ctx_size, running=len(running), waiting=len(waiting) + self._inbox.qsize(),
                     sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals), vision=vision,
-                    resident=dict(conversations=len(self._resident.entries), tokens=self._resident.n_tokens,
+                    resident=dict(conversations=len(self._resident.entries) + len(getattr(self, "_parked", {})),
+                                  tokens=self._resident.n_tokens + sum(len(t) for t in getattr(self, "_parked", {}).values()),
                                   budget=self._resident.budget, evicted=self._resident.evicted))
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -515,7 +516,7 @@ class Engine:
                 s = self._waiting.popleft()
                 s.t_start = time.monotonic()
                 if self.runner is not None:
-                    s.slot = self._free_slots.pop()
+                    self._take_slot(s)
                 else:
                     self._reuse_prefix(s)
                     if self._spec_ok(s):
@@ -526,6 +527,31 @@ class Engine:
                         elif s.cached == 0:   # a reused prefix has no MTP rows: no MTP drafts then
                             s.mtp = MtpState(self.model.new_mtp_kv())
                 self._running.append(s)
+
+    def _take_slot(self, s: _Sequence) -> None:
+        """GPU path: a finished conversation stays parked in its slot (KV and recurrent states in
+        place); a request whose prompt continues one takes that slot over and computes only the rest.
+        Else a free slot, else the least recently parked one."""
+        best, n = None, 0
+        prompt = s.tokens[:s.n_prompt]
+        if s.vision is None:
+            for slot, toks in self._parked.items():
+                lcp = common_prefix(toks, prompt)
+                if self.spec.recurrent_layers:   # the states are those after the parked tokens: all or nothing
+                    use = len(toks) if lcp >= len(toks) and len(toks) < s.n_prompt else 0
+                else:
+                    use = min(lcp, s.n_prompt - 1)
+                if use > n:
+                    best, n = slot, use
+        if best is not None:
+            del self._parked[best]
+            s.slot = best
+            s.n_computed = s.cached = n
+            self._totals["cached_tokens"] += n
+        elif self._free_slots:
+            s.slot = self._free_slots.pop()
+        else:
+            s.slot, _ = self._parked.popitem(last=False)
 
     def _pool_has_room(self, s: _Sequence) -> bool:
         """Whether the CPU pool (free blocks plus evictable resident ones) can take s's tokens."""
@@ -695,7 +721,8 @@ class Engine:
         rows = len(dec)
         for s in [s for s in self._running if s.n_computed < s.n_prompt]:
             lo = s.n_computed
-            hi = min(lo + self.config.prefill_chunk, s.n_prompt)
+            pc = self.config.prefill_chunk
+            hi = min((lo // pc + 1) * pc, s.n_prompt)     # chunks end at fixed positions after a reused prefix
             if hi - lo > budget and rows:
                 continue
             out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=self.config.prefill_chunk)
@@ -857,7 +884,10 @@ class Engine:
                 s.kv.release()
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
         if getattr(s, "slot", None) is not None:
-            self._free_slots.append(s.slot)   # the runner's slot: its KV is overwritten by the next user
+            if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
+                self._parked[s.slot] = s.tokens[:s.n_computed]   # resident until its slot is needed
+            else:
+                self._free_slots.append(s.slot)   # its KV is overwritten by the next user
             s.slot = None
         now = time.monotonic()
         t_first = s.t_first or now

@@ -94,3 +94,30 @@ def test_cuda_engine_matches_cpu_engine_on_synthetic_models(tmp_path, arch):
         finally:
             eng.shutdown()
     assert out["cuda"] == out["cpu"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_parked_slot_serves_the_follow_up(tmp_path, arch):
+    """GPU path (static slots, here on the CPU): a finished conversation stays in its slot and a follow-up
+    that continues it computes only the new tokens, with the tokens a cold engine gives."""
+    from engine.synth import write_synthetic
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, "tiny", seed=13)
+    first = [1 + (3 * j + j * j) % 400 for j in range(50)]
+    cfg = dict(model=str(path), ctx_size=256, max_seqs=2, prefill_chunk=16, static_slots=True)
+    warm, cold = Engine(EngineConfig(**cfg)), Engine(EngineConfig(**cfg, resident_tokens=0))
+    try:
+        answer = warm.submit(Request(prompt_ids=first, sampling=_greedy(10, ignore_eos=True))).result()[1]
+        follow = first + answer + [7, 8, 9, 10, 11]
+        _, got, fin = warm.submit(Request(prompt_ids=follow, sampling=_greedy(10, ignore_eos=True))).result()
+        assert fin.usage.cached_tokens >= len(first) + len(answer) - 1
+        # a third, unrelated request and a fourth: slots are reused (parked ones evicted) without errors
+        for seed in (1, 2):
+            other = [1 + (seed * 11 + 7 * j) % 400 for j in range(30)]
+            assert len(warm.submit(Request(prompt_ids=other, sampling=_greedy(4, ignore_eos=True))).result()[1]) == 4
+        want = cold.submit(Request(prompt_ids=follow, sampling=_greedy(10, ignore_eos=True))).result()[1]
+        assert got == want
+        assert cold.stats()["totals"].get("cached_tokens", 0) == 0
+    finally:
+        warm.shutdown()
+        cold.shutdown()
