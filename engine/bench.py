@@ -7,6 +7,8 @@ Scenarios:
           (0 and 23000 by default, like `llama-bench -p 512 -n 128 -d 0,23000`), and the row-scaling
           table: one decode step with 1, 2, 4, .., 64 rows (sequences). With --llamacpp DIR, llama-bench
           from DIR runs on the same GGUF in the same run and both are printed side by side.
+  agents  coding agents against `hivejet serve` and llama-server (same client, same run):
+          engine/bench_agents.py.
   spec    speculative decoding on a code-edit workload (any device), and the speedup modelled from a
           decode result's row table (engine/bench_spec.py).
   plot    a PNG of a decode result's row-scaling table (`hivejet bench plot RESULT.json OUT.png`).
@@ -76,7 +78,7 @@ def _print_matmul(res: dict) -> None:
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", choices=["matmul", "decode", "spec", "plot"])
+    p.add_argument("scenario", choices=["matmul", "decode", "spec", "agents", "plot"])
     p.add_argument("paths", nargs="*", help="plot: RESULT.json OUT.png")
     p.add_argument("-m", "--model", default=None, help="decode: the GGUF model")
     p.add_argument("--llamacpp", default=None, help="decode: a directory with llama-bench (same run, same model)")
@@ -85,8 +87,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="decode: print the CUDA time per kernel of one step")
-    p.add_argument("--device", default="cpu", help="spec: the engine's device (cpu, cuda)")
+    p.add_argument("--device", default="cpu", help="spec, agents: the engine's device (cpu, cuda, auto)")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
+    p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16], help="agents: concurrent agents per run")
+    p.add_argument("--context", type=int, default=23000, help="agents: tokens of each long conversation")
+    p.add_argument("--long-prompt", type=int, default=20000, help="agents: the intruding prompt's tokens")
+    p.add_argument("--duration", type=float, default=60.0, help="agents: seconds of the paused-agents run")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -99,7 +105,16 @@ def run_bench(args) -> int:
         with open(args.paths[0]) as f:
             plot_rows(json.load(f), args.paths[1])
         return 0
-    if args.scenario == "spec":
+    if args.scenario == "agents":
+        if not args.model:
+            print("hivejet bench agents needs -m MODEL.gguf", file=sys.stderr)
+            return 2
+        from engine.bench_agents import bench_agents, print_agents
+        res = bench_agents(args.model, llamacpp=args.llamacpp, device=args.device,
+                           agents=tuple(args.agents), gen=args.n_gen, context=args.context,
+                           long_prompt=args.long_prompt, duration=args.duration)
+        print_agents(res)
+    elif args.scenario == "spec":
         from engine.bench_spec import run
         res = run(args)
     elif args.scenario == "decode":

@@ -1,0 +1,237 @@
+"""`hivejet bench agents`: several coding agents against one server, HiveJet and llama.cpp's
+llama-server (same model, same client code, same run).
+
+Each server is started as a subprocess and driven over its OpenAI-compatible /v1/completions with
+streamed responses (token-id prompts, `ignore_eos`, usage in the last chunk). Scenarios:
+  1. decode: N agents (for N in --agents) each generate --gen tokens after a short prompt:
+     per-agent and total tok/s;
+  2. long context: four agents each hold a --context-token conversation: per-agent decode tok/s;
+  3. follow-up: each of those conversations sends --new-tokens more: time to first token;
+  4. three agents decode while a fourth sends a --long-prompt-token prompt: the three's tok/s during
+     the prefill against before it, and the fourth's time to first token;
+  5. four agents that pause 0.5-3 s between requests (as agents do while running tools), for
+     --duration seconds: total tok/s.
+Prompts are random token ids (speed does not depend on them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess reachable at `url`, ready once /health answers 200."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, timeout: float = 600.0):
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"{name} did not become ready in {timeout:.0f} s")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def hivejet_server(model: str, agents: int, ctx: int, device: str = "auto") -> Server:
+    port = _free_port()
+    return Server("HiveJet", [sys.executable, "-m", "app.cli", "serve", "-m", model, "--port", str(port),
+                              "--agents", str(agents), "--ctx", str(ctx), "--any-model", "--device", device,
+                              "--max-queue", "256"], port)
+
+
+def llama_server(llamacpp: str, model: str, agents: int, ctx: int) -> Server:
+    port = _free_port()
+    return Server("llama.cpp", [os.path.join(llamacpp, "llama-server"), "-m", model, "-ngl", "99", "-fa", "on",
+                                "-np", str(agents), "-c", str(agents * ctx), "--port", str(port)], port)
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: time to first token, end time, tokens generated."""
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, n_chunks, usage = None, 0, None
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if "error" in ev:
+                raise RuntimeError(f"server error: {ev['error']}")
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices") or []:
+                if ch.get("text"):
+                    n_chunks += 1
+                    first = first or time.perf_counter()
+    t_end = time.perf_counter()
+    tokens = (usage or {}).get("completion_tokens") or n_chunks
+    return dict(t0=t0, ttft=(first or t_end) - t0, t_first=first or t_end, t_end=t_end, tokens=tokens)
+
+
+def _decode_rate(r: dict) -> float:
+    return (r["tokens"] - 1) / max(r["t_end"] - r["t_first"], 1e-9) if r["tokens"] > 1 else 0.0
+
+
+def _parallel(fns) -> list:
+    out = [None] * len(fns)
+
+    def run(i, f):
+        out[i] = f()
+    ts = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, context: int = 23000,
+                  new_tokens: int = 50, long_prompt: int = 20000, duration: float = 60.0, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    res: dict = {}
+    res["decode"] = []
+    for n in agents:
+        t0 = time.perf_counter()
+        rs = _parallel([lambda: complete(url, _prompt(rng, 32, vocab), gen) for _ in range(n)])
+        wall = time.perf_counter() - t0
+        res["decode"].append(dict(agents=n, per_agent=sum(map(_decode_rate, rs)) / n,
+                                  total=sum(r["tokens"] for r in rs) / wall))
+    convs = [_prompt(rng, context, vocab) for _ in range(4)]
+    rs = _parallel([lambda c=c: complete(url, c, gen) for c in convs])
+    res["long_context"] = dict(context=context, per_agent=[_decode_rate(r) for r in rs])
+    follow = [c + _prompt(rng, new_tokens, vocab) for c in convs]
+    res["follow_up_ttft"] = [complete(url, f, 8)["ttft"] for f in follow]
+    # three agents decode; a fourth sends a long prompt once they are going
+    started, first_token = threading.Event(), threading.Event()
+    holder = {}
+
+    def intruder():
+        time.sleep(max(1.0, 4 * gen / 1000))
+        started.set()
+        holder["r"] = complete(url, _prompt(rng, long_prompt, vocab), 8)
+        first_token.set()
+    th = threading.Thread(target=intruder)
+    th.start()
+    rs = _parallel([lambda f=f: _stream_rates(url, f, gen * 4, started, first_token) for f in follow[:3]])
+    th.join()
+    res["during_prefill"] = dict(long_prompt=long_prompt, before=[r[0] for r in rs], during=[r[1] for r in rs],
+                                 intruder_ttft=holder["r"]["ttft"])
+    # agents with tool pauses
+    t_end = time.perf_counter() + duration
+    counts = [0] * 4
+
+    def agent(i):
+        r = random.Random(seed + i)
+        while time.perf_counter() < t_end:
+            counts[i] += complete(url, _prompt(r, 64, vocab), gen // 2)["tokens"]
+            time.sleep(r.uniform(0.5, 3.0))
+    t0 = time.perf_counter()
+    _parallel([lambda i=i: agent(i) for i in range(4)])
+    res["paused_agents"] = dict(duration=time.perf_counter() - t0, total=sum(counts) / (time.perf_counter() - t0))
+    return res
+
+
+def _stream_rates(url: str, prompt: list[int], max_tokens: int, started: threading.Event,
+                  first_token: threading.Event) -> tuple[float, float]:
+    """Decode tok/s of one streamed completion before another agent's long prompt was sent, and
+    while it was being read (until its first token)."""
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    before, during = [], []
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if not any(ch.get("text") for ch in json.loads(line[5:]).get("choices") or []):
+                continue
+            now = time.perf_counter()
+            if not started.is_set():
+                before.append(now)
+            elif not first_token.is_set():
+                during.append(now)
+
+    def rate(ts):
+        return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else 0.0
+    return rate(before), rate(during)
+
+
+def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", **kw) -> dict:
+    from engine.gguf.reader import GGUFFile
+    from engine.gguf.spec import spec_from_gguf
+    f = GGUFFile(model)
+    try:
+        vocab = spec_from_gguf(f).vocab_size
+    finally:
+        f.close()
+    ctx = kw.get("context", 23000) + kw.get("new_tokens", 50) + 2 * kw.get("gen", 128) * 4 + 64
+    ctx = max(ctx, kw.get("long_prompt", 20000) + 64)
+    n_agents = max(max(kw.get("agents", (1, 4, 8, 16))), 4)
+    out = dict(model=os.path.basename(model), date=time.strftime("%Y-%m-%d %H:%M"), results={})
+    makers = [("HiveJet", lambda: hivejet_server(model, n_agents, ctx, device))]
+    if llamacpp:
+        makers.append(("llama.cpp", lambda: llama_server(llamacpp, model, n_agents, ctx)))
+    for name, make in makers:
+        srv = make()
+        try:
+            out["results"][name] = run_scenarios(srv.url, vocab, **kw)
+        finally:
+            srv.close()
+    return out
+
+
+def print_agents(res: dict) -> None:
+    names = list(res["results"])
+    print(f"model {res['model']}; " + " | ".join(names))
+    first = res["results"][names[0]]
+    for i, d in enumerate(first["decode"]):
+        cells = [f"{res['results'][n]['decode'][i]['total']:.1f} total, {res['results'][n]['decode'][i]['per_agent']:.1f}/agent"
+                 for n in names]
+        print(f"1. {d['agents']:2d} agents decode: " + " | ".join(cells))
+    print("2. 4 agents at long context, tok/s each: " + " | ".join(
+        ", ".join(f"{x:.1f}" for x in res["results"][n]["long_context"]["per_agent"]) for n in names))
+    print("3. follow-up first token, s: " + " | ".join(
+        ", ".join(f"{x:.2f}" for x in res["results"][n]["follow_up_ttft"]) for n in names))
+    print("4. 3 agents before / during a long prompt, tok/s; its first token: " + " | ".join(
+        f"{sum(r['before']) / 3:.1f} / {sum(r['during']) / 3:.1f}; {r['intruder_ttft']:.2f} s"
+        for r in (res["results"][n]["during_prefill"] for n in names)))
+    print("5. 4 agents with pauses, total tok/s: " + " | ".join(
+        f"{res['results'][n]['paused_agents']['total']:.1f}" for n in names))

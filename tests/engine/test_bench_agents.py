@@ -1,0 +1,19 @@
+"""`hivejet bench agents` end to end on the CPU with a tiny synthetic model: the server starts, every
+scenario runs and reports numbers (speed is measured on the GPU machine, not asserted here)."""
+from __future__ import annotations
+
+from engine.bench_agents import bench_agents, print_agents
+from engine.synth import write_synthetic
+
+
+def test_bench_agents_runs_every_scenario(tmp_path, capsys):
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, "llama", "tiny", seed=3)
+    res = bench_agents(str(path), device="cpu", agents=(1, 2), gen=6, context=48, new_tokens=5, long_prompt=96,
+                       duration=1.0)
+    r = res["results"]["HiveJet"]
+    assert [d["agents"] for d in r["decode"]] == [1, 2] and all(d["total"] > 0 for d in r["decode"])
+    assert len(r["long_context"]["per_agent"]) == 4 and len(r["follow_up_ttft"]) == 4
+    assert r["during_prefill"]["intruder_ttft"] > 0 and r["paused_agents"]["total"] > 0
+    print_agents(res)
+    assert "follow-up first token" in capsys.readouterr().out
