@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-sequence cache, re-exported)
+from kernels import fused
 from kernels.attention import causal_attention
 from kernels.kvcodec import cache_type_name
 from kernels.quant import (check_supported, dequantize_rows, matmul_row_invariant, quantized_matmul_ref,
@@ -130,37 +130,19 @@ class WeightSet:
         return self.get(name, shape) if self.has(name) else None
 
 
-# Elementwise ops: torch on the CPU; on the GPU the fused Triton kernels of kernels/fused.py (one
-# launch each instead of several, which matters inside a decode step's CUDA graph).
+# Elementwise ops live in kernels/fused.py: its torch references on the CPU (the formulas this code
+# always used), its fused Triton kernels on the GPU (one launch each instead of several, which matters
+# inside a decode step's CUDA graph).
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if x.is_cuda and x.ndim in (2, 3):
-        from kernels import fused
-        return fused.rms_norm(x, w, eps) if x.ndim == 2 else fused.head_rms_norm(x, w, eps)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y * w if w is not None else y
+    if not x.is_cuda or x.ndim not in (2, 3):
+        return fused.ref_rms_norm(x, w, eps)
+    return fused.rms_norm(x, w, eps) if x.ndim == 2 else fused.head_rms_norm(x, w, eps)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.is_cuda:
-        from kernels import fused
-        return fused.silu_mul(gate, up)
-    return F.silu(gate) * up
-
-
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.is_cuda:
-        from kernels import fused
-        return fused.gelu_tanh_mul(gate, up)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def sigmoid_mul(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """a * sigmoid(gate) (gate reshaped to a's shape)."""
-    if a.is_cuda:
-        from kernels import fused
-        return fused.sigmoid_gate_mul(a, gate)
-    return a * torch.sigmoid(gate.reshape(a.shape))
+silu_mul = fused.silu_mul
+gelu_tanh_mul = fused.gelu_tanh_mul
+sigmoid_mul = fused.sigmoid_gate_mul   # a * sigmoid(gate), gate reshaped to a's shape
 
 
 class Rope:
@@ -187,19 +169,7 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, H, D]; cos/sin [N, dim/2]."""
-        d = self.dim
-        if x.is_cuda:
-            from kernels import fused
-            return fused.rope(x, cos, sin, d, self.neox)
-        rot, rest = x[..., :d], x[..., d:]
-        c, s = cos[:, None, :], sin[:, None, :]
-        if self.neox:
-            a, b = rot[..., : d // 2], rot[..., d // 2:]
-            out = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
-        else:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+        return fused.rope(x, cos, sin, self.dim, self.neox)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,

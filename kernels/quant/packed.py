@@ -72,7 +72,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from kernels.quant.ref import (
-    _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, row_bytes,
+    _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, weight_rows,
 )
 
 try:
@@ -231,16 +231,10 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int) -> PackedWeight:
         raise ValueError(f"{qt.name} is not a quantized type: multiply it with torch instead of packing")
     fn, group, hi_bits = _PACKERS[qt]
     type_size = GGML_QUANT_SIZES[qt][1]
-    rb = row_bytes(qt, k)
-    b = raw.reshape(-1)
-    if b.dtype != torch.uint8:
-        b = b.view(torch.uint8)
-    if b.numel() != n * rb:
-        raise ValueError(f"{qt.name} [{n}, {k}] needs {n * rb} bytes, got {b.numel()}")
-    if b.storage_offset() % 8:
-        b = b.clone()  # blocks are viewed as int16/int32 words
-    rows = b.view(n, rb)
-    dev = b.device
+    rows = weight_rows(raw, qt, n, k)
+    if rows.storage_offset() % 8:
+        rows = rows.clone()  # blocks are viewed as int16/int32 words
+    dev = rows.device
     if hi_bits == 8:
         planes = (torch.empty((n, k), dtype=torch.int8, device=dev),)
     else:

@@ -373,6 +373,18 @@ def dequantize_rows(raw_rows: torch.Tensor, qtype, n_cols: int, *,
     return dequantize(raw_rows, qt, (n_rows, n_cols), out=out)
 
 
+def weight_rows(raw: torch.Tensor, qtype, n_rows: int, n_cols: int) -> torch.Tensor:
+    """A weight's GGUF bytes as uint8 [n_rows, row_bytes]; ValueError when their number is wrong."""
+    qt = _as_qtype(qtype)
+    rb = row_bytes(qt, n_cols)
+    b = raw.reshape(-1)
+    if b.dtype != torch.uint8:
+        b = b.view(torch.uint8)
+    if b.numel() != n_rows * rb:
+        raise ValueError(f"{qt.name} [{n_rows}, {n_cols}] needs {n_rows * rb} bytes, got {b.numel()}")
+    return b.view(n_rows, rb)
+
+
 def quantized_matmul_ref(x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, n_in: int,
                          tile_rows: int = 4096) -> torch.Tensor:
     """x [M, n_in] float32 @ W.T -> [M, n_out], W = dequantize(raw, qtype, (n_out, n_in)),
@@ -381,13 +393,7 @@ def quantized_matmul_ref(x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, 
     check_supported(qt)
     if x.shape[-1] != n_in:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight has {n_in}")
-    rb = row_bytes(qt, n_in)
-    rows = raw.reshape(-1)
-    if rows.dtype != torch.uint8:
-        rows = rows.view(torch.uint8)
-    if rows.numel() != n_out * rb:
-        raise ValueError(f"{qt.name} [{n_out}, {n_in}] needs {n_out * rb} bytes, got {rows.numel()}")
-    rows = rows.view(n_out, rb)
+    rows = weight_rows(raw, qt, n_out, n_in)
     tile_rows = max(1, min(tile_rows, n_out))
     y = torch.empty(x.shape[:-1] + (n_out,), dtype=torch.float32, device=x.device)
     if n_out == 0:
