@@ -36,6 +36,17 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _add_spec(p) -> None:
+    from engine.spec import SPEC_MODES
+    p.add_argument("--spec", default="off", choices=list(SPEC_MODES),
+                   help="speculative decoding (exact output, CPU path): ngram drafts from the conversation, mtp "
+                        "(Qwen3.5/3.6's own MTP block), dflash (a DFlash drafter, --spec-drafter), or a chain "
+                        "mtp+ngram / dflash+ngram (n-gram drafts when the conversation repeats a long span)")
+    p.add_argument("--spec-drafter", default=None, metavar="PATH",
+                   help="the DFlash drafter for --spec dflash: a directory with config.json + model.safetensors "
+                        "(as z-lab publishes them) or its GGUF port")
+
+
 def _sampling(args):
     from engine.sampling import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
@@ -48,7 +59,7 @@ def _engine(args):
     from engine.engine import Engine, EngineConfig
     return Engine(EngineConfig(model=args.model, ctx_size=getattr(args, "ctx_size", 0) or 0,
                                threads=getattr(args, "threads", 0) or 0, device=getattr(args, "device", "cpu"),
-                               spec=getattr(args, "spec", "off")),
+                               spec=getattr(args, "spec", "off"), spec_drafter=getattr(args, "spec_drafter", None)),
                   progress=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -151,10 +162,9 @@ def cmd_perplexity(args) -> int:
         runner = None
         if args.device != "cpu":
             from engine.runner import Runner
-            if args.cache_type_k != args.cache_type_v:
-                raise ValueError("the GPU path takes one cache type for K and V for now")
             n_ctx = base.n_ctx if base is not None else args.ctx_size
-            runner = Runner(model, device=args.device, n_slots=1, max_ctx=n_ctx, cache_type=args.cache_type_k)
+            runner = Runner(model, device=args.device, n_slots=1, max_ctx=n_ctx, cache_type_k=args.cache_type_k,
+                            cache_type_v=args.cache_type_v)
         res = perplexity(model, tok, text=text, n_ctx=args.ctx_size, n_chunks=args.chunks, n_batch=args.batch_size,
                          base=base, progress=progress, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                          save_base=args.save_kl_divergence_base, runner=runner)
@@ -222,9 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-c", "--ctx-size", type=int, default=0)
     c.add_argument("-t", "--threads", type=int, default=0)
     c.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
-    c.add_argument("--spec", default="off", choices=["off", "ngram", "mtp"],
-                   help="speculative decoding (exact output): ngram drafts from the conversation, or mtp "
-                        "(Qwen3.5/3.6's own MTP block)")
+    _add_spec(c)
     c.set_defaults(func=cmd_chat)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -237,9 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-c", "--ctx-size", type=int, default=0)
     g.add_argument("-t", "--threads", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
-    g.add_argument("--spec", default="off", choices=["off", "ngram", "mtp"],
-                   help="speculative decoding (exact output): ngram drafts from the conversation, or mtp "
-                        "(Qwen3.5/3.6's own MTP block)")
+    _add_spec(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 

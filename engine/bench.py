@@ -89,10 +89,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="decode: print the CUDA time per kernel of one step")
     p.add_argument("--device", default="cpu", help="spec, agents: the engine's device (cpu, cuda, auto)")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
+    p.add_argument("--spec-drafter", default=None, metavar="PATH",
+                   help="spec: a DFlash drafter (directory or GGUF) for the model: adds the dflash and dflash+ngram runs")
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16], help="agents: concurrent agents per run")
     p.add_argument("--context", type=int, default=23000, help="agents: tokens of each long conversation")
     p.add_argument("--long-prompt", type=int, default=20000, help="agents: the intruding prompt's tokens")
     p.add_argument("--duration", type=float, default=60.0, help="agents: seconds of the paused-agents run")
+    p.add_argument("--servers", nargs="+", default=["hivejet", "llama.cpp"], choices=["hivejet", "llama.cpp"],
+                   help="agents: which servers to run (llama.cpp needs --llamacpp)")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -110,8 +114,8 @@ def run_bench(args) -> int:
             print("hivejet bench agents needs -m MODEL.gguf", file=sys.stderr)
             return 2
         from engine.bench_agents import bench_agents, print_agents
-        res = bench_agents(args.model, llamacpp=args.llamacpp, device=args.device,
-                           agents=tuple(args.agents), gen=args.n_gen, context=args.context,
+        res = bench_agents(args.model, llamacpp=args.llamacpp, device=args.device, servers=args.servers,
+                           json_path=args.json, agents=tuple(args.agents), gen=args.n_gen, context=args.context,
                            long_prompt=args.long_prompt, duration=args.duration)
         print_agents(res)
     elif args.scenario == "spec":

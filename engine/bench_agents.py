@@ -122,22 +122,40 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
+def _log(msg: str) -> None:
+    """Progress on stderr (a benchmark on a remote machine must show how far it got)."""
+    print(f"[bench agents {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, context: int = 23000,
-                  new_tokens: int = 50, long_prompt: int = 20000, duration: float = 60.0, seed: int = 0) -> dict:
+                  new_tokens: int = 50, long_prompt: int = 20000, duration: float = 60.0, seed: int = 0,
+                  on_result=None) -> dict:
+    """The five scenarios against one server; `on_result(res)` after each (partial results survive
+    a benchmark cut short)."""
     rng = random.Random(seed)
     res: dict = {}
     res["decode"] = []
+    done = on_result or (lambda r: None)
     for n in agents:
         t0 = time.perf_counter()
         rs = _parallel([lambda: complete(url, _prompt(rng, 32, vocab), gen) for _ in range(n)])
         wall = time.perf_counter() - t0
         res["decode"].append(dict(agents=n, per_agent=sum(map(_decode_rate, rs)) / n,
                                   total=sum(r["tokens"] for r in rs) / wall))
+        _log(f"1. {n} agents: {res['decode'][-1]['total']:.1f} tok/s total ({wall:.1f} s)")
+        done(res)
     convs = [_prompt(rng, context, vocab) for _ in range(4)]
+    t0 = time.perf_counter()
     rs = _parallel([lambda c=c: complete(url, c, gen) for c in convs])
-    res["long_context"] = dict(context=context, per_agent=[_decode_rate(r) for r in rs])
+    res["long_context"] = dict(context=context, per_agent=[_decode_rate(r) for r in rs],
+                               prefill_s=[r["ttft"] for r in rs])
+    _log(f"2. 4 x {context} tokens: {[round(x, 1) for x in res['long_context']['per_agent']]} tok/s each "
+         f"({time.perf_counter() - t0:.1f} s)")
+    done(res)
     follow = [c + _prompt(rng, new_tokens, vocab) for c in convs]
     res["follow_up_ttft"] = [complete(url, f, 8)["ttft"] for f in follow]
+    _log(f"3. follow-up first token: {[round(x, 2) for x in res['follow_up_ttft']]} s")
+    done(res)
     # three agents decode; a fourth sends a long prompt once they are going
     started, first_token = threading.Event(), threading.Event()
     holder = {}
@@ -153,6 +171,8 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
     th.join()
     res["during_prefill"] = dict(long_prompt=long_prompt, before=[r[0] for r in rs], during=[r[1] for r in rs],
                                  intruder_ttft=holder["r"]["ttft"])
+    _log(f"4. {res['during_prefill']}")
+    done(res)
     # agents with tool pauses
     t_end = time.perf_counter() + duration
     counts = [0] * 4
@@ -165,6 +185,8 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
     t0 = time.perf_counter()
     _parallel([lambda i=i: agent(i) for i in range(4)])
     res["paused_agents"] = dict(duration=time.perf_counter() - t0, total=sum(counts) / (time.perf_counter() - t0))
+    _log(f"5. {res['paused_agents']}")
+    done(res)
     return res
 
 
@@ -194,7 +216,10 @@ def _stream_rates(url: str, prompt: list[int], max_tokens: int, started: threadi
     return rate(before), rate(during)
 
 
-def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", **kw) -> dict:
+def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", servers=("hivejet", "llama.cpp"),
+                 json_path: str | None = None, **kw) -> dict:
+    """Both servers (or those in `servers`) through run_scenarios; with json_path the results so far
+    are written after every scenario."""
     from engine.gguf.reader import GGUFFile
     from engine.gguf.spec import spec_from_gguf
     f = GGUFFile(model)
@@ -206,13 +231,23 @@ def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", 
     ctx = max(ctx, kw.get("long_prompt", 20000) + 64)
     n_agents = max(max(kw.get("agents", (1, 4, 8, 16))), 4)
     out = dict(model=os.path.basename(model), date=time.strftime("%Y-%m-%d %H:%M"), results={})
-    makers = [("HiveJet", lambda: hivejet_server(model, n_agents, ctx, device))]
-    if llamacpp:
+    makers = []
+    if "hivejet" in servers:
+        makers.append(("HiveJet", lambda: hivejet_server(model, n_agents, ctx, device)))
+    if llamacpp and "llama.cpp" in servers:
         makers.append(("llama.cpp", lambda: llama_server(llamacpp, model, n_agents, ctx)))
+
+    def save(name, res):
+        out["results"][name] = res
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(out, f, indent=1)
     for name, make in makers:
+        t0 = time.perf_counter()
         srv = make()
+        _log(f"{name} ready in {time.perf_counter() - t0:.1f} s")
         try:
-            out["results"][name] = run_scenarios(srv.url, vocab, **kw)
+            run_scenarios(srv.url, vocab, on_result=lambda r, name=name: save(name, r), **kw)
         finally:
             srv.close()
     return out

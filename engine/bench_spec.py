@@ -2,7 +2,8 @@
 
 Measured: the prompt holds a source file and asks for it back with one small change (what an agent's
 edit looks like); greedy decoding of n tokens with each drafting mode (off, ngram, and mtp when the model
-has the block): steps, accepted tokens per step, tok/s, and whether the output equals spec=off.
+has the block; dflash and dflash+ngram when given a DFlash drafter): steps, accepted tokens per step,
+tok/s, and whether the output equals spec=off.
 
 Modelled (with --rows-json, a `hivejet bench decode` result): a step verifying k drafts costs what a
 (k+1)-row step costs in that table, so speedup = tokens per step / (cost of k+1 rows / cost of 1 row),
@@ -24,14 +25,18 @@ def _prompt() -> list[dict]:
              "rename `common_prefix` to `shared_prefix`. Output only the code."}]
 
 
-def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", "ngram", "mtp")) -> list[dict]:
+def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", "ngram", "mtp"),
+            drafter: str | None = None) -> list[dict]:
     from engine.engine import Engine, EngineConfig
     from engine.sampling import SamplingParams
     from engine.types import EngineError, Request
     rows, base = [], None
+    if drafter:
+        modes = tuple(modes) + tuple(m for m in ("dflash", "dflash+ngram") if m not in modes)
     for mode in modes:
-        try:
-            eng = Engine(EngineConfig(model=model, device=device, spec=mode, ctx_size=4096, resident_tokens=0))
+        try:   # a DFlash block drafts 15 tokens: let the adaptive draft length reach them
+            eng = Engine(EngineConfig(model=model, device=device, spec=mode, ctx_size=4096, resident_tokens=0,
+                                      spec_drafter=drafter, spec_max_drafts=15 if "dflash" in mode else 8))
         except EngineError as e:
             rows.append(dict(spec=mode, error=str(e)))
             continue
@@ -71,14 +76,14 @@ def modelled(rows_table: list[dict]) -> list[dict]:
 def run(args) -> dict:
     res = dict(date=time.strftime("%Y-%m-%d %H:%M"), model=args.model, measured=[], modelled=[])
     if args.model:
-        res["measured"] = measure(args.model, args.n_gen, args.device)
+        res["measured"] = measure(args.model, args.n_gen, args.device, drafter=getattr(args, "spec_drafter", None))
     if args.rows_json:
         res["modelled"] = modelled(json.loads(Path(args.rows_json).read_text())["rows"])
     for r in res["measured"]:
         if "error" in r:
-            print(f"{r['spec']:6s} not run: {r['error']}")
+            print(f"{r['spec']:12s} not run: {r['error']}")
         else:
-            print(f"{r['spec']:6s} {r['tokens']:4d} tokens in {r['steps']:4d} steps ({r['tokens_per_step']:.2f}/step), "
+            print(f"{r['spec']:12s} {r['tokens']:4d} tokens in {r['steps']:4d} steps ({r['tokens_per_step']:.2f}/step), "
                   f"{r['tok_s']:6.2f} tok/s, drafts {r['accepted']}/{r['drafted']} accepted, "
                   f"same output as off: {r['same_as_off']}")
     for r in res["modelled"]:

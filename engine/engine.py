@@ -26,16 +26,21 @@ from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.kv.pool import PoolFullError
 from engine.prefix import Entry, ResidentCache, add_checkpoint, common_prefix
+from engine.spec import SPEC_MODES
+from engine.spec.adaptive import MAX_DEFERRED, DraftLength, StepCosts, choose_k, expected_tokens
+from engine.spec.dflash import DFlashError, DraftRequest, load_drafter, propose
 from engine.spec.mtp import CatchUp, MtpState, catch_up
 from engine.spec.ngram import NgramDrafter, SharedNgramPool
-from engine.spec.verify import draw_from
+from engine.spec.verify import accept_or_resample
 from kernels.quant.ref import ROW_BLOCK
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
-from engine.types import (ContextTooLongError, EngineError, FinishEvent, QueueFullError, Request, Timings,
-                          TokenEvent, Usage)
+from engine.types import (ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError, QueueFullError,
+                          Request, Timings, TokenEvent, Usage)
 
 log = logging.getLogger("hivejet.engine")
+
+RUNNER_BLOCK = 16   # tokens per block of the GPU path's KV pool
 
 
 @dataclass
@@ -44,7 +49,8 @@ class EngineConfig:
     device: str = "cpu"             # cpu, cuda[:N], or auto: cuda when there is one and the GPU path
                                     # can serve this configuration (no images, one f16/bf16/q8_0 KV type)
     max_seqs: int = 16              # sequences advanced together in one step
-    ctx_size: int = 0               # context per sequence; 0 = the model's training context
+    ctx_size: int = 0               # context per sequence at most; 0 = the model's training context (GPU
+                                    # path: also at most the KV pool, which all sequences share)
     step_tokens: int = 512          # rows per step: decode rows first, prompt chunks fill the rest
     prefill_chunk: int = 256        # prompts are cut at multiples of this, whatever else is running,
                                     # so a sequence's numbers do not depend on its neighbours
@@ -53,9 +59,18 @@ class EngineConfig:
     cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
     cache_type_v: str = "f16"
     mmproj: str | None = None       # vision projector GGUF (image input); "auto": the mmproj beside the model
-    spec: str = "off"               # speculative decoding (CPU path): "off", "ngram" (prompt lookup) or
-                                    # "mtp" (Qwen3.5/3.6's own MTP block, when the GGUF has it)
+    spec: str = "off"               # speculative decoding (CPU path): "off", "ngram" (prompt lookup),
+                                    # "mtp" (Qwen3.5/3.6's own MTP block, when the GGUF has it), "dflash"
+                                    # (a DFlash drafter, spec_drafter), or the chains "mtp+ngram" and
+                                    # "dflash+ngram" (SPEC_MODES)
+    spec_drafter: str | None = None  # the DFlash drafter: a directory (config.json + model.safetensors, as
+                                    # z-lab publishes them) or its GGUF port
     spec_max_drafts: int = 8        # draft rows per sequence and step at most (adapted per sequence)
+    spec_adaptive: bool = True      # draft length from measured acceptance and step/drafter costs, backing
+                                    # off when drafts do not pay (engine/spec/adaptive.py); False: from
+                                    # acceptance only (doubling after a fully accepted step, else accepted + 1)
+    spec_ngram_min_match: int = 4   # chains: a step takes the n-gram drafts instead of the model drafter's
+                                    # when the conversation's suffix repeats an earlier span this long
     kv_memory: int = 0              # bytes the CPU path's KV pool may use (0: a quarter of the RAM); when
                                     # full: resident conversations are evicted, then the newest request
                                     # waits (its KV recomputed later)
@@ -63,6 +78,12 @@ class EngineConfig:
                                     # prefixes (engine/prefix.py; CPU path); 0 turns prefix reuse off
     static_slots: bool = False      # step through engine/runner.py (what device="cuda" does) on any device;
                                     # on the CPU this tests the GPU path's scheduling without a GPU
+    ctx_pool_tokens: int = 0        # GPU path: tokens of the one KV pool all sequences share (one may use
+                                    # it all); 0: as much as fits in 90 % of the GPU memory left after the
+                                    # weights and per-slot state (static slots on the CPU: max_seqs x ctx_size)
+    state_checkpoints: int = -1     # GPU path, recurrent models (qwen35): snapshots of a slot's recurrent
+                                    # states at prompt chunk ends, so other requests can share shorter
+                                    # prefixes; -1: as many as fit in 2 % of the KV cache, 0: none
 
 
 def _default_kv_memory() -> int:
@@ -75,13 +96,20 @@ def _default_kv_memory() -> int:
 
 def resolve_auto_device(config: EngineConfig) -> str:
     """device="auto": the GPU path when torch sees a CUDA GPU and the configuration is one it serves
-    (no vision projector; K and V of one type among f16/bf16/f32/q8_0), else the CPU."""
-    from engine.runner import SLOT_CACHE_TYPES
+    (no vision projector; every KV cache type, K and V alike or not), else the CPU."""
     if not torch.cuda.is_available() or config.mmproj:
         return "cpu"
-    if config.cache_type_k != config.cache_type_v or config.cache_type_k not in SLOT_CACHE_TYPES:
-        return "cpu"
     return "cuda"
+
+
+def _acceptance_by_drafter(counts) -> dict:
+    """{drafter: {drafted, accepted, acceptance}} from "<drafter>_drafted" / "<drafter>_accepted" counts."""
+    out = {}
+    for name in ("ngram", "mtp", "dflash"):
+        d, a = counts.get(f"{name}_drafted", 0), counts.get(f"{name}_accepted", 0)
+        if d:
+            out[name] = dict(drafted=d, accepted=a, acceptance=round(a / d, 3))
+    return out
 
 
 def _has_image_parts(messages) -> bool:
@@ -162,9 +190,15 @@ class _Sequence:
         self.cached = 0                      # prompt tokens taken from a resident/shared prefix
         self.drafter = None                  # engine.spec.ngram.NgramDrafter when speculating with n-grams
         self.mtp = None                      # engine.spec.mtp.MtpState when drafting with the MTP block
+        self.dflash = None                   # engine.spec.dflash.DFlashState when drafting with DFlash
         self.drafts: list[int] = []          # this step's draft tokens (verified after the forward)
-        self.spec_k = 0                      # current draft length (adapted from acceptance)
+        self.draft_q = None                  # their drafter distributions [k, V] (None: one-hot drafts)
+        self.draft_src = ""                  # the drafter that made them (ngram, mtp, dflash)
+        self.spec_k = 0                      # current draft length (spec_adaptive=False: from acceptance only)
+        self.adapt: dict[str, DraftLength] = {}   # per drafter: acceptance, next k, back-off (spec_adaptive)
+        self.spec_src: str | None = None     # the drafter of its next step (for stats())
         self.drafted = self.accepted = 0     # draft tokens proposed / accepted so far
+        self.spec_by = collections.Counter()  # "<drafter>_drafted" / "<drafter>_accepted" counts
         self.checkpoints: dict[int, dict] = {}   # recurrent-state snapshots by length (engine/prefix.py)
 
     @property
@@ -234,10 +268,11 @@ class Engine:
         if config.mmproj:
             self._open_vision(config.mmproj, path)
         self.ctx_size = config.ctx_size or self.spec.context_length
-        if config.spec not in ("off", "ngram", "mtp"):
+        if config.spec not in SPEC_MODES:
             self.model.close()
-            raise EngineError(f"unknown speculative decoding mode {config.spec!r} (off, ngram or mtp)")
-        if config.spec == "mtp" and getattr(self.model, "mtp", None) is None:
+            raise EngineError(f"unknown speculative decoding mode {config.spec!r} ({', '.join(SPEC_MODES)})")
+        self._spec_kinds = set(config.spec.split("+")) - {"off"}
+        if "mtp" in self._spec_kinds and getattr(self.model, "mtp", None) is None:
             self.model.close()
             raise EngineError(f"{path.name} has no MTP (NextN) block: use --spec ngram or off")
         self._ngram_pool = SharedNgramPool()
@@ -252,6 +287,17 @@ class Engine:
                 budget = config.kv_memory or _default_kv_memory()
                 pool.set_limit(max(256, budget // max(pool.bytes_per_token(), 1)))
                 self._pool_tokens = pool.max_tokens
+        self._dflash = None           # engine/spec/dflash.py: the DFlash drafter (CPU path only)
+        self._costs = StepCosts()     # engine/spec/adaptive.py: measured step / drafting times (CPU path)
+        self._draft_s = 0.0           # avoidable drafting seconds of the current step
+        if self.runner is None and "dflash" in self._spec_kinds:
+            self._open_dflash(config.spec_drafter)
+        # the GPU path verifies no drafts yet (qwen35 would need its recurrent states per draft row):
+        # say so once rather than silently decoding without them; stats() reports it too
+        self.spec_active = self._spec_kinds if self.runner is None else set()
+        if self.runner is not None and self._spec_kinds:
+            log.warning("speculative decoding (%s) runs on the CPU path only for now: the %s path decodes "
+                        "without drafts", config.spec, config.device)
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)
         self._inbox: queue.Queue = queue.Queue()
@@ -265,27 +311,42 @@ class Engine:
         self._thread.start()
 
     def _open_runner(self) -> None:
-        """Put the model on the device with one slot per concurrent sequence. The context per slot is
-        the asked one, or on a GPU as much as fits in 90 % of the memory left after the weights
-        (the model's training context at most); too little memory for 256 tokens is an error."""
-        from engine.runner import Runner, slot_bytes_per_token
+        """Put the model on the device with one slot per concurrent sequence and ONE KV pool they share:
+        ctx_pool_tokens, else on a GPU as much as fits in 90 % of the memory left after the weights and
+        the fixed per-slot state (too little for 256 tokens is an error), else (static slots on the CPU)
+        max_seqs x the context. One sequence may use up to min(its context, the pool). Recurrent models
+        also get state checkpoints for prefix sharing (state_checkpoints; by default as many as fit in
+        2 % of the KV cache, which the fit leaves room for)."""
+        from engine.runner import Runner, state_checkpoint_bytes
         c = self.config
         dev = torch.device(c.device)
-        if c.cache_type_k != c.cache_type_v:
-            self.model.close()
-            raise EngineError("the GPU path takes one KV cache type for K and V for now")
+        types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
         want = c.ctx_size or self.spec.context_length
+        if c.prefill_chunk % RUNNER_BLOCK:   # shared prefixes end on chunk ends: whole blocks, never copied
+            self.model.close()
+            raise EngineError(f"prefill_chunk {c.prefill_chunk} must be a multiple of {RUNNER_BLOCK} on the "
+                              f"{c.device} path (its KV blocks)")
+        one_ckpt = state_checkpoint_bytes(self.model) if c.resident_tokens > 0 else 0   # 0: no recurrent layers
+        ckpt_share = 0.02 if one_ckpt and c.state_checkpoints < 0 else 0.0
         try:
-            if dev.type == "cuda" and not c.ctx_size:
+            if c.ctx_pool_tokens:
+                pool = c.ctx_pool_tokens
+            elif dev.type == "cuda":
                 self.model.to_device(dev)
                 free, _ = torch.cuda.mem_get_info(dev)
-                per_token = slot_bytes_per_token(self.model, c.cache_type_k) * (c.max_seqs + 1)
-                fit = int(0.9 * free) // max(per_token, 1)
-                if fit < 256:
+                pool = self._fit_pool(int(0.9 * free), want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
+                if pool < 256:
                     raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
-                                      f"the weights, {per_token} bytes per token for {c.max_seqs} sequences")
-                want = min(want, fit // 16 * 16)
-            self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, max_ctx=want, cache_type=c.cache_type_k)
+                                      f"the weights, for {c.max_seqs} sequences' state and a pool of 256 tokens")
+            else:
+                pool = c.max_seqs * want
+            blocks = max(1, pool // RUNNER_BLOCK)
+            self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, n_blocks=blocks, block_size=RUNNER_BLOCK,
+                                 max_ctx=min(want, blocks * RUNNER_BLOCK), **types)
+            if one_ckpt:
+                n = c.state_checkpoints if c.state_checkpoints >= 0 else \
+                    min(64, int(ckpt_share * self.runner.kv_bytes()) // one_ckpt)
+                self.runner.enable_checkpoints(n)
         except (ValueError, torch.OutOfMemoryError) as e:
             self.model.close()
             raise EngineError(f"cannot set up the {c.device} path: {e}") from None
@@ -295,6 +356,43 @@ class Engine:
         self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
         self._free_slots = list(range(c.max_seqs - 1, -1, -1))
         self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
+
+    def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
+        """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
+        (recurrent states, key preconditioning sized for min(want, pool) positions, the scratch slot's
+        too), the given checkpoints and a `ckpt_share` of the KV for the default checkpoints."""
+        from engine.runner import slot_bytes_per_token, slot_fixed_bytes
+        c = self.config
+        types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
+        per_token = max(1, slot_bytes_per_token(self.model, **types))
+
+        def fits(blocks: int) -> bool:
+            tokens = blocks * RUNNER_BLOCK
+            fixed = slot_fixed_bytes(self.model, **types, max_ctx=min(want, tokens)) * (c.max_seqs + 1)
+            return (tokens + RUNNER_BLOCK) * per_token * (1 + ckpt_share) + fixed + ckpt_bytes <= budget
+        lo, hi = 0, budget // (per_token * RUNNER_BLOCK) + 1       # lo fits (or is 0), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo * RUNNER_BLOCK
+
+    def _open_dflash(self, drafter: str | None) -> None:
+        """Load the DFlash drafter, check it fits the target, and have the target's forward keep the
+        hidden states the drafter reads (only now: the capture costs nothing when unset)."""
+        if not drafter:
+            self.model.close()
+            raise EngineError(f"spec={self.config.spec!r} needs a DFlash drafter (spec_drafter / --spec-drafter: "
+                              "a directory with config.json + model.safetensors, or its GGUF)")
+        try:
+            d = load_drafter(drafter)
+            d.check_target(self.model)
+        except (DFlashError, GGUFError, OSError) as e:
+            self.model.close()
+            raise EngineError(f"DFlash drafter: {e}") from None
+        self._dflash = d
+        self.model.capture_layers = d.cfg.target_layer_ids
+        log.info("DFlash drafter %s: %d layers, blocks of %d, target layers %s", drafter, d.cfg.n_layer,
+                 d.cfg.block_size, list(d.cfg.target_layer_ids))
 
     def _open_vision(self, mmproj: str, model_path) -> None:
         from engine.vision import check_pair, find_mmproj, open_mmproj
@@ -341,6 +439,9 @@ class Engine:
             raise EngineError("the prompt is empty")
         if vision is not None and self.runner is not None:
             raise EngineError("image input runs on the CPU path only for now (start the engine with device='cpu')")
+        r = self.runner
+        if r is not None and len(ids) >= r.max_ctx < (self.config.ctx_size or self.spec.context_length):
+            raise KVPoolTooSmallError(len(ids), r.max_ctx)   # the pool, not the context, is the limit
         if len(ids) >= self.ctx_size:
             raise ContextTooLongError(len(ids), self.ctx_size)
         if self._pool_tokens is not None and len(ids) >= self._pool_tokens:
@@ -450,7 +551,8 @@ class Engine:
                              cached_tokens=s.cached, tok_per_s=round(s.tok_per_s(now), 2), queue_position=None,
                              drafted=s.drafted, accepted=s.accepted,
                              acceptance=round(s.accepted / s.drafted, 3) if s.drafted else None,
-                             images=len(s.image_hashes)))
+                             drafters=_acceptance_by_drafter(s.spec_by), images=len(s.image_hashes),
+                             **self._spec_length_stats(s)))
         for i, s in enumerate(waiting):
             seqs.append(dict(id=s.id, session=s.req.session, state="queued", context=len(s.tokens),
                              ctx_limit=self.ctx_size, prompt_tokens=s.n_prompt, generated=0,
@@ -462,9 +564,25 @@ class Engine:
         return dict(model=self.model_name, path=str(self.model_path), arch=self.spec.arch, device=self.config.device,
                     ctx_size=self.ctx_size, running=len(running), waiting=len(waiting) + self._inbox.qsize(),
                     sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals), vision=vision,
+                    spec=dict(mode=self.config.spec, active=bool(self.spec_active),
+                              drafters=_acceptance_by_drafter(self._totals),
+                              adaptive=self.config.spec_adaptive, costs=self._costs.summary()),
                     resident=dict(conversations=len(self._resident.entries) + len(getattr(self, "_parked", {})),
                                   tokens=self._resident.n_tokens + sum(len(t) for t in getattr(self, "_parked", {}).values()),
-                                  budget=self._resident.budget, evicted=self._resident.evicted))
+                                  budget=self._resident.budget, evicted=self._resident.evicted),
+                    kv_pool=self._pool_stats())
+
+    def _pool_stats(self) -> dict | None:
+        """GPU path: the shared KV pool's blocks (used, free, shared by several slots), in tokens too (what
+        /metrics reports), the most tokens one sequence may hold, and the blocks parked conversations keep.
+        None on the CPU path."""
+        r = self.runner
+        if r is None:
+            return None
+        out = r.pool_stats()
+        out.update(capacity_tokens=out["tokens"], used_tokens=out["used"] * r.block_size, seq_max_tokens=r.max_ctx,
+                   parked_blocks=sum(r.held(p) for p in list(self._parked)))
+        return out
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -520,41 +638,66 @@ class Engine:
                 else:
                     self._reuse_prefix(s)
                     if self._spec_ok(s):
-                        s.spec_k = self.config.spec_max_drafts
-                        if self.config.spec == "ngram":
-                            s.drafter = NgramDrafter(pool=self._ngram_pool)
-                            s.drafter.extend(s.tokens)
-                        elif s.cached == 0:   # a reused prefix has no MTP rows: no MTP drafts then
-                            s.mtp = MtpState(self.model.new_mtp_kv())
+                        self._attach_drafters(s)
                 self._running.append(s)
 
     def _take_slot(self, s: _Sequence) -> None:
-        """GPU path: a finished conversation stays parked in its slot (KV and recurrent states in
+        """GPU path: a finished conversation stays parked in its slot (KV blocks and recurrent states in
         place); a request whose prompt continues one takes that slot over and computes only the rest.
-        Else a free slot, else the least recently parked one."""
-        best, n = None, 0
-        prompt = s.tokens[:s.n_prompt]
+        Else the longest prefix another slot holds, running or parked (agents sharing a system prompt),
+        is shared with the new slot (Runner.find_prefix / share_prefix: a multiple of prefill_chunk, its
+        blocks referenced, recurrent states from a checkpoint), and only the rest is computed, with the
+        numbers a cold run gives. Else a free slot, else the least recently parked one. A sequence back
+        from a pre-emption needs all its tokens but the last again (s.target)."""
+        r, pc = self.runner, self.config.prefill_chunk
+        best, n, whole = None, 0, False
+        prompt = s.tokens[:s.target]
         if s.vision is None:
             for slot, toks in self._parked.items():
                 lcp = common_prefix(toks, prompt)
                 if self.spec.recurrent_layers:   # the states are those after the parked tokens: all or nothing
-                    use = len(toks) if lcp >= len(toks) and len(toks) < s.n_prompt else 0
+                    use = len(toks) if lcp >= len(toks) and len(toks) < s.target else 0
                 else:
-                    use = min(lcp, s.n_prompt - 1)
+                    use = min(lcp, s.target - 1)
                 if use > n:
-                    best, n = slot, use
-        if best is not None:
+                    best, n, whole = slot, use, lcp >= len(toks)
+        match = None
+        if s.vision is None and self._resident.budget > 0:
+            donors = {q.slot: q.tokens[:q.n_computed] for q in self._running if q.slot is not None and q.vision is None}
+            donors.update(self._parked)
+            match = r.find_prefix(prompt, donors, pc)
+        # taking over a parked conversation the prompt does not continue loses that conversation: worth it
+        # only for at least a block, and a chunk more than a copy would give
+        if best is not None and not whole and (n < r.block_size or (match is not None and n - pc < match.n)):
+            best, n = None, 0
+        if match is not None and match.n > n:
+            if self._free_slots:
+                s.slot = self._free_slots.pop()
+            else:   # the least recently parked slot other than the donor (the donor itself when it is the only one)
+                s.slot = next((p for p in self._parked if p != match.src), match.src)
+                del self._parked[s.slot]
+            if match.src in self._parked:
+                self._parked.move_to_end(match.src)   # just used: evicted last
+            r.share_prefix(match, s.slot)              # (drops what s.slot held before)
+            s.n_computed = s.cached = match.n
+            self._totals["cached_tokens"] += match.n
+            self._totals["shared_tokens"] += match.n
+        elif best is not None:
             del self._parked[best]
             s.slot = best
+            r.truncate(best, n)                        # the blocks after the common part go back to the pool
             s.n_computed = s.cached = n
             self._totals["cached_tokens"] += n
         elif self._free_slots:
             s.slot = self._free_slots.pop()
         else:
             s.slot, _ = self._parked.popitem(last=False)
+            r.release(s.slot)
 
     def _pool_has_room(self, s: _Sequence) -> bool:
         """Whether the CPU pool (free blocks plus evictable resident ones) can take s's tokens."""
+        if self.runner is not None:
+            return self._runner_has_room(s)
         if self._pool_tokens is None:
             return True
         pool = self.model.kv_pool()
@@ -585,22 +728,147 @@ class Engine:
                 self._preempt(victim)
                 plan = [(s, c) for s, c in plan if s is not victim]
 
+    def _runner_has_room(self, s: _Sequence) -> bool:
+        """GPU path: whether the pool's free blocks, plus those only parked conversations hold, can take all of
+        s's tokens (a prefix it may share is not counted: it waits rather than push a running one out)."""
+        r = self.runner
+        spare = r.pool.n_free + sum(r.held_alone(p) for p in self._parked)
+        return spare * r.block_size >= len(s.tokens) + 1
+
     def _preempt(self, s: _Sequence) -> None:
+        """Pool full: s goes back to the front of the queue and gives its KV back; it is computed again
+        (prompt and generated tokens, in prompt chunks) when there is room."""
         with self._lock:
             self._running.remove(s)
             self._waiting.appendleft(s)
-        s.kv.release()
-        s.kv = self.model.new_kv()
+        if s.slot is not None:   # GPU path: the slot and its blocks go back
+            self.runner.release(s.slot)
+            self._free_slots.append(s.slot)
+            s.slot = None
+        else:
+            s.kv.release()
+            s.kv = self.model.new_kv()
         s.n_computed = s.cached = 0
         s.drafts = []
         s.t_start = None
         self._totals["preempted"] += 1
 
     def _spec_ok(self, s: _Sequence) -> bool:
-        """n-gram drafts for this sequence: on, no grammar constraint (it must see every token), no
+        """Drafts for this sequence: on, no grammar constraint (it must see every token), no
         images. (qwen35's recurrent states roll back to the snapshot after the last accepted row.)"""
-        return (self.config.spec in ("ngram", "mtp") and self.config.spec_max_drafts > 0 and s.req.constraint is None
+        return (bool(self._spec_kinds) and self.config.spec_max_drafts > 0 and s.req.constraint is None
                 and s.vision is None)
+
+    def _attach_drafters(self, s: _Sequence) -> None:
+        """The drafters of the engine's spec mode for a sequence starting to run. A sequence that starts
+        from a reused prefix gets no model drafter: the resident cache keeps no MTP rows or DFlash
+        context (n-gram drafts still work)."""
+        s.spec_k = self.config.spec_max_drafts
+        if "ngram" in self._spec_kinds:
+            s.drafter = NgramDrafter(pool=self._ngram_pool)
+            s.drafter.extend(s.tokens)
+        if s.cached == 0 and "mtp" in self._spec_kinds:
+            s.mtp = MtpState(self.model.new_mtp_kv())
+        if s.cached == 0 and self._dflash is not None:
+            s.dflash = self._dflash.new_state()
+        k_max = self.config.spec_max_drafts
+        s.adapt = {name: DraftLength(min(k_max, self._dflash.cfg.block_size - 1) if name == "dflash" else k_max)
+                   for name, st in (("ngram", s.drafter), ("mtp", s.mtp), ("dflash", s.dflash)) if st is not None}
+        s.spec_src = self._draft_source(s)
+        if self._costs.step_time(1) is not None:   # costs known: start from the prior (0: a probe at once)
+            n = len(self._running)
+            for name, dl in s.adapt.items():
+                dl.decide(choose_k(dl.alpha, dl.k_max, self._costs.step_time, n + 1,
+                                   lambda k, name=name: self._costs.draft_time(name, k), others_tokens=n))
+
+    def _ngram_first(self, s: _Sequence) -> bool:
+        """Whether s drafts with n-grams this step: it has no model drafter, or (a chain) the end of its
+        conversation repeats an earlier span of at least spec_ngram_min_match tokens, where lookup
+        predicts better than a model drafter."""
+        if s.drafter is None:
+            return False
+        if s.mtp is None and s.dflash is None:
+            return True
+        return s.drafter.match_length() >= self.config.spec_ngram_min_match
+
+    def _model_drafts_wanted(self, s: _Sequence) -> int:
+        """Drafts to ask the MTP block / DFlash drafter for after this step: what the next step can
+        verify (the draft length, the context and max_tokens left), 0 when s is not generating or
+        takes n-gram drafts next."""
+        if s.kv is None or s.n_computed < s.n_prompt or self._ngram_first(s):
+            return 0
+        return max(0, min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
+                          s.params.max_tokens - s.n_generated - 1))
+
+    def _draft_source(self, s: _Sequence) -> str | None:
+        """The drafter s takes its next drafts from (as _take_drafts chooses)."""
+        if self._ngram_first(s):
+            return "ngram"
+        return "mtp" if s.mtp is not None else "dflash" if s.dflash is not None else None
+
+    def _draft_len(self, s: _Sequence) -> int:
+        """The draft length of s's next step: its drafter's adaptive k (spec_adaptive), else spec_k."""
+        if not self.config.spec_adaptive:
+            return s.spec_k
+        dl = s.adapt.get(self._draft_source(s))
+        return dl.k if dl is not None else 0
+
+    def _adapt_draft_lengths(self, decode: list) -> None:
+        """After a step's verification (before the model drafters draft for the next one): the draft
+        length of every generating sequence's next drafter, k maximizing the step's expected tokens per
+        second (engine/spec/adaptive.py: choose_k) from its acceptance and the measured costs, with the
+        other sequences' rows, expected tokens and drafting time as in this step; 0 backs off (probes
+        every few steps). decode: (sequence, chunk, drafts) of this step's generating sequences."""
+        live = [(s, c, nd) for s, c, nd in decode if s.kv is not None and s.adapt]
+        if not self.config.spec_adaptive or not live:
+            return
+        costs = self._costs
+        mine = {}
+        for s, c, nd in live:   # each one's share of the step as it ran: rows, expected tokens, drafting time
+            dl = s.adapt.get(s.draft_src) if nd else None
+            mine[s.id] = (len(c.tokens), expected_tokens(dl.alpha, nd) if dl else 1.0,
+                          costs.draft_time(s.draft_src, nd) if dl else 0.0)
+        rows, tokens, draft_s = (sum(v[i] for v in mine.values()) for i in range(3))
+        for s, c, nd in live:
+            src = self._draft_source(s)
+            s.spec_src = src
+            dl = s.adapt.get(src)
+            if dl is None:
+                continue
+            r, e, d = mine[s.id]
+            k = choose_k(dl.alpha, dl.k_max, costs.step_time, rows - r + 1,
+                         lambda k, src=src: costs.draft_time(src, k), others_tokens=tokens - e,
+                         others_time=draft_s - d)
+            dl.decide(k)
+
+    def _spec_length_stats(self, s: _Sequence) -> dict:
+        """stats() of a running sequence: the draft length of its next step, whether its drafter is
+        backed off, and per drafter k, backed_off and the acceptance estimate alpha."""
+        if not self.config.spec_adaptive or not s.adapt:
+            return dict(spec_k=s.spec_k if s.adapt else 0, spec_backed_off=False)
+        dl = s.adapt.get(s.spec_src) or next(iter(s.adapt.values()))
+        return dict(spec_k=dl.k, spec_backed_off=dl.backed_off,
+                    spec_lengths={name: d.summary() for name, d in s.adapt.items()})
+
+    def _take_drafts(self, s: _Sequence, room: int) -> tuple[list[int], torch.Tensor | None, str]:
+        """This step's drafts for s (at most `room`): (tokens, their drafter distributions or None for
+        one-hot drafts, the drafter's name)."""
+        if room <= 0:
+            return [], None, ""
+        if self._ngram_first(s):
+            t0 = time.perf_counter()
+            d = s.drafter.propose(room)
+            dt = time.perf_counter() - t0
+            self._costs.add_draft("ngram", dt, 1)
+            self._draft_s += dt
+            return d, None, "ngram"
+        if s.mtp is not None:
+            return s.mtp.drafts[:room], None, "mtp"
+        st = s.dflash
+        if st is not None and st.drafts and st.position == len(s.tokens) - 1:   # drafts follow the last token
+            d = st.drafts[:room]
+            return d, (st.q[:len(d)] if st.q is not None else None), "dflash"
+        return [], None, ""
 
     def _reuse_prefix(self, s: _Sequence) -> None:
         """Start s from the longest prefix of its prompt that a resident or running sequence holds."""
@@ -633,13 +901,8 @@ class Engine:
                 lo, hi = s.n_computed, len(s.tokens)
                 vp = s.vision
                 pos = vp.generated_positions(lo, hi) if vp is not None and vp.positions is not None else None
-                room = min(s.spec_k, self.ctx_size - hi - 1, s.params.max_tokens - s.n_generated - 1)
-                if room <= 0:
-                    s.drafts = []
-                elif s.mtp is not None:
-                    s.drafts = s.mtp.drafts[:room]
-                else:
-                    s.drafts = s.drafter.propose(room) if s.drafter is not None else []
+                room = min(self._draft_len(s), self.ctx_size - hi - 1, s.params.max_tokens - s.n_generated - 1)
+                s.drafts, s.draft_q, s.draft_src = self._take_drafts(s, room)
                 toks = s.tokens[lo:hi] + s.drafts
                 plan.append((s, SeqChunk(torch.tensor(toks), lo, s.kv, "all" if s.drafts else "last", positions=pos,
                                          rowwise=bool(s.drafts))))
@@ -707,27 +970,20 @@ class Engine:
     def _step_runner(self) -> None:
         """One step on the runner: every generating sequence's next token in one decode call (a CUDA
         graph on the GPU), then prompt chunks (each cut at multiples of prefill_chunk) within the
-        step's token budget, in arrival order."""
+        step's token budget, in arrival order. The KV blocks they write are made free first."""
         t0 = time.monotonic()
-        r = self.runner
-        budget = max(self.config.step_tokens, len(self._running))
-        dec = [s for s in self._running if s.n_computed >= s.n_prompt]
+        r, pc = self.runner, self.config.prefill_chunk
+        dec, chunks = self._make_room(*self._plan_runner())
         results = []
         if dec:
             pos = [len(s.tokens) - 1 for s in dec]
             logits = r.decode([s.slot for s in dec], [s.tokens[-1] for s in dec], pos).float().cpu()
             results += [(s, p + 1, logits[i]) for i, (s, p) in enumerate(zip(dec, pos))]
-            budget -= len(dec)
         rows = len(dec)
-        for s in [s for s in self._running if s.n_computed < s.n_prompt]:
-            lo = s.n_computed
-            pc = self.config.prefill_chunk
-            hi = min((lo // pc + 1) * pc, s.n_prompt)     # chunks end at fixed positions after a reused prefix
-            if hi - lo > budget and rows:
-                continue
-            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=self.config.prefill_chunk)
-            results.append((s, hi, out[-1].float().cpu() if hi == s.n_prompt else None))
-            budget -= hi - lo
+        for s, lo, hi in chunks:
+            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc)
+            last = hi == s.n_prompt and s.n_generated == 0   # (a recomputed sequence samples nothing here)
+            results.append((s, hi, out[-1].float().cpu() if last else None))
             rows += hi - lo
         for s, n_computed, lg in results:
             s.n_computed = n_computed
@@ -738,17 +994,75 @@ class Engine:
         self._last_step = {"rows": rows, "seqs": len(results), "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
 
+    def _plan_runner(self) -> tuple[list[_Sequence], list[tuple[_Sequence, int, int]]]:
+        """The runner step's rows: the generating sequences (one decode row each), and (sequence, lo, hi)
+        prompt chunks in arrival order while the step's token budget lasts. A sequence back from a
+        pre-emption reads all its tokens but the last as prompt chunks again."""
+        budget = max(self.config.step_tokens, len(self._running))
+        pc = self.config.prefill_chunk
+        dec = [s for s in self._running if s.n_computed >= s.target]
+        rows = len(dec)
+        budget -= rows
+        chunks = []
+        for s in self._running:
+            if s.n_computed < s.target:
+                lo = s.n_computed
+                hi = min((lo // pc + 1) * pc, s.target)   # chunks end at fixed positions after a reused prefix
+                if hi - lo > budget and rows:
+                    continue
+                chunks.append((s, lo, hi))
+                budget -= hi - lo
+                rows += hi - lo
+        return dec, chunks
+
+    def _make_room(self, dec: list, chunks: list) -> tuple[list, list]:
+        """Free the KV blocks a runner step needs before it runs: evict parked conversations (least
+        recently used first), then pre-empt the newest running sequence (_preempt: recomputed later);
+        a sequence that cannot fit even alone stops with reason "length". Returns the step's rows
+        without the pre-empted ones."""
+        r = self.runner
+        while True:
+            need = sum(r.blocks_needed(s.slot, len(s.tokens) - 1, len(s.tokens)) for s in dec)
+            need += sum(r.blocks_needed(s.slot, lo, hi) for s, lo, hi in chunks)
+            if need <= r.pool.n_free:
+                return dec, chunks
+            if self._evict_parked():
+                continue
+            if len(self._running) <= 1:   # (not expected: one sequence's context is at most the pool)
+                for s in list(self._running):
+                    log.warning("KV pool full: request %d stopped at %d tokens", s.id, len(s.tokens))
+                    self._totals["pool_full_stops"] += 1
+                    self._finish(s, "length")
+                return [], []
+            victim = max(self._running, key=lambda q: (q.t_start or 0, q.id))
+            self._preempt(victim)
+            dec = [s for s in dec if s is not victim]
+            chunks = [c for c in chunks if c[0] is not victim]
+
+    def _evict_parked(self) -> bool:
+        """Drop the least recently used parked conversation (GPU path): its slot is free, its blocks go back
+        to the pool unless another slot shares them. False when none is parked."""
+        if not self._parked:
+            return False
+        slot, _ = self._parked.popitem(last=False)
+        self.runner.release(slot)
+        self._free_slots.append(slot)
+        self._totals["parked_evicted"] += 1
+        return True
+
     def _step(self) -> None:
         if self.runner is not None:
             return self._step_runner()
         t0 = time.monotonic()
         if self.vision is not None:
             self._encode_images()
+        self._draft_s = 0.0
         plan = self._reserve_kv(self._plan())
         if not plan:
             return
         chunks = [c for _, c in plan]
-        mtp = self.config.spec == "mtp" and any(s.mtp is not None for s, _ in plan)
+        decode = [(s, c, len(s.drafts)) for s, c in plan if s.n_computed >= s.target]   # generating sequences
+        mtp = "mtp" in self._spec_kinds and any(s.mtp is not None for s, _ in plan)
         if mtp:
             logits, hidden = self.model.forward_with_hidden(chunks)
         else:
@@ -765,25 +1079,76 @@ class Engine:
                 self._verify_drafts(s, c.start, lg)
             elif lg.shape[0]:
                 self._on_logits(s, lg[-1])
+        if self._spec_kinds:
+            self._adapt_draft_lengths(decode)
         if mtp:
             items = []
             for (s, c), h in zip(plan, hidden):
                 if s.mtp is None or s.kv is None:
                     continue
-                k = 0
-                if s.n_computed >= s.n_prompt:
-                    k = max(0, min(s.spec_k, self.ctx_size - len(s.tokens) - 1, s.params.max_tokens - s.n_generated - 1))
-                items.append(CatchUp(s.mtp, s.tokens, c.start, h, s.n_computed - c.start, k))
-            catch_up(self.model, items)
+                k = self._model_drafts_wanted(s)
+                dl = s.adapt.get("mtp") if self.config.spec_adaptive else None
+                items.append(CatchUp(s.mtp, s.tokens, c.start, h, s.n_computed - c.start, k,
+                                     defer=dl is not None and dl.backed_off))
+            timing = {}
+            catch_up(self.model, items, timing)
+            if timing:
+                self._costs.add_draft("mtp", timing["chain_s"], timing["chain_rows"])
+                self._draft_s += timing["chain_s"]
+        if self._dflash is not None:
+            self._dflash_step(plan)
+        if self._spec_kinds and decode and len(decode) == len(plan):   # decode rows only: T(rows)
+            self._costs.add_step(rows, time.monotonic() - t0 - self._draft_s)
         self._last_step = {"rows": rows, "seqs": len(plan), "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
 
+    def _dflash_step(self, plan: list[tuple[_Sequence, SeqChunk]]) -> None:
+        """After a step: append to each DFlash context the target's hidden states of the positions that
+        became final (prompt rows, the fed token and accepted drafts; never rejected drafts), then draft
+        the block after the last sampled token of every generating sequence."""
+        grow, reqs = [], []
+        for s, c in plan:
+            st = s.dflash
+            if st is None or s.kv is None or c.features is None:
+                continue
+            held, st.deferred = st.deferred, None      # (rows put off while drafting is backed off)
+            n_held = 0 if held is None else held.shape[0]
+            lo, hi = st.length + n_held - c.start, s.n_computed - c.start   # rows new to the context / still final
+            new = c.features[lo:hi] if 0 <= lo < hi else None
+            rows = new if held is None else held if new is None else torch.cat([held, new])
+            if rows is None:
+                continue
+            dl = s.adapt.get("dflash") if self.config.spec_adaptive else None
+            if (dl is not None and dl.backed_off and self._model_drafts_wanted(s) == 0
+                    and rows.shape[0] <= MAX_DEFERRED):
+                st.deferred = rows.clone() if rows is new else rows
+                continue
+            grow.append((st, rows))
+        self._dflash.extend(grow)
+        for s, c in plan:
+            st = s.dflash
+            if st is None or s.kv is None:
+                continue
+            k = self._model_drafts_wanted(s)
+            if k and st.length == s.n_computed == len(s.tokens) - 1:
+                reqs.append(DraftRequest(st, s.tokens[-1], k, s.sampler, s.tokens))
+            else:
+                st.drafts, st.q = [], None
+        t0 = time.perf_counter()
+        propose(self._dflash, self.model, reqs)
+        if reqs:
+            dt = time.perf_counter() - t0
+            self._costs.add_draft("dflash", dt, len(reqs))
+            self._draft_s += dt
+
     def _verify_drafts(self, s: _Sequence, start: int, lg: torch.Tensor) -> None:
         """Rows of [last token, draft 1..k]: accept drafts as the target would have produced them
-        (greedy: while they equal its choice; sampled: with probability p(draft), the first rejection
-        drawn from p without the draft; engine/spec/verify.py). The KV and recurrent states are rolled
-        back to the accepted rows first, then the tokens are streamed (which may finish the sequence)."""
+        (greedy: while they equal its choice; sampled: with probability min(1, p/q), the first rejection
+        drawn from normalize(max(p - q, 0)), q one-hot for n-gram and MTP drafts; engine/spec/verify.py).
+        The KV and recurrent states are rolled back to the accepted rows first, then the tokens are
+        streamed (which may finish the sequence)."""
         drafts, s.drafts = s.drafts, []
+        q, s.draft_q = s.draft_q, None
         p = s.params
         hist = list(s.tokens)
         out = []
@@ -793,12 +1158,7 @@ class Engine:
                 tok, lp = s.sampler.sample_with_logprobs(lg[i], hist)
             else:
                 probs = torch.softmax(s.sampler.final_logits(lg[i], hist).double(), 0)
-                x = drafts[i]
-                if torch.rand((), generator=s.sampler.generator, dtype=torch.float64).item() < float(probs[x]):
-                    tok = x
-                else:
-                    probs[x] = 0.0
-                    tok = draw_from(probs, s.sampler.generator)
+                tok, _ = accept_or_resample(probs, drafts[i], s.sampler.generator, None if q is None else q[i])
                 lp = s.sampler.logprob_of(lg[i], tok) if p.logprobs is not None else None
             out.append((tok, lp))
             hist.append(tok)
@@ -809,7 +1169,13 @@ class Engine:
         s.accepted += n_acc
         self._totals["drafted_tokens"] += len(drafts)
         self._totals["accepted_tokens"] += n_acc
+        for counts in (s.spec_by, self._totals):   # per drafter, for stats()
+            counts[f"{s.draft_src}_drafted"] += len(drafts)
+            counts[f"{s.draft_src}_accepted"] += n_acc
         s.spec_k = min(self.config.spec_max_drafts, 2 * s.spec_k) if n_acc == len(drafts) else max(1, n_acc + 1)
+        dl = s.adapt.get(s.draft_src)
+        if dl is not None:
+            dl.observe(len(drafts), n_acc)
         s.n_computed = start + 1 + n_acc          # the fed token and the accepted drafts have good KV
         s.kv.keep_rows(start, 1 + n_acc)
         for tok, lp in out:
@@ -885,9 +1251,10 @@ class Engine:
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
         if getattr(s, "slot", None) is not None:
             if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
-                self._parked[s.slot] = s.tokens[:s.n_computed]   # resident until its slot is needed
+                self._parked[s.slot] = s.tokens[:s.n_computed]   # resident (its blocks kept) until evicted
             else:
-                self._free_slots.append(s.slot)   # its KV is overwritten by the next user
+                self.runner.release(s.slot)
+                self._free_slots.append(s.slot)
             s.slot = None
         now = time.monotonic()
         t_first = s.t_first or now

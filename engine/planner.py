@@ -1,20 +1,27 @@
-"""Memory plan: how much GPU memory a model needs at a given context length and KV cache type.
+"""Memory plan: how much GPU memory a model needs at a given context length and KV cache types,
+as the GPU path (engine/runner.py) allocates it.
 
-    total = weights + KV cache + recurrent states + workspace (+ vision projector)
+    total = weights + KV cache + per-slot state + workspace (+ vision projector)
 
 Every number comes from the GGUF header (nothing is loaded):
 
-* **weights**: the exact byte size of every tensor in the file's tensor index (`TensorInfo.n_bytes`,
-  i.e. n_elements / block_size * type_size of its GGML type). All tensors are counted as resident on
-  the GPU, including the token embedding and the MTP block.
-* **KV cache** per sequence, per token, per attention layer: K and V, `n_head_kv * head_dim` values
-  each, at the cache type's bytes per value. Values are stored in blocks that run along a token's
-  concatenated heads, so a token's K (or V) takes ``ceil(values / block) * block_bytes``:
+* **weights**: what `DecoderModel.to_device` puts on the GPU, from the file's tensor index: quantized
+  matrices repacked into kernels/quant/packed.py's layout (Q4_K 5 bits/value, Q6_K 8, ...: exactly its
+  planes + fp16 scale/min per group, `packed_bytes`), float matrices as they are, vectors as float32
+  (qwen35's conv kernels also once more as float32). All tensors count, including the token embedding
+  and the MTP block. (`ModelFacts.weight_bytes` stays the file's own byte count.)
+* **KV cache**: one pool of `n_seqs x ctx` tokens that all sequences share (engine/runner.py: blocks of
+  16 tokens handed out as sequences grow; one sequence may use up to min(training context, the whole
+  pool), so `ctx` is the context per sequence when all of them are equally long), in every attention
+  layer (sliding-window layers too; the MTP block's KV is not on the GPU path), K and V of
+  `n_head_kv` heads each, at the cache type's bytes per head (`head_bytes`; the rotated types pad
+  each head to a multiple of 128 values), plus one block of 16 tokens for the padding rows' scratch
+  slot. K and V may use different types (llama.cpp's -ctk / -ctv):
 
   ========== ====================== =========================================================
   type       block: values -> bytes  format (the KV cache issue's formats)
   ========== ====================== =========================================================
-  f16        1 -> 2                  IEEE half
+  f16        1 -> 2                  IEEE half (also f32: 1 -> 4, bf16: 1 -> 2)
   q8_0       32 -> 34                llama.cpp Q8_0: fp16 scale + 32 int8
   turbo4     128 -> 66               random rotation + 4-bit Lloyd-Max codes + fp16 norm
   turbo3     32 -> 14                random rotation + 3-bit Lloyd-Max codes + fp16 norm
@@ -23,22 +30,32 @@ Every number comes from the GGUF header (nothing is loaded):
   turbo2_tcq 128 -> 36               trellis-coded, 2 bits/value + fp16 norm + state
   ========== ====================== =========================================================
 
-  Attention layers are the layers that are not Gated DeltaNet (qwen35: every 4th), plus the MTP
-  (NextN) blocks, which have their own attention. Sliding-window layers (gemma3's local layers) keep at
-  most `sliding_window` tokens, so they stop growing past the window.
-* **recurrent state** per sequence for every Gated DeltaNet layer (qwen35), f32 as llama.cpp keeps it:
-  the causal-conv window ``(ssm.conv_kernel - 1) * conv_dim`` with
-  ``conv_dim = 2 * ssm.group_count * ssm.state_size + ssm.inner_size``, and the state matrix
-  ``ssm.time_step_rank * ssm.state_size * (ssm.inner_size / ssm.time_step_rank)`` (one K-dim x V-dim
-  matrix per V head). This does not grow with the context.
+  (`kv_bytes` / `kv_bytes_per_token` are one sequence's KV as the CPU path's paged pool holds it:
+  sliding-window layers capped at their window, the MTP block included.)
+* **per-slot state**, for each slot (``Plan.recurrent``): the recurrent state of every Gated DeltaNet
+  layer (qwen35), f32 as llama.cpp keeps it: the causal-conv window ``(ssm.conv_kernel - 1) * conv_dim``
+  with ``conv_dim = 2 * ssm.group_count * ssm.state_size + ssm.inner_size``, and the state matrix
+  ``ssm.time_step_rank * ssm.state_size * (ssm.inner_size / ssm.time_step_rank)``. For rotated K types
+  also (``Plan.prep``, every slot and the scratch slot) the key preconditioning of each attention layer:
+  float32 smoothing weights [n_head_kv, head_dim] and one center [n_head_kv, head_dim] per 256
+  positions of the most one sequence may reach (``Plan.seq_ctx``). Neither grows with the tokens stored.
 * **workspace**: an allowance HiveJet defines (and the runner must stay inside):
 
-  - CUDA context, cuBLAS/Triton handles: 400 MiB (`CUDA_CONTEXT_BYTES`);
-  - CUDA graphs' memory pool for the decode shapes: 256 MiB (`CUDA_GRAPH_BYTES`);
-  - activations of one step: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4`` bytes
-    (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row step);
+  - CUDA context, cuBLAS/Triton handles: 400 MiB (`CUDA_CONTEXT_BYTES`; outside torch's allocator);
+  - CUDA graphs' memory pool for the decode shapes: 256 MiB (`CUDA_GRAPH_BYTES`; reserved, mostly
+    not allocated between steps);
+  - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
+    bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk), the fp16 copy
+    of the largest matrix that a prompt chunk's matmul dequantizes (kernels/quant/packed.py:
+    prefill_matmul; not the output matrix: the runner computes the last row's logits with the decode
+    kernel), and for rotated K types the chunk's score-correction table ``step_tokens * n_head *
+    ctx / 256 * 4`` bytes;
   - logits: ``max_seqs * 4 rows * vocab * 4`` bytes (each sequence's decode token plus up to three
     draft tokens get logits).
+
+  ``Plan.allocated`` is the total without the CUDA context and the graph pool: what
+  `torch.cuda.max_memory_allocated` should show after a long prefill and decode (.ci/gpu/ctx200k.py
+  checks it on the H200).
 
 * **vision projector** (when a model has a paired mmproj, `engine.vision.find_mmproj`): its tensor bytes
   plus the workspace of encoding the largest image (`engine.vision.mmproj_info`). Projector types the
@@ -48,7 +65,8 @@ Every number comes from the GGUF header (nothing is loaded):
 asks about). `max_context` finds the largest context (a multiple of 256 tokens, the KV pool's block
 size, at most the model's training context) that fits for each cache type.
 
-CLI: ``hivejet plan -m MODEL [--vram 24GiB] [--kv TYPE] [--seqs N]`` prints the table.
+CLI: ``hivejet plan -m MODEL [--vram 24GiB] [--kv TYPE] [--kv-v TYPE] [--seqs N] [--ctx N]`` prints the
+table (with --ctx: the breakdown of one plan).
 """
 from __future__ import annotations
 
@@ -74,6 +92,18 @@ KV_TYPES: dict[str, tuple[int, int]] = {
     "turbo3_tcq": (128, 52),
     "turbo2_tcq": (128, 36),
 }
+# accepted but not in the planner's table
+_KV_EXTRA: dict[str, tuple[int, int]] = {"f32": (1, 4), "bf16": (1, 2)}
+ROTATED_TYPES = ("turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")   # heads padded to 128 values
+ROTATION_GROUP = 128
+KEY_SEGMENT = 256            # positions per key center (engine/kv/sequence.py: SequenceKV.SEGMENT)
+SLOT_BLOCK_TOKENS = 16       # the runner's block size (its scratch slot holds one block)
+# GGUF type name -> (values per group, extra high bits) of kernels/quant/packed.py's layout
+# (tests check it against packed._PACKERS)
+PACKED_LAYOUT: dict[str, tuple[int, int]] = {
+    "Q4_0": (32, 0), "Q4_1": (32, 0), "Q5_0": (32, 1), "Q5_1": (32, 1), "Q8_0": (32, 8), "Q2_K": (16, 0),
+    "Q3_K": (16, 0), "Q4_K": (32, 0), "Q5_K": (32, 1), "Q6_K": (16, 2), "IQ4_NL": (32, 8), "IQ4_XS": (32, 8),
+}
 CONTEXTS = (8192, 16384, 32768, 65536, 131072, 204800, 262144)
 KV_BLOCK_TOKENS = 256
 
@@ -89,15 +119,50 @@ def kv_bytes_per_value(kv_type: str) -> float:
 
 
 def _kv_type(kv_type: str) -> tuple[int, int]:
-    try:
-        return KV_TYPES[kv_type]
-    except KeyError:
-        raise ValueError(f"unknown KV cache type {kv_type!r} (choose from {', '.join(KV_TYPES)})") from None
+    t = KV_TYPES.get(kv_type) or _KV_EXTRA.get(kv_type)
+    if t is None:
+        raise ValueError(f"unknown KV cache type {kv_type!r} (choose from {', '.join(KV_TYPES)})")
+    return t
 
 
-def _packed(n_values: int, kv_type: str) -> int:
+def head_bytes(head_dim: int, kv_type: str) -> int:
+    """Bytes of one head's K (or V) row in a cache type (kernels/kvcodec: codec.row_bytes): rotated
+    types pad the head to a multiple of 128 values."""
     vals, nbytes = _kv_type(kv_type)
-    return math.ceil(n_values / vals) * nbytes
+    d = -(-head_dim // ROTATION_GROUP) * ROTATION_GROUP if kv_type in ROTATED_TYPES else head_dim
+    return math.ceil(d / vals) * nbytes
+
+
+def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
+    """Bytes of an [n, k] matrix of a quantized GGUF type in the GPU's packed layout (4-bit plane +
+    high plane, or an int8 plane; fp16 scale and min per group); None for types that are not packed."""
+    lay = PACKED_LAYOUT.get(qtype_name)
+    if lay is None:
+        return None
+    group, hi_bits = lay
+    planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8
+    return planes + 2 * 2 * n * (k // group)
+
+
+def device_weight_bytes(tensors) -> tuple[int, int]:
+    """(bytes the weights take on the GPU, the largest fp16 copy a prompt chunk's matmul makes of one
+    matrix other than the output matrix) for GGUF TensorInfos (see the module docstring)."""
+    from gguf import GGMLQuantizationType as QT
+    total = biggest = 0
+    for t in tensors:
+        name = QT(t.qtype).name
+        n_el = math.prod(t.shape)
+        if len(t.shape) == 1:
+            total += 4 * n_el                      # vectors: float32
+            continue
+        n, k = t.shape[0], n_el // t.shape[0]
+        pb = packed_bytes(name, n, k)
+        total += t.n_bytes if pb is None else pb
+        if t.name.endswith("ssm_conv1d.weight"):
+            total += 4 * n_el                      # qwen35 keeps its conv kernel as float32 as well
+        if pb is not None and t.name not in ("output.weight", "token_embd.weight"):
+            biggest = max(biggest, 2 * n * k)
+    return total, biggest
 
 
 @dataclass
@@ -115,10 +180,15 @@ class ModelFacts:
     vocab_size: int
     n_head: int
     head_dim: int
-    # per attention layer: (K values per token, V values per token, window or 0 for full)
+    # per attention layer: (K values per token, V values per token, window or 0 for full); MTP blocks last
     attn_layers: list[tuple[int, int, int]] = field(default_factory=list)
     n_recurrent_layers: int = 0
     recurrent_bytes_per_layer: int = 0
+    n_head_kv: int = 0
+    head_dim_v: int = 0
+    n_layer_nextn: int = 0          # MTP blocks (the last entries of attn_layers)
+    device_weight_bytes: int = 0    # the weights as the GPU path holds them (packed layout)
+    prefill_dequant_bytes: int = 0  # the largest fp16 copy of a matrix a prompt chunk's matmul makes
     quant: str = ""
     mmproj: str | None = None       # the paired vision projector, when there is one the engine can load
     mmproj_projector: str = ""
@@ -134,6 +204,11 @@ class ModelFacts:
     def recurrent_bytes(self) -> int:
         """Recurrent (Gated DeltaNet) state of one sequence, all layers."""
         return self.n_recurrent_layers * self.recurrent_bytes_per_layer
+
+    @property
+    def gpu_attn_layers(self) -> int:
+        """Attention layers with KV on the GPU path (the MTP block's is not there)."""
+        return len(self.attn_layers) - self.n_layer_nextn
 
     @property
     def n_full_attn(self) -> int:
@@ -199,36 +274,77 @@ def _model_facts(path: str | os.PathLike) -> ModelFacts:
             conv = (spec.ssm_d_conv - 1) * conv_dim
             state = spec.ssm_dt_rank * spec.ssm_d_state * head_v
             rec_per_layer = 4 * (conv + state)
+        dev_bytes, dequant = device_weight_bytes(f.tensors.values())
         return ModelFacts(
             path=str(path), name=str(md.get("general.name") or Path(path).stem), arch=spec.arch,
             weight_bytes=weight_bytes, file_bytes=Path(path).stat().st_size, context_length=spec.context_length,
             n_embd=spec.n_embd, n_ff=spec.n_ff, vocab_size=spec.vocab_size, n_head=spec.n_head,
             head_dim=spec.head_dim, attn_layers=attn, n_recurrent_layers=n_rec,
-            recurrent_bytes_per_layer=rec_per_layer, quant=file_type_name(md))
+            recurrent_bytes_per_layer=rec_per_layer, quant=file_type_name(md), n_head_kv=spec.n_head_kv,
+            head_dim_v=spec.head_dim_v, n_layer_nextn=spec.n_layer_nextn, device_weight_bytes=dev_bytes,
+            prefill_dequant_bytes=dequant)
     finally:
         f.close()
 
 
-def kv_bytes(facts: ModelFacts, ctx: int, kv_type: str) -> int:
-    """KV cache bytes of one sequence holding `ctx` tokens."""
-    total = 0
-    for k_vals, v_vals, window in facts.attn_layers:
-        n = min(ctx, window) if window else ctx
-        total += n * (_packed(k_vals, kv_type) + _packed(v_vals, kv_type))
-    return total
+def _token_bytes(facts: ModelFacts, kv_type: str, kv_type_v: str | None) -> int:
+    """K + V bytes of one token in one attention layer."""
+    if not facts.n_head_kv:   # (facts made by hand: values per token, blocks along the concatenated heads)
+        k_vals, v_vals, _ = facts.attn_layers[0]
+        vals, nb = _kv_type(kv_type)
+        vals_v, nb_v = _kv_type(kv_type_v or kv_type)
+        return math.ceil(k_vals / vals) * nb + math.ceil(v_vals / vals_v) * nb_v
+    return facts.n_head_kv * (head_bytes(facts.head_dim, kv_type) + head_bytes(facts.head_dim_v, kv_type_v or kv_type))
 
 
-def kv_bytes_per_token(facts: ModelFacts, kv_type: str) -> int:
+def kv_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | None = None) -> int:
+    """KV cache bytes of one sequence holding `ctx` tokens in the CPU path's pool (sliding-window
+    layers capped at their window; the MTP block included)."""
+    per = _token_bytes(facts, kv_type, kv_type_v) if facts.attn_layers else 0
+    return sum((min(ctx, window) if window else ctx) * per for *_, window in facts.attn_layers)
+
+
+def kv_bytes_per_token(facts: ModelFacts, kv_type: str, kv_type_v: str | None = None) -> int:
     """KV bytes each token adds while the context is below every sliding window."""
-    return sum(_packed(k, kv_type) + _packed(v, kv_type) for k, v, _ in facts.attn_layers)
+    return len(facts.attn_layers) * _token_bytes(facts, kv_type, kv_type_v) if facts.attn_layers else 0
 
 
-def workspace_bytes(facts: ModelFacts, max_seqs: int = 1, step_tokens: int = STEP_TOKENS) -> int:
+def runner_kv_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | None = None, n_slots: int = 1) -> int:
+    """The GPU path's KV: `n_slots` slots of `ctx` tokens (rounded up to its 16-token blocks) in every
+    attention layer of the main model, plus the scratch slot's one block (engine/runner.py)."""
+    if not facts.attn_layers:
+        return 0
+    per = facts.gpu_attn_layers * _token_bytes(facts, kv_type, kv_type_v)
+    ctx = -(-ctx // SLOT_BLOCK_TOKENS) * SLOT_BLOCK_TOKENS
+    return per * (n_slots * ctx + SLOT_BLOCK_TOKENS)
+
+
+def prep_bytes(facts: ModelFacts, ctx: int, kv_type: str) -> int:
+    """One slot's key preconditioning (rotated K types): per attention layer, float32 weights and one
+    center per 256 positions, [n_head_kv, head_dim] each, and a segment count (engine/runner.py:
+    slot_prep_bytes)."""
+    if kv_type not in ROTATED_TYPES or not facts.attn_layers:
+        return 0
+    n_seg = max(1, -(-ctx // KEY_SEGMENT))
+    return facts.gpu_attn_layers * (4 * facts.n_head_kv * facts.head_dim * (1 + n_seg) + 8)
+
+
+def activation_bytes(facts: ModelFacts, ctx: int = 0, kv_type: str = "f16", max_seqs: int = 1,
+                     step_tokens: int = STEP_TOKENS) -> int:
+    """What a prompt chunk (and the logits) allocate at most on top of weights and states: see the
+    module docstring."""
     q_dim = facts.n_head * facts.head_dim
     kv_dim = facts.attn_layers[0][0] if facts.attn_layers else 0
     act = step_tokens * (4 * facts.n_embd + 3 * facts.n_ff + q_dim + 2 * kv_dim) * 4
+    if kv_type in ROTATED_TYPES and facts.attn_layers:
+        act += step_tokens * facts.n_head * max(1, -(-ctx // KEY_SEGMENT)) * 4   # score corrections
     logits = max(1, max_seqs) * LOGIT_ROWS_PER_SEQ * facts.vocab_size * 4
-    return CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + act + logits
+    return act + facts.prefill_dequant_bytes + logits
+
+
+def workspace_bytes(facts: ModelFacts, max_seqs: int = 1, step_tokens: int = STEP_TOKENS, ctx: int = 0,
+                    kv_type: str = "f16") -> int:
+    return CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + activation_bytes(facts, ctx, kv_type, max_seqs, step_tokens)
 
 
 @dataclass
@@ -238,14 +354,27 @@ class Plan:
     n_seqs: int
     weights: int
     kv: int
-    recurrent: int
+    recurrent: int                  # recurrent states of all slots
     workspace: int
     vram: int | None = None
     vision: int = 0                 # vision projector weights + image-encoding workspace
+    kv_type_v: str = ""             # V's cache type ("" = kv_type)
+    prep: int = 0                   # key preconditioning of all slots (rotated K types)
+    seq_ctx: int = 0                # the most tokens one sequence may hold: min(training context, pool)
+
+    @property
+    def pool_tokens(self) -> int:
+        """The KV pool all sequences share: n_seqs x ctx tokens."""
+        return self.n_seqs * self.ctx
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.recurrent + self.workspace + self.vision
+        return self.weights + self.kv + self.recurrent + self.prep + self.workspace + self.vision
+
+    @property
+    def allocated(self) -> int:
+        """What torch's allocator holds at the peak (the total without the CUDA context and the graph pool)."""
+        return self.total - CUDA_CONTEXT_BYTES - CUDA_GRAPH_BYTES
 
     @property
     def fits(self) -> bool | None:
@@ -255,41 +384,68 @@ class Plan:
     def headroom(self) -> int | None:
         return None if self.vram is None else self.vram - self.total
 
+    def breakdown(self) -> dict:
+        return {"ctx": self.ctx, "kv_type_k": self.kv_type, "kv_type_v": self.kv_type_v or self.kv_type,
+                "slots": self.n_seqs, "pool_tokens": self.pool_tokens, "seq_ctx": self.seq_ctx,
+                "weights": self.weights, "kv": self.kv, "recurrent": self.recurrent,
+                "prep": self.prep, "workspace": self.workspace, "vision": self.vision, "total": self.total,
+                "allocated": self.allocated}
 
-def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vram: int | None = None) -> Plan:
-    """Memory for `n_seqs` sequences of `ctx` tokens each (the KV pool is sized for all of them)."""
+
+def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vram: int | None = None,
+         kv_type_v: str | None = None, step_tokens: int = STEP_TOKENS) -> Plan:
+    """GPU memory of the runner with `n_seqs` slots sharing a KV pool of `n_seqs x ctx` tokens (K in
+    kv_type, V in kv_type_v, default the same), prompt chunks of `step_tokens`. One sequence may hold
+    up to min(training context, the pool) tokens: the key preconditioning is sized for that."""
     if ctx <= 0:
         raise ValueError("context must be positive")
-    return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.weight_bytes,
-                kv=n_seqs * kv_bytes(facts, ctx, kv_type), recurrent=n_seqs * facts.recurrent_bytes,
-                workspace=workspace_bytes(facts, n_seqs), vram=vram, vision=facts.vision_bytes)
+    kv_type_v = kv_type_v or kv_type
+    _kv_type(kv_type_v)
+    seq_ctx = seq_context(facts, ctx, n_seqs)
+    return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,
+                kv=runner_kv_bytes(facts, ctx, kv_type, kv_type_v, n_seqs), recurrent=n_seqs * facts.recurrent_bytes,
+                workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type), vram=vram,
+                vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
+                prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx)
 
 
-def max_context(facts: ModelFacts, kv_type: str, vram: int, n_seqs: int = 1, limit: int | None = None) -> int:
+def seq_context(facts: ModelFacts, ctx: int, n_seqs: int = 1) -> int:
+    """The most tokens one sequence may hold with a pool of n_seqs x ctx tokens (in the runner's blocks):
+    the whole pool, up to the training context (what engine.Engine gives each sequence)."""
+    pool = n_seqs * (-(-ctx // SLOT_BLOCK_TOKENS) * SLOT_BLOCK_TOKENS)
+    limit = facts.context_length or pool
+    return min(-(-limit // SLOT_BLOCK_TOKENS) * SLOT_BLOCK_TOKENS, pool)
+
+
+def max_context(facts: ModelFacts, kv_type: str, vram: int, n_seqs: int = 1, limit: int | None = None,
+                kv_type_v: str | None = None) -> int:
     """Largest context (multiple of KV_BLOCK_TOKENS, at most `limit` = the model's training context)
     whose plan fits in `vram`; 0 when not even one block fits."""
     limit = limit or facts.context_length
     hi_blocks = max(limit // KV_BLOCK_TOKENS, 1)
-    if plan(facts, KV_BLOCK_TOKENS, kv_type, n_seqs, vram).total > vram:
+
+    def fits(c):
+        return plan(facts, c, kv_type, n_seqs, vram, kv_type_v).total <= vram
+    if not fits(KV_BLOCK_TOKENS):
         return 0
     top = hi_blocks * KV_BLOCK_TOKENS
-    if plan(facts, top, kv_type, n_seqs, vram).total <= vram:
+    if fits(top):
         return min(top, limit)
     lo, hi = 1, hi_blocks  # lo fits, hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if plan(facts, mid * KV_BLOCK_TOKENS, kv_type, n_seqs, vram).total <= vram:
+        if fits(mid * KV_BLOCK_TOKENS):
             lo = mid
         else:
             hi = mid
     return lo * KV_BLOCK_TOKENS
 
 
-def plan_table(facts: ModelFacts, vram: int | None, contexts=CONTEXTS, kv_types=None, n_seqs: int = 1
-               ) -> dict[str, list[Plan]]:
-    """{kv type: [Plan for each context]}."""
+def plan_table(facts: ModelFacts, vram: int | None, contexts=CONTEXTS, kv_types=None, n_seqs: int = 1,
+               kv_type_v: str | None = None) -> dict[str, list[Plan]]:
+    """{kv type: [Plan for each context]} (V in kv_type_v, or each row's K type)."""
     kv_types = list(kv_types or KV_TYPES)
-    return {kt: [plan(facts, c, kt, n_seqs, vram) for c in contexts] for kt in kv_types}
+    return {kt: [plan(facts, c, kt, n_seqs, vram, kv_type_v) for c in contexts] for kt in kv_types}
 
 
 # ----- formatting -----
@@ -321,15 +477,17 @@ def fmt_ctx(n: int) -> str:
     return f"{n / 1000:.0f}K" if n >= 1000 else str(n)
 
 
-def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int = 1) -> str:
-    table = plan_table(facts, vram, kv_types=kv_types, n_seqs=n_seqs)
+def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int = 1,
+                 kv_type_v: str | None = None) -> str:
+    table = plan_table(facts, vram, kv_types=kv_types, n_seqs=n_seqs, kv_type_v=kv_type_v)
     lines = [f"{facts.name} ({facts.arch}{', ' + facts.quant if facts.quant else ''}): weights "
-             f"{fmt_bytes(facts.weight_bytes)}, {facts.n_full_attn} full-attention + {facts.n_swa} sliding-window "
+             f"{fmt_bytes(facts.weight_bytes)} ({fmt_bytes(facts.device_weight_bytes)} on the GPU), "
+             f"{facts.n_full_attn} full-attention + {facts.n_swa} sliding-window "
              f"attention layers, {facts.n_recurrent_layers} recurrent layers "
              f"({fmt_bytes(facts.recurrent_bytes)} state per sequence), training context {facts.context_length}",
-             f"workspace allowance {fmt_bytes(workspace_bytes(facts, n_seqs))}; "
+             f"workspace allowance {fmt_bytes(workspace_bytes(facts, n_seqs))} (+ key centers for rotated K types); "
              + (f"VRAM {fmt_bytes(vram)}" if vram else "no VRAM given: totals only")
-             + (f"; {n_seqs} sequences" if n_seqs > 1 else "")]
+             + (f"; {n_seqs} sequences" if n_seqs > 1 else "") + (f"; V cache {kv_type_v}" if kv_type_v else "")]
     if facts.mmproj:
         lines.append(f"vision projector {Path(facts.mmproj).name} ({facts.mmproj_projector}): "
                      f"{fmt_bytes(facts.vision_bytes)} (weights {fmt_bytes(facts.mmproj_weight_bytes)} + "
@@ -346,21 +504,44 @@ def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int
             cells.append(f"{p.total / GiB:>9.2f}{mark:<3}")
         row = f"{kt:<11}" + "".join(cells)
         if vram:
-            row += f"   {max_context(facts, kt, vram, n_seqs):>11}"
+            row += f"   {max_context(facts, kt, vram, n_seqs, kv_type_v=kv_type_v):>11}"
         lines.append(row)
     lines.append("")
-    lines.append("cells: total GiB (weights + KV + recurrent state + workspace"
+    lines.append("cells: total GiB (weights + KV + per-slot state + workspace"
                  + (" + vision projector" if facts.mmproj else "") + "); ok = fits, -- = does not fit, "
                  "n/a = beyond the model's training context")
+    if n_seqs > 1:
+        lines.append(f"context per sequence when all {n_seqs} are equally long: the KV pool ({n_seqs} x the "
+                     "context) is shared, so one sequence may use up to all of it (at most the training context)")
     return "\n".join(lines)
+
+
+def format_plan(p: Plan) -> str:
+    """One plan's breakdown (`hivejet plan --ctx N`)."""
+    rows = [("weights (on the GPU)", p.weights), (f"KV cache ({p.kv_type} / {p.kv_type_v or p.kv_type})", p.kv),
+            ("recurrent states", p.recurrent), ("key preconditioning", p.prep), ("workspace", p.workspace)]
+    if p.vision:
+        rows.append(("vision projector", p.vision))
+    rows += [("total", p.total), ("allocated by torch (total - CUDA context - graph pool)", p.allocated)]
+    out = [f"context {p.ctx} tokens x {p.n_seqs} slot(s): a KV pool of {p.pool_tokens} tokens they share; "
+           f"one sequence may use up to {p.seq_ctx}"]
+    out += [f"  {name:<56} {n:>15,} B  {fmt_bytes(n):>10}" for name, n in rows]
+    if p.vram:
+        out.append(f"  {'fits in ' + fmt_bytes(p.vram):<56} {'yes' if p.fits else 'no'}")
+    return "\n".join(out)
 
 
 def add_plan_args(parser) -> None:
     parser.add_argument("-m", "--model", default="demo", help="GGUF file or catalog name")
     parser.add_argument("--vram", default=None, help="GPU memory to plan for, e.g. 24GiB (default: free memory "
                                                      "of GPU 0 from NVML; none -> totals only)")
-    parser.add_argument("--kv", default=None, choices=list(KV_TYPES), help="only this KV cache type")
-    parser.add_argument("--seqs", type=int, default=1, help="parallel sequences sharing the KV pool")
+    parser.add_argument("--kv", default=None, choices=list(KV_TYPES) + list(_KV_EXTRA),
+                        help="only this KV cache type (K, and V unless --kv-v)")
+    parser.add_argument("--kv-v", default=None, choices=list(KV_TYPES) + list(_KV_EXTRA),
+                        help="V's cache type (default: each row's K type)")
+    parser.add_argument("--seqs", type=int, default=1, help="parallel sequences (the GPU path's slots)")
+    parser.add_argument("--ctx", type=int, default=None, help="print the breakdown of one plan: this context "
+                                                               "per sequence, the --kv type (default f16)")
 
 
 def run_plan(args) -> int:
@@ -385,5 +566,10 @@ def run_plan(args) -> int:
     except (GGUFError, CatalogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(format_table(facts, vram, kv_types=[args.kv] if args.kv else None, n_seqs=max(1, args.seqs)))
+    kv_v = getattr(args, "kv_v", None)
+    if getattr(args, "ctx", None):
+        print(format_plan(plan(facts, args.ctx, args.kv or "f16", max(1, args.seqs), vram, kv_v)))
+        return 0
+    print(format_table(facts, vram, kv_types=[args.kv] if args.kv else None, n_seqs=max(1, args.seqs),
+                       kv_type_v=kv_v))
     return 0

@@ -39,6 +39,8 @@ class Entry:
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
+    while i + 256 <= n and a[i:i + 256] == b[i:i + 256]:   # slices compare in C: long prefixes stay cheap
+        i += 256
     while i < n and a[i] == b[i]:
         i += 1
     return i

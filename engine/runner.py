@@ -1,40 +1,161 @@
-"""Runs a model on a device over static slots: the GPU path of a step.
+"""Runs a model on a device over slots: the GPU path of a step.
 
-A `Runner` owns, for up to `n_slots` sequences, everything a step touches, at fixed addresses:
+A `Runner` owns, for up to `n_slots` sequences, everything a step touches:
 - the attention layers' K and V in the paged layout of kernels/attention ([blocks, block_size, Hkv,
-  row_bytes], any KV codec without per-sequence preconditioning: f16, bf16, f32, q8_0). Slot s owns
-  blocks s*max_blocks .. (s+1)*max_blocks - 1: a static block table. (The shared, content-addressed
-  pool of the multi-agent runtime only changes the table's contents, not the kernels.)
+  row_bytes]) in any cache type, K and V types chosen separately (llama.cpp's -ctk / -ctv): ONE pool
+  of `n_blocks` blocks shared by all slots (every attention layer uses the same block ids). A slot
+  holds only the blocks its positions need, handed out by a host-side allocator (engine/kv/blocks.py)
+  before a step writes there; its block table is a row of a device tensor [slots + 1,
+  max_blocks], so the CUDA graphs read the current table without being captured again. A slot
+  may reach `max_ctx` positions (up to the whole pool). Slots with a common prefix reference the same
+  blocks (copy_prefix); a shared block is copied before it is written (copy-on-write).
+- for rotated K types (turbo*), each slot's key preconditioning per attention layer, as
+  engine/kv/sequence.py does it on the CPU path: channel smoothing weights w [Hkv, D] made from the
+  slot's first chunk, a center per SEGMENT (256) positions [n_seg, Hkv, D], and how many segments
+  have a center. The codec stores (k - c_seg) / w; the query is multiplied by w and the score of a
+  key of segment s gets q . c_s added (`seg_bias` of the attention kernels), so q . k is unchanged.
 - qwen35's Gated DeltaNet states per slot: conv windows [slots, K-1, conv_dim] and S [slots, Hv, D, D].
-One extra scratch slot takes the padding rows of a bucket.
+One extra scratch slot takes the padding rows of a bucket: its table points only at one private
+block outside the pool (padding rows write and read position 0 only), so they never touch a
+sequence's KV.
 
 So a decode step over B rows (one token per sequence) is a pure function of three small device
-buffers (tokens, positions, slots). On CUDA it is captured once per row-count bucket (1, 2, 4, ..,
-64) as a CUDA graph and replayed: one launch per step instead of ~20 per layer. Prefill (a chunk of
-one sequence) runs eagerly through the same model code. On the CPU the same code runs with the
-torch references (no graphs), which is how the tests check the slot logic without a GPU.
+buffers (tokens, positions, slots), the block tables and the slots' state. On CUDA it is captured
+once per row-count bucket (1, 2, 4, .., 64) as a CUDA graph and replayed: one launch per step instead
+of ~20 per layer. Everything a decode step decides per row (the new segment center of a row that is
+the first of a segment, the row's center and weights) is computed on the device with torch.where /
+index_put, never by the host. Prefill (a chunk of one sequence) runs eagerly through the same model
+code. On the CPU the same code runs with the torch references (no graphs), which is how the tests
+check the slot logic without a GPU.
 
 Every kernel of a step reduces in an order fixed by the weights' shapes and the row's own position,
 so a row's logits do not depend on the bucket or on the other rows (tests/engine/test_runner.py).
+
+Prefix sharing (find_prefix, copy_prefix, share_prefix): a slot can start from the first positions of
+another, its whole blocks referenced (a partial last block copied), plus recurrent states from a
+checkpoint (enable_checkpoints); the result is bit for bit a cold run's (tests/engine/test_runner_prefix.py).
 """
 from __future__ import annotations
+
+import collections
+import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.kv.blocks import BlockAllocator
+from engine.kv.pool import PoolFullError, rope_key_pairs
+from engine.kv.sequence import SequenceKV
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
+from engine.prefix import common_prefix
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
-from kernels.kvcodec import get_codec
+from kernels.kvcodec import CACHE_TYPES, cache_type_name, get_codec
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-SLOT_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0")  # codecs whose stored keys need no per-sequence state
+SLOT_CACHE_TYPES = CACHE_TYPES  # every KV cache type (kept for callers that check membership)
 
 
-def slot_bytes_per_token(model: DecoderModel, cache_type: str) -> int:
-    """KV bytes one token of one slot takes (all attention layers, K and V)."""
-    s, codec = model.spec, get_codec(cache_type)
-    n_attn = sum(1 for il in range(s.n_layer) if not s.is_recurrent(il))
-    return n_attn * s.n_head_kv * (codec.row_bytes(s.head_dim) + codec.row_bytes(s.head_dim_v))
+def _attn_layers(spec) -> list[int]:
+    return [il for il in range(spec.n_layer) if not spec.is_recurrent(il)]
+
+
+def _types(cache_type_k: str, cache_type_v: str | None) -> tuple[str, str]:
+    kt = cache_type_name(cache_type_k)
+    return kt, cache_type_name(cache_type_v or kt)
+
+
+def preconditions_keys(cache_type_k: str) -> bool:
+    """Whether a K cache type gets the per-slot key preconditioning (rotated types)."""
+    return get_codec(cache_type_k).rotated and SequenceKV.PRECONDITION_KEYS
+
+
+def slot_bytes_per_token(model: DecoderModel, cache_type_k: str = "f16", cache_type_v: str | None = None) -> int:
+    """KV bytes one token of one slot takes (all attention layers, K and V; rotated types pad each head
+    to a multiple of 128 values). The per-slot state that does not grow per token is `slot_fixed_bytes`."""
+    kt, vt = _types(cache_type_k, cache_type_v)
+    s, ck, cv = model.spec, get_codec(kt), get_codec(vt)
+    return len(_attn_layers(s)) * s.n_head_kv * (ck.row_bytes(s.head_dim) + cv.row_bytes(s.head_dim_v))
+
+
+def slot_prep_bytes(model: DecoderModel, cache_type_k: str = "f16", max_ctx: int = 0) -> int:
+    """Key preconditioning bytes of one slot (rotated K types; the scratch slot has them too): per
+    attention layer float32 weights [Hkv, D], centers [ceil(max_ctx / SEGMENT), Hkv, D], a segment count."""
+    if not preconditions_keys(cache_type_name(cache_type_k)):
+        return 0
+    s = model.spec
+    n_seg = max(1, -(-max_ctx // SequenceKV.SEGMENT))
+    return len(_attn_layers(s)) * (4 * s.n_head_kv * s.head_dim * (1 + n_seg) + 8)
+
+
+def state_checkpoint_bytes(model: DecoderModel) -> int:
+    """Bytes of one slot's recurrent states (qwen35: float32 conv windows and delta-rule states; 0 for
+    models without recurrent layers): what one slot and one state checkpoint (enable_checkpoints) take."""
+    s = model.spec
+    n = 0
+    for il in range(s.n_layer):
+        if s.is_recurrent(il):
+            n += 4 * ((s.ssm_d_conv - 1) * model.conv_dim + model.n_v_heads * model.d_state * model.d_state)
+    return n
+
+
+def slot_fixed_bytes(model: DecoderModel, cache_type_k: str = "f16", cache_type_v: str | None = None,
+                     max_ctx: int = 0) -> int:
+    """Device bytes of one slot's state besides its KV: qwen35's recurrent states (float32 conv
+    windows and delta-rule states) and the key preconditioning (`slot_prep_bytes`)."""
+    return state_checkpoint_bytes(model) + slot_prep_bytes(model, cache_type_k, max_ctx)
+
+
+def _digest(prev: bytes, tokens) -> bytes:
+    """The hash of a prefix, chained chunk by chunk: the previous prefix's digest and the next chunk's ids."""
+    ids = torch.as_tensor(tokens, dtype=torch.long).numpy().tobytes()
+    return hashlib.blake2b(prev + ids, digest_size=16).digest()
+
+
+def prefix_digests(tokens, chunk: int, upto: int) -> list[bytes]:
+    """Digests of tokens[:i * chunk] for i = 0 .. upto // chunk: the keys state checkpoints are saved under."""
+    out = [b""]
+    for lo in range(0, upto // chunk * chunk, chunk):
+        out.append(_digest(out[-1], tokens[lo:lo + chunk]))
+    return out
+
+
+@dataclass
+class PrefixMatch:
+    """What Runner.find_prefix found: copy slot `src`'s first n positions; recurrent models take their
+    states after n positions from `state`, a slot whose states are at n (int) or a checkpoint key."""
+    src: int
+    n: int
+    state: object = None
+
+
+def _sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, n, ...] summed over dim 1 by halving (elementwise adds in a fixed order): unlike a torch
+    reduction, whose kernel and order depend on the tensor's shape, a row's sum does not depend on B."""
+    n = x.shape[1]
+    p2 = 1 << max(0, (n - 1).bit_length())
+    if p2 != n:
+        x = torch.cat([x, x.new_zeros((x.shape[0], p2 - n) + x.shape[2:])], 1)
+    while x.shape[1] > 1:
+        h = x.shape[1] // 2
+        x = x[:, :h] + x[:, h:]
+    return x[:, 0]
+
+
+class _KeyPrep:
+    """One attention layer's key preconditioning for every slot, in static device buffers (the
+    runner's form of SequenceKV.kprep): w [slots, Hkv, D] (ones: no smoothing), centers [slots,
+    n_seg, Hkv, D], ncent [slots] (segments 0..ncent-1 have a center; a segment's center, once made,
+    stays until the slot restarts at position 0, like a SequenceKV's)."""
+
+    def __init__(self, n_slots: int, n_seg: int, hkv: int, d: int, partner, device):
+        self.w = torch.ones(n_slots, hkv, d, dtype=torch.float32, device=device)
+        self.centers = torch.zeros(n_slots, n_seg, hkv, d, dtype=torch.float32, device=device)
+        self.ncent = torch.zeros(n_slots, dtype=torch.long, device=device)
+        self.partner = None if partner is None else torch.tensor(partner, dtype=torch.long, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w, self.centers, self.ncent]
 
 
 class SlotBatch:
@@ -49,6 +170,19 @@ class SlotBatch:
         self.runner, self.positions, self.slots, self.decode = runner, positions, slots, decode
         self.slot, self.start = slot, start
         self.rope: dict = {}
+        self._pool: dict = {}
+
+    def rows(self) -> torch.Tensor:
+        """Each row's place in the pool's caches (the same for every layer: computed once per step)."""
+        if "rows" not in self._pool:
+            self._pool["rows"] = self.runner._rows(self.slots.long(), self.positions.long())
+        return self._pool["rows"]
+
+    def tables(self) -> torch.Tensor:
+        """The decode rows' block tables [rows, max_blocks] (once per step)."""
+        if "tables" not in self._pool:
+            self._pool["tables"] = self.runner.block_table.index_select(0, self.slots.long())
+        return self._pool["tables"]
 
     def attend(self, il, q, k, v, scale, window):
         return self.runner._attend(self, il, q, k, v, scale, window)
@@ -58,41 +192,80 @@ class SlotBatch:
 
 
 class Runner:
+    """cache_type sets K and V; cache_type_k / cache_type_v set each (f16 when neither is given).
+    prefill_dot: the input precision of the Triton prefill attention's dot products on CUDA
+    ("tf32": tensor cores, ~fp16's 10-bit mantissa, what the f16 cache's fused attention uses too;
+    "ieee": full fp32, several times slower at long context). triton: use the Triton kernels (default:
+    on CUDA; on the CPU they run in Triton's interpreter, which is how tests check them without a GPU).
+    n_blocks: the shared KV pool's size in blocks of `block_size` tokens (default: n_slots * max_ctx
+    tokens); max_ctx: the most positions one slot may reach (at most the pool)."""
+
     def __init__(self, model: DecoderModel, device: str | torch.device = "cuda", n_slots: int = 16,
-                 max_ctx: int = 4096, cache_type: str = "f16", block_size: int = 16, graphs: bool | None = None,
-                 n_split: int | None = None):
-        if cache_type not in SLOT_CACHE_TYPES:
-            raise ValueError(f"the runner's KV cache types are {', '.join(SLOT_CACHE_TYPES)} for now, not {cache_type!r}")
+                 max_ctx: int = 4096, cache_type: str | None = None, block_size: int = 16,
+                 graphs: bool | None = None, n_split: int | None = None, *, cache_type_k: str | None = None,
+                 cache_type_v: str | None = None, prefill_dot: str = "tf32", triton: bool | None = None,
+                 n_blocks: int | None = None):
+        kt = cache_type_name(cache_type_k or cache_type or "f16")
+        vt = cache_type_name(cache_type_v or cache_type or "f16")
         self.model, self.spec = model, model.spec
+        s = self.spec
+        self.codec_k, self.codec_v = get_codec(kt), get_codec(vt)
+        self.cache_type_k, self.cache_type_v = kt, vt
+        self.codec_k.stored_dim(s.head_dim)          # validates the head sizes for the cache types
+        self.codec_v.stored_dim(s.head_dim_v)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         model.to_device(self.device)
         self.n_slots, self.block_size = n_slots, block_size
-        self.max_ctx = -(-max_ctx // block_size) * block_size
-        self.max_blocks = self.max_ctx // block_size
+        max_blocks = -(-max_ctx // block_size)
+        self.n_blocks = n_slots * max_blocks if n_blocks is None else n_blocks
+        if self.n_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.max_blocks = min(max_blocks, self.n_blocks)     # one slot may use the whole pool, not more
+        self.max_ctx = self.max_blocks * block_size
         self.scratch = n_slots  # the padding rows' slot
-        self.codec = get_codec(cache_type)
-        self.cache_type = cache_type
-        s, dev = self.spec, self.device
+        self.scratch_block = self.n_blocks   # its private block, after the pool's
+        self.prefill_dot = prefill_dot
+        self.triton = self.device.type == "cuda" if triton is None else triton
+        self._impl = "triton" if self.triton else "auto"
+        dev = self.device
         total_slots = n_slots + 1
-        # attention layers' K/V, per layer
+        # attention layers' K/V, per layer: the pool's blocks, then the scratch slot's one block
         self.k, self.v = {}, {}
-        for il in range(s.n_layer):
-            if s.is_recurrent(il):
-                continue
-            shape = (total_slots * self.max_blocks, block_size, s.n_head_kv)
-            self.k[il] = torch.zeros(shape + (self.codec.row_bytes(s.head_dim),), dtype=torch.uint8, device=dev)
-            self.v[il] = torch.zeros(shape + (self.codec.row_bytes(s.head_dim_v),), dtype=torch.uint8, device=dev)
-        self.block_table = torch.arange(total_slots * self.max_blocks, dtype=torch.int32,
-                                        device=dev).view(total_slots, self.max_blocks)
-        # qwen35 recurrent states, per recurrent layer
+        for il in _attn_layers(s):
+            shape = (self.n_blocks + 1, block_size, s.n_head_kv)
+            self.k[il] = torch.zeros(shape + (self.codec_k.row_bytes(s.head_dim),), dtype=torch.uint8, device=dev)
+            self.v[il] = torch.zeros(shape + (self.codec_v.row_bytes(s.head_dim_v),), dtype=torch.uint8, device=dev)
+        # block tables: the host's lists are the truth; the device rows follow before each step (a
+        # table entry a slot does not hold points at the scratch block, so a stray write is harmless)
+        self.pool = BlockAllocator(self.n_blocks)
+        self._blocks: list[list[int]] = [[] for _ in range(n_slots)]
+        self._dirty: dict[int, int] = {}        # slot -> first table entry the device has not seen
+        self._dev_len = [0] * n_slots           # entries the device row holds that are not scratch
+        self.block_table = torch.full((total_slots, self.max_blocks), self.scratch_block, dtype=torch.int32,
+                                      device=dev)
+        # key preconditioning of rotated K types (the constants are engine/kv/sequence.py's, read here
+        # so that both paths follow the same rule)
+        S = SequenceKV
+        self.segment, self.seg_min_keys, self.prep_min_tokens = S.SEGMENT, S.SEG_MIN_KEYS, S.PREP_MIN_TOKENS
+        self.smooth_clamp = S.SMOOTH_CLAMP
+        self.n_seg = max(1, -(-self.max_ctx // self.segment))
+        self.kprep: dict[int, _KeyPrep] = {}
+        if self.codec_k.rotated and S.PRECONDITION_KEYS:
+            for il in self.k:
+                r = model.kv_rope(il)
+                partner = rope_key_pairs(s.head_dim, *r, horizon=s.context_length) if r is not None else None
+                self.kprep[il] = _KeyPrep(total_slots, self.n_seg, s.n_head_kv, s.head_dim, partner, dev)
+            self._seg_offsets = torch.arange(-self.segment, 0, device=dev)
+        # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
+        # recurrent states untouched, kernels/gdn)
         self.conv_state, self.ssm_state = {}, {}
         for il in range(s.n_layer):
             if s.is_recurrent(il):
                 K, C = s.ssm_d_conv, model.conv_dim
-                self.conv_state[il] = torch.zeros(total_slots, K - 1, C, dtype=torch.float32, device=dev)
-                self.ssm_state[il] = torch.zeros(total_slots, model.n_v_heads, model.d_state, model.d_state,
+                self.conv_state[il] = torch.zeros(n_slots, K - 1, C, dtype=torch.float32, device=dev)
+                self.ssm_state[il] = torch.zeros(n_slots, model.n_v_heads, model.d_state, model.d_state,
                                                  dtype=torch.float32, device=dev)
         # split-K of decode attention: fixed per runner (a row's reduction order must not depend on
         # others), about 512 keys per program at full context so one long sequence fills the GPU
@@ -100,55 +273,491 @@ class Runner:
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
+        # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on
+        # and the digests of that prefix at each multiple of it (exact_length), and the position its
+        # recurrent states are at (-1: not known); recurrent-state checkpoints (enable_checkpoints)
+        self._grid: list[tuple[int, list]] = [(0, [b""]) for _ in range(n_slots)]
+        self._live = [0] * n_slots
+        self.n_checkpoints = 0
+        self._ckpt: collections.OrderedDict[tuple, int] = collections.OrderedDict()   # key -> buffer, LRU first
+        self._ckpt_conv: dict[int, torch.Tensor] = {}
+        self._ckpt_ssm: dict[int, torch.Tensor] = {}
+        self.checkpoints_evicted = 0
+
+    # the old single-type names (K's type)
+    @property
+    def codec(self):
+        return self.codec_k
+
+    @property
+    def cache_type(self) -> str:
+        return self.cache_type_k
 
     # ----- memory -----
     def kv_bytes(self) -> int:
         return sum(t.numel() for t in list(self.k.values()) + list(self.v.values()))
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in list(self.conv_state.values()) + list(self.ssm_state.values()))
+        """Recurrent states and key preconditioning buffers (all slots and the scratch slot)."""
+        ts = list(self.conv_state.values()) + list(self.ssm_state.values())
+        ts += [t for kp in self.kprep.values() for t in kp.tensors()]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def checkpoint_bytes(self) -> int:
+        """The recurrent-state checkpoint buffers (enable_checkpoints)."""
+        return sum(t.numel() * t.element_size() for t in list(self._ckpt_conv.values()) + list(self._ckpt_ssm.values()))
+
+    def device_bytes(self) -> int:
+        """Everything the runner allocated besides the model's weights."""
+        return self.kv_bytes() + self.state_bytes() + self.checkpoint_bytes() + self.block_table.numel() * 4
 
     def reset(self, slot: int) -> None:
-        """Forget slot's recurrent state (its KV needs nothing: lengths come with each step)."""
+        """Start slot over at position 0: give its blocks back and forget its recurrent state and key
+        preconditioning."""
+        self.release(slot)
         for t in list(self.conv_state.values()) + list(self.ssm_state.values()):
             t[slot].zero_()
+        for kp in self.kprep.values():
+            kp.w[slot] = 1.0
+            kp.ncent[slot] = 0
+        self._live[slot] = 0
+
+    # ----- the shared block pool -----
+    # Blocks are taken on the host before a step writes positions that need them (prefill, decode) and
+    # the changed table entries reach the device with a small copy queued before the step, so nothing in
+    # a step waits for the host. A caller that must not fail mid-step (the engine) asks blocks_needed()
+    # first and makes room; running out anyway raises PoolFullError before anything is written.
+
+    def held(self, slot: int) -> int:
+        """Blocks slot references (shared ones included)."""
+        return len(self._blocks[slot])
+
+    def held_alone(self, slot: int) -> int:
+        """Blocks only slot references: what releasing it frees."""
+        return sum(1 for b in self._blocks[slot] if not self.pool.shared(b))
+
+    def blocks_needed(self, slot: int, start: int, end: int) -> int:
+        """New blocks a write of positions [start, end) into slot takes: blocks up to `end` it does not hold
+        yet (from position 0 when start is 0: the slot starts over) and copies of shared blocks it writes."""
+        if start == 0:
+            return -(-end // self.block_size)
+        return self._need(slot, start, end)
+
+    def _need(self, slot: int, start: int, end: int) -> int:
+        bs, have = self.block_size, self._blocks[slot]
+        top = -(-end // bs)
+        cow = sum(1 for i in range(start // bs, min(top, len(have))) if self.pool.shared(have[i]))
+        return max(0, top - len(have)) + cow
+
+    def release(self, slot: int) -> None:
+        """Give back all of slot's blocks (a dropped or evicted conversation, or a restart)."""
+        self.truncate(slot, 0)
+        self._grid[slot] = (0, [b""])
+        self._live[slot] = -1
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep only the blocks slot's first n positions need (a follow-up that diverges at n)."""
+        have = self._blocks[slot]
+        keep = -(-n // self.block_size)
+        if keep >= len(have):
+            return
+        for b in have[keep:]:
+            self.pool.decref(b)
+        del have[keep:]
+        self._mark(slot, keep)
+
+    def reserve(self, slot: int, end: int, start: int | None = None) -> None:
+        """Make slot hold private blocks for writing positions [start, end) (start: end - 1 if not given)
+        and blocks for every position before (what a caller that fills the cache itself, a benchmark,
+        needs). Raises PoolFullError, with nothing changed, when the free blocks do not suffice."""
+        self._check_slot(slot)
+        if end > self.max_ctx:
+            raise ValueError(f"{end} tokens do not fit the runner's context of {self.max_ctx}")
+        start = max(0, end - 1) if start is None else start
+        self._check_free(self._need(slot, start, end))
+        have, bs = self._blocks[slot], self.block_size
+        for i in range(start // bs, min(-(-end // bs), len(have))):
+            if self.pool.shared(have[i]):
+                self._copy_on_write(slot, i)
+        while len(have) < -(-end // bs):
+            have.append(self.pool.alloc())
+            self._mark(slot, len(have) - 1)
+
+    def _check_free(self, need: int) -> None:
+        if need > self.pool.n_free:
+            raise PoolFullError(f"KV pool full: {need} blocks of {self.block_size} tokens needed, "
+                                f"{self.pool.n_free} of {self.n_blocks} free")
+
+    def _copy_on_write(self, slot: int, i: int) -> None:
+        """Slot's i-th block is shared and about to be written: give slot a copy of its own."""
+        old, new = self._blocks[slot][i], self.pool.alloc()
+        self._copy_block(old, new)
+        self.pool.decref(old)
+        self._blocks[slot][i] = new
+        self._mark(slot, i)
+
+    def _mark(self, slot: int, i: int) -> None:
+        self._dirty[slot] = min(i, self._dirty.get(slot, i))
+
+    def sync_tables(self) -> None:
+        """Copy the table entries that changed on the host to the device (queued on the stream before the
+        step that reads them; a pageable source is staged at once, so no host sync). prefill and decode do
+        it; a caller that replays a graph itself calls it after reserve()."""
+        for slot, lo in self._dirty.items():
+            have = self._blocks[slot]
+            hi = max(len(have), self._dev_len[slot])
+            if hi > lo:
+                row = (have + [self.scratch_block] * (hi - len(have)))[lo:hi]
+                self.block_table[slot, lo:hi].copy_(torch.tensor(row, dtype=torch.int32), non_blocking=True)
+            self._dev_len[slot] = len(have)
+        self._dirty.clear()
+
+    def pool_stats(self) -> dict:
+        """The pool's blocks: in use, free, referenced by more than one slot; and its size in tokens."""
+        p = self.pool
+        return dict(blocks=self.n_blocks, block_size=self.block_size, used=p.n_used, free=p.n_free,
+                    shared=p.n_shared, tokens=self.n_blocks * self.block_size)
+
+    def _rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Each (slot, position)'s row in a cache viewed as [blocks * block_size, Hkv, row_bytes], through
+        the device block table (device ops only: fine inside a CUDA graph)."""
+        bs = self.block_size
+        return self.block_table[slots, pos // bs].long() * bs + pos % bs
+
+    # ----- prefix sharing between slots -----
+    # A slot's first positions can be given to another slot (copy_prefix) so that the other computes only the
+    # rest of its prompt. The result is the one a cold prefill gives, bit for bit, when the copied prefix was
+    # itself prefilled by the same full chunks from position 0 (exact_length) and ends on that grid: then the
+    # rest is cut into the chunks a cold run cuts, the copied rows are the bytes it would have written, and so
+    # are the key preconditioning (the smoothing weights come from the first chunk; a segment's center from
+    # the chunk that first reaches it, which ends within the prefix) and, from a checkpoint, the recurrent
+    # states. Rows a slot decoded, or prefilled off that grid, are not offered.
+
+    def exact_length(self, slot: int, chunk: int | None = None) -> int:
+        """How many of slot's first positions were prefilled by full chunks of `chunk` tokens on multiples of
+        it from position 0 (or copied from such a slot), not rewritten since: what a cold prefill in those
+        chunks writes there, key preconditioning included."""
+        c, digests = self._grid[slot]
+        return c * (len(digests) - 1) if c and chunk in (None, c) else 0
+
+    def _rewrite(self, slot: int, pos: int) -> None:
+        """Rows from pos on are written again: the slot's exact prefix ends at the last grid point before."""
+        c, digests = self._grid[slot]
+        if c and pos < c * (len(digests) - 1):
+            del digests[pos // c + 1:]
+
+    def _grid_step(self, slot: int, lo: int, hi: int, tokens: torch.Tensor, chunk: int, live: int) -> None:
+        """After a prefill chunk [lo, hi) (live: where the states were before it): a full chunk on the grid
+        that continues the exact prefix extends it, and (recurrent models, enable_checkpoints) the states
+        there are kept as a checkpoint."""
+        c, digests = (chunk, [b""]) if lo == 0 else self._grid[slot]
+        self._live[slot] = hi
+        if c != chunk or lo != c * (len(digests) - 1) or hi - lo != chunk or (self.conv_state and live != lo):
+            self._grid[slot] = (c, digests)
+            return
+        # digests are the checkpoints' keys: only computed when there are checkpoints (host tokens only)
+        hashing = self.n_checkpoints > 0 and digests[-1] is not None and tokens.device.type == "cpu"
+        digests.append(_digest(digests[-1], tokens) if hashing else None)
+        self._grid[slot] = (c, digests)
+        if hashing:
+            self._save_checkpoint(slot, (digests[-1], hi, chunk))
+
+    def enable_checkpoints(self, count: int) -> None:
+        """Keep up to `count` snapshots of recurrent states (qwen35; nothing for other models), taken after
+        each prefill chunk that extends a slot's exact prefix and kept by (digest of the prefix, length,
+        chunk), least recently used out first. A slot's live states are valid only at its own length, so a
+        request sharing a shorter prefix of it needs one of these. Each costs state_checkpoint_bytes."""
+        count = max(0, count) if self.conv_state else 0
+        self.n_checkpoints = count
+        self._ckpt.clear()
+        self._ckpt_conv = {il: t.new_zeros((count,) + t.shape[1:]) for il, t in self.conv_state.items()}
+        self._ckpt_ssm = {il: t.new_zeros((count,) + t.shape[1:]) for il, t in self.ssm_state.items()}
+
+    def checkpoint_lengths(self) -> list[int]:
+        """The lengths the checkpoints were taken at, least recently used first."""
+        return [key[1] for key in self._ckpt]
+
+    def _save_checkpoint(self, slot: int, key: tuple) -> None:
+        if key in self._ckpt:                 # the same prefix on the same grid: the same states
+            self._ckpt.move_to_end(key)
+            return
+        if len(self._ckpt) < self.n_checkpoints:
+            i = len(self._ckpt)               # (buffers are only ever reused, never freed)
+        else:
+            _, i = self._ckpt.popitem(last=False)
+            self.checkpoints_evicted += 1
+        for il in self.conv_state:
+            self._ckpt_conv[il][i].copy_(self.conv_state[il][slot])
+            self._ckpt_ssm[il][i].copy_(self.ssm_state[il][slot])
+        self._ckpt[key] = i
+
+    def find_prefix(self, prompt: list[int], donors: dict[int, list[int]], chunk: int) -> PrefixMatch | None:
+        """The longest prefix of `prompt` another slot can give (copy_prefix) with the result a cold run in
+        chunks of `chunk` gives; donors: slot -> the tokens whose KV it holds (running or parked). The
+        length is a multiple of `chunk`, within the donor's exact prefix, leaves at least the prompt's last
+        token to compute and is at least one block. Recurrent models also need the states at that length: a
+        donor whose states are there, else a checkpoint. None when nothing qualifies."""
+        top = (len(prompt) - 1) // chunk * chunk
+        lim = {}
+        for slot, toks in donors.items():
+            e = min(top, self.exact_length(slot, chunk), len(toks))
+            m = common_prefix(toks[:e], prompt) // chunk * chunk
+            if m >= self.block_size:
+                lim[slot] = m
+        if not lim:
+            return None
+        src = max(lim, key=lim.get)
+        if not self.conv_state:
+            return PrefixMatch(src, lim[src])
+        keys = prefix_digests(prompt, chunk, lim[src]) if self._ckpt else []
+        for n in range(lim[src], self.block_size - 1, -chunk):
+            live = [d for d, m in lim.items() if m >= n and self._live[d] == n]
+            if live:
+                return PrefixMatch(live[0], n, live[0])
+            if self._ckpt and (keys[n // chunk], n, chunk) in self._ckpt:
+                return PrefixMatch(src, n, (keys[n // chunk], n, chunk))
+        return None
+
+    @torch.inference_mode()
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give slot dst slot src's first n positions: the K/V of every attention layer, by reference (dst's
+        table points at src's blocks, whose counts go up; a partial last block is copied into a block of
+        dst's own) and, for rotated K types, the smoothing weights and the centers of the segments those
+        rows reach (later segments' centers are cleared: dst makes its own from its own keys, as a cold run
+        would). Device copies only, no host sync; src is only read, so a running donor is not disturbed
+        (neither writes into a shared block: copy-on-write). Recurrent states are not copied (a slot's are
+        those at its own length): share_prefix. src == dst cuts the slot back to n positions, giving back
+        the blocks after them."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        if not 0 < n <= self.max_ctx:
+            raise ValueError(f"a prefix of {n} positions does not fit the runner's context of {self.max_ctx}")
+        if n > self.held(src) * self.block_size:
+            raise ValueError(f"slot {src} holds {self.held(src) * self.block_size} positions, not {n}")
+        if src != dst:
+            self._share_blocks(src, dst, n)
+        else:
+            self.truncate(dst, n)
+        n_seg = -(-n // self.segment)
+        for kp in self.kprep.values():
+            if src != dst:
+                kp.w[dst].copy_(kp.w[src])
+                kp.centers[dst, :n_seg].copy_(kp.centers[src, :n_seg])
+            kp.centers[dst, n_seg:].zero_()
+            kp.ncent[dst] = kp.ncent[src].clamp_max(n_seg)
+        c, digests = self._grid[src]
+        self._grid[dst] = (c, digests[:min(n // c, len(digests) - 1) + 1]) if c else (0, [b""])
+        if src != dst or self._live[src] != n:
+            self._live[dst] = -1           # the states are not yet those after n positions
+
+    def _share_blocks(self, src: int, dst: int, n: int) -> None:
+        """dst drops its blocks and references src's first n // block_size; a partial block is copied."""
+        full, part = divmod(n, self.block_size)
+        self._check_free(1 if part else 0)
+        self.release(dst)
+        shared = self._blocks[src][:full]
+        for b in shared:
+            self.pool.incref(b)
+        self._blocks[dst].extend(shared)
+        if part:
+            self._blocks[dst].append(self.pool.alloc())
+            self._copy_block(self._blocks[src][full], self._blocks[dst][full])
+        self._mark(dst, 0)
+
+    def _copy_block(self, a: int, b: int) -> None:
+        for cache in list(self.k.values()) + list(self.v.values()):
+            cache[b].copy_(cache[a])
+
+    @torch.inference_mode()
+    def share_prefix(self, match: PrefixMatch, dst: int) -> None:
+        """Start slot dst from what find_prefix found: the prefix's rows and key preconditioning, and the
+        recurrent states after it (from the slot that has them, or the checkpoint; that checkpoint becomes
+        the most recently used)."""
+        self.copy_prefix(match.src, dst, match.n)
+        if not self.conv_state:
+            return
+        if isinstance(match.state, int):
+            if match.state != dst:
+                for il in self.conv_state:
+                    self.conv_state[il][dst].copy_(self.conv_state[il][match.state])
+                    self.ssm_state[il][dst].copy_(self.ssm_state[il][match.state])
+        else:
+            i = self._ckpt[match.state]
+            self._ckpt.move_to_end(match.state)
+            for il in self.conv_state:
+                self.conv_state[il][dst].copy_(self._ckpt_conv[il][i])
+                self.ssm_state[il][dst].copy_(self._ckpt_ssm[il][i])
+        self._live[dst] = match.n
 
     # ----- the pieces the model calls back into -----
     def _attend(self, b: SlotBatch, il, q, k, v, scale, window):
         s = self.spec
         kc, vc = self.k[il], self.v[il]
-        flat = b.slots.long() * self.max_ctx + b.positions.long()     # each row's token index in the cache
-        kc.view(-1, s.n_head_kv, kc.shape[-1]).index_copy_(0, flat, self.codec.encode(k))
-        vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, self.codec.encode(v))
-        cuda = q.is_cuda
+        ck, cv = self.codec_k, self.codec_v
+        kp = self.kprep.get(il)
+        bias, seg_len = None, 0
+        if kp is not None:
+            if b.decode:
+                self._decode_centers(kp, kc, b, window)
+            else:
+                self._prefill_kprep(kp, kc, b, q, k, window)
+            k, q, bias = self._precondition(kp, b, q, k)
+            seg_len = self.segment
+        flat = b.rows()                                                # each row's place in the pool
+        kc.view(-1, s.n_head_kv, kc.shape[-1]).index_copy_(0, flat, ck.encode(k, self._impl))
+        vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, cv.encode(v, self._impl))
+        tk = self.triton
         if b.decode:
-            bt = self.block_table.index_select(0, b.slots.long())
+            bt = b.tables()
             lens = (b.positions + 1).to(torch.int32)
-            if cuda:
+            if tk:
                 from kernels.attention.paged import paged_decode_attention
-                return paged_decode_attention(q, kc, vc, bt, lens, self.codec, self.codec, scale, s.head_dim_v,
-                                              window, n_split=self.n_split)
-            return ref_paged_decode(q, kc, vc, bt, lens, self.codec, self.codec, scale, s.head_dim_v, window)
+                return paged_decode_attention(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
+                                              n_split=self.n_split, seg_bias=bias, seg_len=seg_len)
+            return ref_paged_decode(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
+                                    seg_bias=bias, seg_len=seg_len)
         bt = self.block_table[b.slot]
-        if cuda and self.codec.name in ("f16", "bf16"):
+        if q.is_cuda and ck.name in ("f16", "bf16") and cv.name == ck.name:
             return self._prefill_sdpa(b, kc, vc, q, scale, window)
-        if cuda:
+        if tk:
             from kernels.attention.paged import paged_prefill_attention
             n = q.shape[0]
             cu = torch.tensor([0, n], dtype=torch.int32)
             starts = torch.tensor([b.start], dtype=torch.int32)
-            return paged_prefill_attention(q, kc, vc, bt[None], cu, starts, self.codec, self.codec, scale,
-                                           s.head_dim_v, window)
-        return ref_paged_attention(q, kc, vc, bt, b.start, self.codec, self.codec, scale, s.head_dim_v, window)
+            return paged_prefill_attention(q, kc, vc, bt[None], cu, starts, ck, cv, scale, s.head_dim_v, window,
+                                           seg_bias=bias, seg_len=seg_len, precision=self.prefill_dot, longest=n)
+        return ref_paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window,
+                                   seg_bias=bias, seg_len=seg_len)
+
+    def _precondition(self, kp: _KeyPrep, b: SlotBatch, q, k):
+        """The rows' keys as stored ((k - c) / w), the queries as the stored keys need them (q * w), and
+        the score correction q . c_s for every segment s of the row's slot (SequenceKV._prep_keys,
+        prep_query, score_bias)."""
+        slots, pos = b.slots.long(), b.positions.long()
+        n, H, D = q.shape
+        hkv = k.shape[1]
+        G = H // hkv
+        w = kp.w.index_select(0, slots)                                     # [n, Hkv, D]
+        k_st = (k.float() - kp.centers[slots, pos // self.segment]) / w
+        q_st = q.float() * w.repeat_interleave(G, dim=1)
+        qg = q.float()[..., :D].reshape(n, hkv, G, D)
+        if b.decode:   # every segment of the slot: a fixed shape for the graphs (unused ones are masked)
+            if self.triton and D >= 16 and not D & (D - 1):   # (the kernel's tl.dot needs a power of two)
+                from kernels.attention.paged import segment_bias
+                bias = segment_bias(q, kp.centers, slots)
+            else:
+                cs = kp.centers.index_select(0, slots)                      # [n, n_seg, Hkv, D]
+                bias = torch.einsum("nkgd,nskd->nkgs", qg, cs).reshape(n, H, self.n_seg)
+        else:
+            n_seg = -(-(b.start + n) // self.segment)
+            bias = torch.einsum("nkgd,skd->nkgs", qg, kp.centers[b.slot, :n_seg]).reshape(n, H, n_seg)
+        return k_st, q_st, bias
+
+    def _first_kept(self, start, window):
+        """The first position SequenceKV still holds when a chunk starts at `start` (a sliding-window
+        layer drops whole blocks before the first query's window); int or tensor."""
+        if not window:
+            return 0
+        bs = self.block_size
+        if isinstance(start, torch.Tensor):
+            return (start - window + 1).clamp_min(0) // bs * bs
+        return max(0, start - window + 1) // bs * bs
+
+    def _decode_centers(self, kp: _KeyPrep, kc, b: SlotBatch, window) -> None:
+        """A decode row at the first position of a segment that has no center yet makes it, as
+        SequenceKV does for a chunk that brings fewer than SEG_MIN_KEYS keys of the segment: the mean
+        of the stored keys of the previous SEGMENT positions (decoded, un-preconditioned); segment 0
+        gets zeros. Computed for every row and kept only where needed (torch.where): no host decision,
+        so the step stays one CUDA graph. Costs one pass over SEGMENT stored keys per row and layer."""
+        SEG = self.segment
+        slots, pos = b.slots.long(), b.positions.long()
+        hkv, rb = kc.shape[2], kc.shape[3]
+        D = kp.w.shape[-1]
+        seg = pos // SEG
+        prev = pos[:, None] + self._seg_offsets[None]                       # [B, SEG] positions before
+        valid = prev >= 0
+        if window:
+            valid &= prev >= self._first_kept(pos, window)[:, None]
+        prev = prev.clamp_min(0)
+        rows = kc.view(-1, hkv, rb)[self._rows(slots[:, None], prev)]     # [B, SEG, Hkv, rb]
+        K = self.codec_k.decode(rows, D, self._impl)                        # [B, SEG, Hkv, D]
+        K = K * kp.w.index_select(0, slots)[:, None] + kp.centers[slots[:, None], prev // SEG]
+        if window:
+            cnt = valid.sum(1)
+            cand = _sum_rows(K * valid[..., None, None]) / cnt.clamp_min(1)[:, None, None]
+            last = kp.centers[slots, (seg - 1).clamp_min(0)]                # no key left: the previous center
+            cand = torch.where((cnt == 0)[:, None, None], last, cand)
+        else:
+            cand = _sum_rows(K) / SEG
+        cand = torch.where((seg == 0)[:, None, None], torch.zeros_like(cand), cand)
+        new = seg >= kp.ncent.index_select(0, slots)
+        kp.centers[slots, seg] = torch.where(new[:, None, None], cand, kp.centers[slots, seg])
+        kp.ncent[slots] = torch.maximum(kp.ncent.index_select(0, slots), seg + 1)
+
+    def _prefill_kprep(self, kp: _KeyPrep, kc, b: SlotBatch, q, k, window) -> None:
+        """A prefill chunk's segment centers and, for the slot's first chunk, its smoothing weights:
+        SequenceKV._add_centers and _first_kprep over the slot's buffers. Which segments already have a
+        center is known on the device only (ncent), so the choice is a torch.where."""
+        SEG = self.segment
+        slot, start, n = b.slot, b.start, k.shape[0]
+        end = start + n
+        kf = k.float()
+        for s in range(start // SEG, (end - 1) // SEG + 1):
+            lo, hi = max(s * SEG, start), min((s + 1) * SEG, end)
+            own = kf[lo - start:hi - start]
+            if own.shape[0] >= (self.prep_min_tokens if s == 0 else self.seg_min_keys):
+                cand = own.mean(0)
+            elif s == 0:
+                cand = torch.zeros_like(kf[0])
+            else:
+                cand = self._recent_key_mean(kp, kc, slot, s * SEG, start, kf, window)
+            kp.centers[slot, s] = torch.where(kp.ncent[slot] > s, kp.centers[slot, s], cand)
+        kp.ncent[slot] = torch.clamp_min(kp.ncent[slot], (end - 1) // SEG + 1)
+        if start == 0 and n >= self.prep_min_tokens:
+            self._smoothing_weights(kp, slot, q, kf - kp.centers[slot, b.positions.long() // SEG])
+
+    def _recent_key_mean(self, kp: _KeyPrep, kc, slot: int, pos: int, start: int, kf, window) -> torch.Tensor:
+        """Mean of the keys at positions pos - SEGMENT .. pos: the stored ones (decoded and
+        un-preconditioned) and this chunk's (SequenceKV._recent_key_mean)."""
+        lo = max(0, pos - self.segment)
+        hkv, rb = kc.shape[2], kc.shape[3]
+        parts = []
+        lo2 = max(lo, self._first_kept(start, window))
+        if lo2 < start:
+            stored = torch.arange(lo2, start, device=kf.device)
+            dec = self.codec_k.decode(kc.view(-1, hkv, rb)[self._rows(slot, stored)], kf.shape[-1], self._impl)
+            seg = stored // self.segment
+            parts.append(dec * kp.w[slot] + kp.centers[slot, seg])
+        if pos > start:
+            parts.append(kf[max(0, lo - start):pos - start])
+        if sum(p.shape[0] for p in parts) == 0:
+            return kp.centers[slot, pos // self.segment - 1].clone()
+        return torch.cat(parts).mean(0)
+
+    def _smoothing_weights(self, kp: _KeyPrep, slot: int, q, kc) -> None:
+        """w per channel = sqrt(rms(k - c) / rms(q)) over the first chunk, RoPE pairs pooled, within
+        1/SMOOTH_CLAMP..SMOOTH_CLAMP of its geometric mean (SequenceKV._first_kprep)."""
+        hkv, d = kc.shape[1], kc.shape[2]
+        qg = q.float()[..., :d].reshape(q.shape[0], hkv, -1, d)
+        ek = kc.pow(2).mean(0)
+        eq = qg.pow(2).mean((0, 2))
+        if kp.partner is not None:
+            ek = (ek + ek[:, kp.partner]) / 2
+            eq = (eq + eq[:, kp.partner]) / 2
+        w = (ek.sqrt().clamp_min(1e-12) / eq.sqrt().clamp_min(1e-12)).sqrt()
+        gm = w.log().mean(-1, keepdim=True).exp()
+        kp.w[slot] = (w / gm).clamp(1 / self.smooth_clamp, self.smooth_clamp)
 
     def _prefill_sdpa(self, b: SlotBatch, kc, vc, q, scale, window):
-        """A chunk's queries over its slot's float KV, read in place (a slot's cache is contiguous),
-        with torch's fused attention (cuDNN / memory-efficient kernels)."""
+        """A chunk's queries over its slot's float KV with torch's fused attention (cuDNN / memory-efficient
+        kernels). The slot's blocks are gathered into one contiguous copy first (one layer's context at a
+        time: 94 MB for 23K tokens of the 27B in f16, less than the GQA expansion below)."""
         s, T = self.spec, q.shape[0]
         end = b.start + T
-        dt = self.codec.dtype
-        K = kc.view(self.n_slots + 1, self.max_ctx, s.n_head_kv, -1)[b.slot, :end].view(dt)
-        V = vc.view(self.n_slots + 1, self.max_ctx, s.n_head_kv, -1)[b.slot, :end].view(dt)
+        dt = self.codec_k.dtype
+        blocks = self.block_table[b.slot, :-(-end // self.block_size)].long()
+        K = kc.index_select(0, blocks).view(-1, s.n_head_kv, kc.shape[-1])[:end].view(dt)
+        V = vc.index_select(0, blocks).view(-1, s.n_head_kv, vc.shape[-1])[:end].view(dt)
         G = s.n_head // s.n_head_kv
         qpos = torch.arange(b.start, end, device=q.device)[:, None]
         kpos = torch.arange(end, device=q.device)[None, :]
@@ -174,45 +783,58 @@ class Runner:
         return o
 
     # ----- steps -----
-    def _forward(self, tokens: torch.Tensor, b: SlotBatch, logit_rows: slice | None) -> torch.Tensor:
+    def _hidden(self, tokens: torch.Tensor, b: SlotBatch) -> torch.Tensor:
         m = self.model
         x = m.embed(tokens)
         m.prepare(b)
         for il in range(self.spec.n_layer):
             x = m.layer(il, x, b)
-        if logit_rows is not None:
-            x = x[logit_rows]
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
         return m.lm_head(rms_norm(x, m.output_norm.dense, self.spec.rms_eps))
 
     def _decode_eager(self, tokens, positions, slots) -> torch.Tensor:
-        return self._forward(tokens, SlotBatch(self, positions, slots, decode=True), None)
+        return self._head(self._hidden(tokens, SlotBatch(self, positions, slots, decode=True)))
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
         """Feed one slot's tokens at positions start.. in chunks; returns the last row's logits [1, vocab]
-        (all rows' with all_logits)."""
+        (all rows' with all_logits). start == 0 starts the slot over (reset). Takes the blocks the
+        positions need first (PoolFullError when the pool cannot give them, before anything is written)."""
         self._check_slot(slot)
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         n = len(tokens)
         if start + n > self.max_ctx:
             raise ValueError(f"{start + n} tokens do not fit the runner's context of {self.max_ctx}")
+        self._check_free(self.blocks_needed(slot, start, start + n) - (self.held_alone(slot) if start == 0 else 0))
         if start == 0:
             self.reset(slot)
         outs = []
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
+            self.reserve(slot, start + hi, start + lo)
+            self.sync_tables()
             t = tokens[lo:hi].to(self.device)
             pos = torch.arange(start + lo, start + hi, device=self.device)
             b = SlotBatch(self, pos, torch.full((hi - lo,), slot, dtype=torch.long, device=self.device),
                           decode=False, slot=slot, start=start + lo)
-            rows = None if all_logits else (slice(hi - lo - 1, hi - lo) if hi == n else slice(0, 0))
-            flag = PREFILL_ROWS.set(True)
+            live = self._live[slot]
+            self._rewrite(slot, start + lo)
+            self._live[slot] = -1                  # (not known should the chunk fail)
+            flag = PREFILL_ROWS.set(chunk)     # prompt rows: the prefill matmul, padded to `chunk` rows
             try:
-                out = self._forward(t, b, rows)
+                x = self._hidden(t, b)
+                if all_logits:
+                    outs.append(self._head(x))
             finally:
                 PREFILL_ROWS.reset(flag)
-            if all_logits or hi == n:
-                outs.append(out)
+            self._grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live)
+            if hi == n and not all_logits:
+                # the last row only, with the decode rows' matmul: the prefill matmul would first make an
+                # fp16 copy of the whole output matrix (2.5 GB for a 248K vocabulary)
+                outs.append(self._head(x[-1:]))
         return torch.cat(outs)
 
     @torch.inference_mode()
@@ -223,6 +845,11 @@ class Runner:
         n = len(slots)
         if n == 0:
             return torch.zeros(0, self.spec.vocab_size, device=self.device)
+        if isinstance(slots, torch.Tensor) or isinstance(positions, torch.Tensor):
+            slots, positions = torch.as_tensor(slots).tolist(), torch.as_tensor(positions).tolist()   # (a sync)
+        self._reserve_rows(slots, positions)
+        self.sync_tables()
+        self._decode_rows(slots, positions)
         if not self.graphs_enabled or n > BUCKETS[-1]:
             dev = self.device
             return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
@@ -233,6 +860,25 @@ class Runner:
         self.fill(B, slots, tokens, positions)
         graph.replay()
         return out[:n]
+
+    def _reserve_rows(self, slots: list[int], positions: list[int]) -> None:
+        """The blocks a decode step's rows write into: all of them, or none and PoolFullError."""
+        rows = [(s, p) for s, p in zip(slots, positions) if s != self.scratch]
+        for s, p in rows:
+            self._check_slot(s)
+            if p >= self.max_ctx:
+                raise ValueError(f"position {p} is outside the runner's context of {self.max_ctx}")
+        self._check_free(sum(self._need(s, p, p + 1) for s, p in rows))
+        for s, p in rows:
+            self.reserve(s, p + 1, p)
+
+    def _decode_rows(self, slots, positions) -> None:
+        """Prefix bookkeeping of a decode step: a row below a slot's exact prefix cuts it there, and the
+        states move one position on."""
+        for slot, p in zip(slots, positions):
+            if 0 <= slot < self.n_slots:
+                self._rewrite(slot, p)
+                self._live[slot] = p + 1 if self._live[slot] == p else -1
 
     def fill(self, B: int, slots, tokens, positions) -> None:
         """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot)."""

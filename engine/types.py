@@ -87,3 +87,13 @@ class ContextTooLongError(EngineError, ValueError):
         self.n_prompt, self.limit = n_prompt, limit
         super().__init__(f"the prompt has {n_prompt} tokens but the context holds {limit} "
                          f"({n_prompt - limit + 1} too many to generate even one token)")
+
+
+class KVPoolTooSmallError(ContextTooLongError):
+    """GPU path: the prompt does not fit even the whole shared KV pool (the limit is the pool, not the model)."""
+
+    def __init__(self, n_prompt: int, pool_tokens: int):
+        super().__init__(n_prompt, pool_tokens)
+        self.args = (f"the prompt has {n_prompt} tokens but the KV pool holds {pool_tokens} in all, even with "
+                     f"no other conversation in it (use a smaller KV cache type, or leave the pool more GPU "
+                     f"memory: fewer parallel sequences, a smaller model)",)

@@ -47,7 +47,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
                                                     "cache types), cpu or cuda")
     p.add_argument("--spec", default="off", help="speculative decoding, exact at any temperature (CPU path): off, "
-                                                 "ngram (prompt lookup) or mtp (Qwen3.5/3.6's MTP block)")
+                                                 "ngram (prompt lookup), mtp (Qwen3.5/3.6's MTP block), dflash "
+                                                 "(a DFlash drafter, --spec-drafter), or the chains mtp+ngram, "
+                                                 "dflash+ngram")
+    p.add_argument("--spec-drafter", default=None, metavar="PATH",
+                   help="the DFlash drafter for --spec dflash: a directory with config.json + model.safetensors "
+                        "(as z-lab publishes them) or its GGUF port")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; default: CORS off)")
@@ -93,8 +98,12 @@ def run_serve(args) -> int:
             return 2
     if args.spec == "none":
         args.spec = "off"
-    if args.spec not in ("off", "ngram", "mtp"):
-        err(f"--spec {args.spec}: choose off, ngram or mtp (DFlash drafters are not in this build yet)")
+    from engine.spec import SPEC_MODES
+    if args.spec not in SPEC_MODES:
+        err(f"--spec {args.spec}: choose {', '.join(SPEC_MODES)}")
+        return 2
+    if "dflash" in args.spec and not args.spec_drafter:
+        err(f"--spec {args.spec} needs --spec-drafter (a DFlash drafter directory or GGUF)")
         return 2
     if args.agents < 1 or args.max_queue < 0 or args.ctx < 0 or args.kv_memory < 0:
         err("--agents must be >= 1, --max-queue >= 0, --ctx >= 0 and --kv-memory >= 0")
@@ -108,7 +117,8 @@ def run_serve(args) -> int:
         try:
             eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
                                       max_queue=args.max_queue, threads=args.threads,
-                                      device=args.device, spec=args.spec, cache_type_k=args.cache_type_k,
+                                      device=args.device, spec=args.spec, spec_drafter=args.spec_drafter,
+                                      cache_type_k=args.cache_type_k,
                                       kv_memory=int(args.kv_memory * 2**30),
                                       cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))

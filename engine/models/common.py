@@ -24,9 +24,9 @@ from kernels.quant import (check_supported, dequantize_rows, matmul_row_invarian
                            round_activations_like_llamacpp)
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
-# True while the GPU path runs prompt rows (engine/runner.py's prefill): matmuls then take their
-# prefill configuration (kernels/quant/packed.py: tuned_config)
-PREFILL_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("prefill_rows", default=False)
+# While the GPU path runs prompt rows (engine/runner.py's prefill): the chunk size, to which matmuls pad
+# the rows of their prefill product (kernels/quant/packed.py: matmul_tuned); 0 for decode rows
+PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
 _POOL_LOCK = threading.Lock()
 
 
@@ -198,6 +198,8 @@ class SeqChunk:
     # attend one row at a time, exactly as single-token decode steps would (draft verification: the
     # accepted tokens must get the numbers decoding without drafts gives them)
     rowwise: bool = False
+    # out: this chunk's hidden states at the model's `capture_layers` (DFlash drafting), set by forward
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -269,8 +271,13 @@ class DecoderModel:
         batch = Batch(chunks)
         x = self.embed_batch(batch)
         self.prepare(batch)
+        taken = {}
         for il in range(self.spec.n_layer):
             x = self.layer(il, x, batch)
+            if il in self.capture_layers:
+                taken[il] = x
+        if taken:
+            self.keep_features(batch, taken)
         for c in chunks:
             c.kv.length = c.start + len(c.tokens)
         rows, slices = batch.logit_rows()
@@ -279,6 +286,21 @@ class DecoderModel:
         h = rms_norm(x[rows], self.output_norm.dense, self.spec.rms_eps)
         logits = self.lm_head(h)
         return [logits[s] for s in slices]
+
+    # Layers whose output the forward keeps for a DFlash drafter (engine/spec/dflash.py); empty unless a
+    # drafter is attached, so the check in the layer loop is all it costs otherwise.
+    capture_layers: tuple[int, ...] = ()
+
+    def keep_features(self, batch: Batch, taken: dict[int, torch.Tensor]) -> None:
+        """Give each chunk its rows of the hidden states after `capture_layers`, concatenated in that
+        order: [n, len(capture_layers) * n_embd]. These are HF's hidden_states[il + 1] (the residual
+        stream after layer il), which for the last layer is the output-normed final state."""
+        last = self.spec.n_layer - 1
+        if last in taken:
+            taken[last] = rms_norm(taken[last], self.output_norm.dense, self.spec.rms_eps)
+        feats = torch.cat([taken[il] for il in self.capture_layers], dim=-1)
+        for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
+            c.features = feats[lo:hi]
 
     def prepare(self, batch: Batch) -> None:
         """Per-step work shared by all layers (e.g. RoPE tables for the batch's positions)."""

@@ -242,8 +242,13 @@ class Qwen35Model(DecoderModel):
         batch = Batch(chunks)
         x = self.embed_batch(batch)
         self.prepare(batch)
+        taken = {}
         for il in range(self.spec.n_layer):
             x = self.layer(il, x, batch)
+            if il in self.capture_layers:   # a DFlash drafter reads these (engine/spec/dflash.py)
+                taken[il] = x
+        if taken:
+            self.keep_features(batch, taken)
         for c in chunks:
             c.kv.length = c.kv.recurrent_length = c.start + len(c.tokens)
         h = rms_norm(x, self.output_norm.dense, self.spec.rms_eps)

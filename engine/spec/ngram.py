@@ -81,3 +81,13 @@ class NgramDrafter:
         if not draft and self.pool is not None:
             draft = self.pool.lookup(self.index.tokens, k)
         return draft
+
+    def match_length(self) -> int:
+        """How many tokens of the suffix matched: the longest earlier match in this conversation, else
+        the shared pool's key length when it has a continuation, else 0 (chains choose by this)."""
+        n, draft = self.index.lookup(1)
+        if draft:
+            return n
+        if self.pool is not None and self.pool.lookup(self.index.tokens, 1):
+            return self.pool.n
+        return 0

@@ -17,7 +17,8 @@ Both take a sliding window (keys with p - p' < window) and qwen35's output gate 
 The query must be given as the keys were stored: engine/kv's SequenceKV centers and smooths keys
 of rotated cache types per sequence, so its `prep_query(layer, q)` (q times the channel weights)
 is what goes in, with `score_bias(layer, q)` (q . the center of each key segment, added to the
-score of every key of that segment).
+score of every key of that segment). engine/runner.py keeps the centers of every slot in one buffer and
+makes a decode step's table with `segment_bias` (Triton, row by row).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ if triton is not None:
                         scale, H, HKV, MAXB, RBK, RBV, NSEG, WINDOW: tl.constexpr, SEG: tl.constexpr,
                         G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-                        CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
+                        CODEC_K: tl.constexpr, CODEC_V: tl.constexpr, DOT: tl.constexpr):
         b = tl.program_id(0)
         tile = tl.program_id(1)
         h = tl.program_id(2)
@@ -125,7 +126,7 @@ if triton is not None:
                 blk = tl.maximum(blk, 0).to(tl.int64)
                 krow = (blk * BS + t % BS) * HKV + h
                 kt = load_values(k_ptr, krow * RBK, dk, mt, cbk_ptr, CODEC_K)
-                s = tl.dot(q, tl.trans(kt), input_precision="ieee")              # [R, BLOCK_T]
+                s = tl.dot(q, tl.trans(kt), input_precision=DOT)                 # [R, BLOCK_T]
                 if SEG > 0:
                     s += tl.load(sb_ptr + qrow[:, None] * NSEG + (t // SEG)[None, :],
                                  mask=mrow[:, None] & mt[None, :], other=0.0)
@@ -140,10 +141,48 @@ if triton is not None:
                 alpha = tl.exp(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 vt = load_values(v_ptr, krow * RBV, dv, mt, cbv_ptr, CODEC_V)
-                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=DOT)
                 m_i = m_new
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + qrow[:, None] * DV + dv[None, :], out, mask=mrow[:, None])
+
+
+if triton is not None:
+    @triton.jit
+    def _seg_bias_kernel(q_ptr, c_ptr, slot_ptr, out_ptr, H, HKV, NSEG, G: tl.constexpr, G_PAD: tl.constexpr,
+                         D: tl.constexpr, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)
+        ms = s < NSEG
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        g = tl.arange(0, G_PAD)
+        mg = g < G
+        d = tl.arange(0, D)
+        qrow = (b * H + h * G + g).to(tl.int64)
+        q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=mg[:, None], other=0.0)
+        c = tl.load(c_ptr + ((slot * NSEG + s) * HKV + h)[:, None] * D + d[None, :], mask=ms[:, None], other=0.0)
+        out = tl.dot(q, tl.trans(c), input_precision="ieee")                  # [G_PAD, BLOCK_S]
+        tl.store(out_ptr + qrow[:, None] * NSEG + s[None, :], out, mask=mg[:, None] & ms[None, :])
+
+
+def segment_bias(q: torch.Tensor, centers: torch.Tensor, slots: torch.Tensor, block_s: int = 32) -> torch.Tensor:
+    """The score correction of per-segment key centers for one query per row: q [B, H, D] (original
+    domain), centers [n_slots, n_seg, Hkv, D] float32, slots [B] -> [B, H, n_seg] with
+    out[b, i, s] = q[b, i] . centers[slots[b], s, i // G] (engine/runner.py; SequenceKV.score_bias on
+    the CPU path). Triton, one program per (row, KV head, segment block): a row's numbers do not
+    depend on the other rows."""
+    B, H, D = q.shape
+    _, n_seg, hkv, dc = centers.shape
+    if dc != D or D < 16 or D & (D - 1):
+        raise ValueError(f"head size {D} must equal the centers' ({dc}) and be a power of two >= 16")
+    G = H // hkv
+    out = torch.empty(B, H, n_seg, dtype=torch.float32, device=q.device)
+    if B:
+        _seg_bias_kernel[(B, hkv, triton.cdiv(n_seg, block_s))](
+            q.float().contiguous(), centers.contiguous(), slots.contiguous(), out, H, hkv, n_seg,
+            G=G, G_PAD=max(16, _next_pow2(G)), D=D, BLOCK_S=block_s)
+    return out
 
 
 def _finish(out_st: torch.Tensor, codec_v: KVCodec, head_dim_v: int, gate: torch.Tensor | None) -> torch.Tensor:
@@ -207,11 +246,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cu_seqlens: torch.Tensor, q_starts: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec,
                             scale: float, head_dim_v: int, window: int = 0, gate: torch.Tensor | None = None,
                             block_m: int = 16, block_t: int = 32, seg_bias: torch.Tensor | None = None,
-                            seg_len: int = 0) -> torch.Tensor:
+                            seg_len: int = 0, precision: str = "ieee", longest: int | None = None) -> torch.Tensor:
     """Chunks of several sequences: q [N, H, D], rows cu_seqlens[b]..cu_seqlens[b+1] belong to
     sequence b and sit at positions q_starts[b]..; each attends causally over its KV up to its last
     row (already written). seg_bias [N, H, n_seg], seg_len: as for paged_decode_attention.
-    Returns float32 [N, H, head_dim_v]."""
+    precision: the dot products' input precision ("ieee": fp32; "tf32": tensor cores, 10-bit
+    mantissa inputs, several times faster over long contexts). longest: the longest chunk, when the
+    caller knows it (saves reading cu_seqlens back). Returns float32 [N, H, head_dim_v]."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     N, H, _ = q.shape
@@ -221,14 +262,20 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cu = cu_seqlens.to(torch.int32).to(q.device).contiguous()
     starts = q_starts.to(torch.int32).to(q.device).contiguous()
     B = cu.numel() - 1
-    longest = int((cu[1:] - cu[:-1]).max()) if B else 0
+    if longest is None:
+        longest = int((cu[1:] - cu[:-1]).max()) if B else 0
     bt = block_tables.to(torch.int32).contiguous()
     out_st = torch.zeros(N, H, dv, dtype=torch.float32, device=q.device)
+    # a program holds block_m positions x G_PAD heads of queries and their fp32 accumulator: halve
+    # block_m until that is <= 16K values (head_dim 256 with 6 heads per KV head, the 27B, needs 8:
+    # 16 asked for 297 KB of shared memory on the H200, whose limit is 227 KB)
+    while block_m > 1 and block_m * _next_pow2(G) * max(dk, dv) > 16384:
+        block_m //= 2
     sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
     if N:
         _prefill_kernel[(B, -(-longest // block_m), hkv)](
             q_st, k_cache, v_cache, bt, cu, starts, codec_k.codebook(q.device), codec_v.codebook(q.device), out_st,
             sb, float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], nseg, WINDOW=int(window),
             SEG=seg, G=G, G_PAD=_next_pow2(G), DK=dk, DV=dv, BS=bs, BLOCK_M=block_m, BLOCK_T=block_t,
-            CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
+            CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision)
     return _finish(out_st, codec_v, head_dim_v, gate)

@@ -81,8 +81,8 @@ try:
 except ImportError:  # CPU-only installs use the torch reference instead
     triton = None
 
-__all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "packed_matmul",
-           "packed_rows"]
+__all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "dequant_packed",
+           "packed_matmul", "prefill_matmul", "packed_rows"]
 
 
 @dataclass
@@ -412,6 +412,30 @@ if triton is not None:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _dequant_kernel(lo_ptr, hi_ptr, s_ptr, m_ptr, out_ptr, N, K, stride_lo, stride_hi, stride_s,
+                        HI_BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """out[n, k] = fp16(scale * q - minv) for one [BLOCK_N, BLOCK_K] tile (K % BLOCK_K == 0)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(rows, N - 1).to(tl.int64)   # tail rows rewrite the last row (same values)
+        k0 = tl.program_id(1) * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if HI_BITS == 8:
+            q = tl.load(lo_ptr + rows[:, None] * stride_lo + offs_k[None, :]).to(tl.float32)
+        else:
+            qi = _load_fields(lo_ptr, rows, stride_lo, k0, K, 4, True, BLOCK_N, BLOCK_K)
+            if HI_BITS > 0:
+                qi = qi | (_load_fields(hi_ptr, rows, stride_hi, k0, K, HI_BITS, True, BLOCK_N, BLOCK_K) << 4)
+            q = qi.to(tl.float32)
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        sp = rows[:, None] * stride_s + offs_g[None, :]
+        w = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * tl.load(s_ptr + sp).to(tl.float32)[:, :, None]
+        if HI_BITS != 8:
+            w = w - tl.load(m_ptr + sp).to(tl.float32)[:, :, None]
+        tl.store(out_ptr + rows[:, None] * K + offs_k[None, :], tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16))
+
+
 @lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -525,12 +549,55 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     return out.view(*lead, N)
 
 
-def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: bool = False) -> torch.Tensor:
-    """packed_matmul with `tuned_config`: what the engine's GPU path calls. prefill: the rows are
-    prompt rows (a chunk), else decode/draft rows; each kind always takes its own configuration, so
-    a row's result depends neither on the other rows nor on how a prompt was chunked."""
+def dequant_packed(p: PackedWeight) -> torch.Tensor:
+    """The whole weight as fp16 [N, K] (Triton): each value fp16(scale * q - minv), computed in
+    float32 as in packed_matmul, so a product with it sees the same weights as the fused kernel."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    block_k = 64 if p.k % 64 == 0 else 32
+    if p.k % block_k or block_k % p.group:
+        raise ValueError(f"K = {p.k} is not a multiple of {block_k}")
+    out = torch.empty((p.n, p.k), dtype=torch.float16, device=p.device)
+    lo = p.planes[0]
+    hi = p.planes[1] if p.hi_bits in (1, 2) else lo
+    block_n = 32
+    _dequant_kernel[(-(-p.n // block_n), p.k // block_k)](
+        lo, hi, p.scale, p.minv, out, p.n, p.k, lo.stride(0), hi.stride(0), p.scale.stride(0),
+        HI_BITS=p.hi_bits, GROUP=p.group, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0) -> torch.Tensor:
+    """Prompt rows: dequantize the weight to fp16 once, then one cuBLAS product with fp32 results.
+    A prefill chunk is compute-bound, and cuBLAS's tensor-core kernels run about 3.5x the fused
+    Triton kernel's TFLOP/s on the H200 (docs/PERFORMANCE.md); the fp16 copy costs one pass over the
+    weight and its 2-byte values, freed after the product. cuBLAS picks its kernel from M, so a row's
+    result depends on its chunk's length, which depends only on the prompt and the fixed chunk
+    boundaries, not on other sequences. pad_rows: fewer rows are zero-padded to this many, so that every
+    chunk of a prompt runs the same cuBLAS kernel and a row's result does not depend on how the prompt
+    was cut into chunks either (a kernel reduces each output over K in its own fixed order, whatever
+    the other rows hold)."""
+    w = dequant_packed(p)
+    x2 = x.reshape(-1, p.k).to(torch.float16)
+    m = x2.shape[0]
+    if m < pad_rows:
+        x2 = torch.cat([x2, x2.new_zeros(pad_rows - m, p.k)])
+    try:
+        out = torch.mm(x2, w.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError):   # torch without mm(out_dtype=): fp16 results, widened
+        out = torch.mm(x2, w.t()).float()
+    return out[:m].view(*x.shape[:-1], p.n)
+
+
+def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0) -> torch.Tensor:
+    """What the engine's GPU path calls. prefill > 0: the rows are prompt rows (a chunk of at most
+    `prefill` rows, padded to that many): dequantize + cuBLAS (`prefill_matmul`); else decode/draft
+    rows: packed_matmul with `tuned_config` (fixed per weight shape), so a decode row's result does not
+    depend on the other rows."""
     if not x.is_cuda:
         return packed_matmul(x, p)
+    if prefill and PREFILL_CUBLAS:
+        return prefill_matmul(x, p, pad_rows=int(prefill))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     key = (p.n, p.k, p.hi_bits, p.group, prefill, dev)
     cfg = _CONFIGS.get(key)
@@ -540,3 +607,4 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: bool = False) -> tor
 
 
 _CONFIGS: dict = {}
+PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)

@@ -58,7 +58,8 @@ def test_max_context_24gb(q27):
         if c < f.context_length:
             assert not P.plan(f, c + P.KV_BLOCK_TOKENS, kt, vram=vram).fits
     assert mc["f16"] < mc["q8_0"] <= mc["turbo4"]
-    assert 100_000 < mc["f16"] < 160_000
+    # the GPU path's weights are the packed layout (18.9 GB, not the file's 16.5 GB)
+    assert 70_000 < mc["f16"] < 110_000
     assert mc["turbo3_tcq"] == 262144                   # 200K+ context in 24 GB with compressed KV
     assert P.max_context(f, "f16", P.parse_size("8GiB")) == 0     # weights alone do not fit
     two = P.max_context(f, "turbo3", vram, n_seqs=2)
@@ -78,8 +79,9 @@ def test_gemma3_sliding_window(gemma3_path):
 def test_smollm2(smollm2_path):
     f = P.model_facts(smollm2_path)
     assert f.arch == "llama" and f.n_full_attn == 30 and f.recurrent_bytes == 0
-    # head_dim 64 with 128-value blocks: 3 heads x 64 = 192 values -> 2 blocks per K
-    assert P.kv_bytes_per_token(f, "turbo4") == 30 * 2 * math.ceil(192 / 128) * 66
+    # head_dim 64 with 128-value groups: each of the 3 heads is padded to 128 values -> 3 groups per K
+    assert P.kv_bytes_per_token(f, "turbo4") == 30 * 2 * 3 * 66
+    assert P.kv_bytes_per_token(f, "q8_0") == 30 * 2 * math.ceil(192 / 32) * 34
 
 
 def test_parse_size_and_errors(tmp_path):
@@ -101,3 +103,69 @@ def test_cli(q27, capsys):
     assert "turbo3_tcq" in out and "262K" in out and "max context" in out
     assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "lots"])) == 2
     assert P.run_plan(ap.parse_args(["-m", "/nonexistent.gguf"])) == 1
+
+
+def test_packed_layout_is_the_gpu_packers():
+    """packed_bytes, the planner's copy of kernels/quant/packed.py's layout, is what pack_weight makes."""
+    import numpy as np
+    import torch
+    from gguf import GGML_QUANT_SIZES
+
+    from kernels.quant.packed import _PACKERS, pack_weight
+    assert {qt.name: (g, hb) for qt, (_, g, hb) in _PACKERS.items()} == P.PACKED_LAYOUT
+    n, k = 8, 512
+    for qt in _PACKERS:
+        bs, ts = GGML_QUANT_SIZES[qt]
+        raw = np.zeros((n * k // bs, ts), dtype=np.uint8)      # zero blocks: valid for every type
+        p = pack_weight(torch.from_numpy(raw.reshape(-1)), qt, n, k)
+        assert P.packed_bytes(qt.name, n, k) == p.nbytes, qt.name
+    assert P.packed_bytes("F16", n, k) is None
+
+
+def test_head_bytes_are_the_codecs():
+    from kernels.kvcodec import CACHE_TYPES, get_codec
+    for t in CACHE_TYPES:
+        for d in (64, 128, 256):
+            assert P.head_bytes(d, t) == get_codec(t).row_bytes(d), (t, d)
+
+
+@pytest.mark.parametrize("arch,wt", [("qwen35", "Q8_0"), ("llama", "Q4_0"), ("gemma3", "F16")])
+def test_device_weight_bytes_are_what_the_model_puts_on_the_gpu(tmp_path, arch, wt):
+    """The planner's weights (from the header) against the model's own tensors packed as
+    DecoderModel.to_device packs them (pack_weight on the CPU here) plus its dense vectors and
+    qwen35's float32 conv kernels."""
+    import torch
+
+    from engine.models import open_model
+    from kernels.quant.packed import pack_weight
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, "tiny", weight_type=wt)
+    m = open_model(path)
+    try:
+        total = 0
+        for w in m.w._cache.values():
+            if w.dense is not None:
+                total += w.dense.numel() * 4
+            elif w.qtype.name in P.PACKED_LAYOUT:
+                total += pack_weight(w.raw, w.qtype, w.n_out, w.n_in).nbytes
+            else:
+                total += w.raw.numel()
+        for L in list(getattr(m, "layers", [])):
+            total += sum(v.numel() * v.element_size() for v in L.values() if isinstance(v, torch.Tensor))
+        assert P.model_facts(path).device_weight_bytes == total
+    finally:
+        m.close()
+
+
+def test_cli_one_plan(q27, capsys):
+    ap = argparse.ArgumentParser()
+    P.add_plan_args(ap)
+    assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB", "--kv", "turbo3_tcq", "--ctx", "200032"])) == 0
+    out = capsys.readouterr().out
+    f = P.model_facts(q27)
+    p = P.plan(f, 200032, "turbo3_tcq", vram=P.parse_size("24GiB"))
+    assert f"{p.allocated:,}" in out and "fits in 24.00 GiB" in out and p.fits
+    # 200K tokens of turbo3_tcq K and V: 16 layers x 4 heads x 2 x 2 groups x 52 bytes per token
+    assert p.kv == 16 * 4 * 2 * 2 * 52 * (200032 + 16)
+    assert p.prep == 2 * 16 * (4 * 4 * 256 * (1 + 782) + 8)       # the slot and the scratch slot
+    assert P.plan(f, 200032, "turbo3_tcq", kv_type_v="f16").kv > p.kv

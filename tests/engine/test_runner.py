@@ -8,8 +8,10 @@ import torch
 
 from engine.models import open_model
 from engine.models.common import SeqChunk
+from engine.kv.sequence import SequenceKV
 from engine.runner import Runner
 from engine.synth import write_synthetic
+from kernels.kvcodec import CACHE_TYPES, get_codec
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "qwen35"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -124,8 +126,8 @@ def test_perplexity_through_the_runner(tiny):
 def test_errors(tiny):
     model = open_model(tiny("llama"))
     try:
-        with pytest.raises(ValueError, match="cache types"):
-            Runner(model, device="cpu", cache_type="turbo3")
+        with pytest.raises(ValueError, match="unknown KV cache type"):
+            Runner(model, device="cpu", cache_type_k="q4_0")
         runner = Runner(model, device="cpu", n_slots=2, max_ctx=32)
         with pytest.raises(ValueError, match="slot 2"):
             runner.prefill(2, [1, 2, 3])
@@ -136,14 +138,188 @@ def test_errors(tiny):
 
 
 # ------------------------------------------------------------------------------------------------
+# every KV cache type: the runner against the CPU path (engine/kv/sequence.py)
+#
+# Segments of 40 positions here (256 in use) so that a 45-token prompt in chunks of 16 and 40
+# decode steps make every kind of center: segment 0 from the first chunk's keys, segment 1 in the
+# third chunk from the mean of the previous 40 keys (stored ones decoded, and the chunk's own), segment
+# 2 by a decode row (position 80), and on gemma3 (window 32) from the keys the window still holds.
+
+SEG, SEG_MIN = 40, 12
+MIXED = [("q8_0", "turbo3"), ("turbo4", "f16"), ("f16", "turbo2_tcq"), ("turbo3_tcq", "q8_0")]
+TYPE_CASES = ([("llama", t, t) for t in CACHE_TYPES] + [("llama", k, v) for k, v in MIXED]
+              + [("qwen35", t, t) for t in ("q8_0", "turbo4", "turbo3_tcq")] + [("qwen35", "turbo2", "q8_0")]
+              + [("gemma3", t, t) for t in ("turbo3", "turbo2_tcq")] + [("gemma3", "turbo4", "q8_0")])
+
+
+@pytest.fixture
+def short_segments(monkeypatch):
+    monkeypatch.setattr(SequenceKV, "SEGMENT", SEG)
+    monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", SEG_MIN)
+
+
+def cpu_path_greedy(model, tokens, n_new, kt, vt, chunk=16):
+    """Greedy decoding through the CPU path: model.forward over a SequenceKV in the given cache types,
+    the prompt in chunks of `chunk`. Returns (tokens, logits after the prompt and after each token, kv)."""
+    kv = model.new_kv(cache_type_k=kt, cache_type_v=vt)
+    for lo in range(0, len(tokens), chunk):
+        logits = model.forward([SeqChunk(torch.tensor(tokens[lo:lo + chunk]), lo, kv)])[0][-1]
+    out, all_logits = [], [logits]
+    pos = len(tokens)
+    for _ in range(n_new):
+        t = int(logits.argmax())
+        out.append(t)
+        logits = model.forward([SeqChunk(torch.tensor([t]), pos, kv)])[0][-1]
+        all_logits.append(logits)
+        pos += 1
+    return out, all_logits, kv
+
+
+def assert_close_logits(got, want, tol):
+    for i, (a, b) in enumerate(zip(got, want)):
+        err = (a - b).abs().max().item() / b.abs().max().item()
+        assert err <= tol, f"step {i}: max |logit difference| {err:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("arch,kt,vt", TYPE_CASES, ids=[f"{a}-{k}-{v}" for a, k, v in TYPE_CASES])
+def test_every_cache_type_matches_cpu_path(tiny, short_segments, arch, kt, vt):
+    """The runner's slots make the same quantization decisions as the CPU path: same segment centers
+    and smoothing weights, same greedy tokens, logits equal up to float rounding. (Tolerance 2e-3 of
+    the largest logit: the key preconditioning's sums run in another order in places (the score
+    correction over a slot's fixed number of segments, a decode row's new center), and a last-bit
+    difference can move an activation across one step of the CPU's 8-bit rounding or a value across
+    a code boundary; measured up to 9e-4. A missing center correction or a wrong center is 10-100x
+    more.)"""
+    model = open_model(tiny(arch))
+    try:
+        p = prompt(45, 1, model.spec.vocab_size)
+        want, want_logits, kv = cpu_path_greedy(model, p, 40, kt, vt)
+        runner = Runner(model, device="cpu", n_slots=2, max_ctx=96, cache_type_k=kt, cache_type_v=vt)
+        toks, logits = runner_greedy(runner, [p], 40)
+        assert toks[0] == want
+        assert_close_logits(logits[0], want_logits, 2e-3)
+        assert bool(runner.kprep) == (get_codec(kt).rotated)
+        for il, kp in runner.kprep.items():             # the preconditioning itself, layer by layer
+            ref = kv.kprep[il]
+            assert len(ref["centers"]) == 3 and int(kp.ncent[0]) == 3
+            assert torch.allclose(kp.centers[0, :3], torch.stack(ref["centers"]), atol=1e-5, rtol=1e-4)
+            assert torch.allclose(kp.w[0], ref["w"], atol=1e-6)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo3_tcq", "turbo3_tcq"), ("qwen35", "turbo4", "q8_0"),
+                                        ("gemma3", "turbo2", "turbo3")])
+def test_rows_of_one_step_each_match_cpu_path(tiny, short_segments, arch, kt, vt):
+    """Three sequences decoding together (rows reach segment starts at different steps, one at each
+    position 40 and 80 while the others do not): each equals its own CPU-path run; and a row's logits
+    are the same alone and among the others."""
+    model = open_model(tiny(arch))
+    try:
+        V = model.spec.vocab_size
+        prompts = [prompt(n, 10 + n, V) for n in (45, 37, 30)]
+        runner = Runner(model, device="cpu", n_slots=3, max_ctx=96, cache_type_k=kt, cache_type_v=vt)
+        toks, logits = runner_greedy(runner, prompts, 43)
+        for i, p in enumerate(prompts):
+            want, want_logits, _ = cpu_path_greedy(model, p, 43, kt, vt)
+            assert toks[i] == want
+            assert_close_logits(logits[i], want_logits, 2e-3)
+        # the next step: slot 1's row is at position 80, the first of segment 2, whose center this very
+        # step makes; alone and among the others (state restored in between) it gives the same logits
+        pos = [45 + 43, 37 + 43, 30 + 43]
+        state = _slot_state(runner)
+        alone = runner.decode([1], [5], [pos[1]]).clone()
+        _restore(runner, state)
+        together = runner.decode([0, 1, 2], [3, 5, 4], pos)
+        assert torch.equal(alone[0], together[1])
+    finally:
+        model.close()
+
+
+def _slot_state(runner) -> list[torch.Tensor]:
+    """Copies of what a decode step changes besides KV (which it rewrites with the same bytes)."""
+    ts = list(runner.conv_state.values()) + list(runner.ssm_state.values())
+    ts += [t for kp in runner.kprep.values() for t in kp.tensors()]
+    return [(t, t.clone()) for t in ts]
+
+
+def _restore(runner, state) -> None:
+    for t, saved in state:
+        t.copy_(saved)
+
+
+@pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo4", "turbo2"), ("qwen35", "q8_0", "turbo3"),
+                                        ("gemma3", "turbo3", "q8_0")])
+def test_triton_path_in_the_interpreter(tiny, monkeypatch, arch, kt, vt):
+    """The runner's Triton path (what runs on CUDA: Triton encoders, decode attention with the score
+    correction table `segment_bias`, chunked-prefill attention) under TRITON_INTERPRET=1 against its torch
+    references: the same greedy tokens, logits within 2e-2 of the largest (the Triton encoders rotate with
+    tl.dot, which can put a value on the other side of a code boundary than torch's matmul:
+    tests/kernels/test_kvcodec.py; measured up to 8e-3). Short segments (16) so that a decode row makes
+    one. The trellis types are left to the GPU (their Viterbi kernel takes seconds per call here)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is for machines without a GPU")
+    monkeypatch.setattr(SequenceKV, "SEGMENT", 16)
+    monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 8)
+    model = open_model(tiny(arch))
+    try:
+        p = prompt(20, 4, model.spec.vocab_size)
+        ref = Runner(model, device="cpu", n_slots=2, max_ctx=48, cache_type_k=kt, cache_type_v=vt)
+        tri = Runner(model, device="cpu", n_slots=2, max_ctx=48, cache_type_k=kt, cache_type_v=vt, triton=True)
+        want, want_logits = runner_greedy(ref, [p], 14)
+        got, got_logits = runner_greedy(tri, [p], 14)
+        assert got == want
+        assert_close_logits(got_logits[0], want_logits[0], 2e-2)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo3_tcq", "q8_0"), ("qwen35", "turbo2", "turbo2_tcq"),
+                                        ("gemma3", "f16", "f16")])
+def test_memory_helpers_and_planner_match_the_runner(tiny, arch, kt, vt):
+    """slot_bytes_per_token / slot_fixed_bytes and engine/planner.py's plan give the bytes the runner
+    allocates (KV, recurrent states, key preconditioning), for a runner made as the Engine makes it: a pool
+    of n x ctx tokens, one sequence allowed all of it (so its key preconditioning covers the pool)."""
+    from engine import planner as P
+    from engine.runner import slot_bytes_per_token, slot_fixed_bytes, slot_prep_bytes
+    model = open_model(tiny(arch))
+    try:
+        n, ctx = 3, 200
+        blocks = n * -(-ctx // 16)
+        r = Runner(model, device="cpu", n_slots=n, max_ctx=model.spec.context_length, n_blocks=blocks,
+                   cache_type_k=kt, cache_type_v=vt)
+        assert r.max_ctx == blocks * 16 == n * 208
+        per_tok = slot_bytes_per_token(model, kt, vt)
+        assert r.kv_bytes() == per_tok * (blocks * 16 + r.block_size)        # + the scratch slot's block
+        prep = slot_prep_bytes(model, kt, r.max_ctx)
+        assert (prep > 0) == get_codec(kt).rotated
+        assert r.state_bytes() == n * slot_fixed_bytes(model, kt, vt, r.max_ctx) + prep
+        plan = P.plan(P.model_facts(tiny(arch)), ctx, kt, n, kv_type_v=vt)
+        assert plan.kv == r.kv_bytes() and plan.seq_ctx == r.max_ctx and plan.pool_tokens == n * ctx
+        assert plan.recurrent + plan.prep == r.state_bytes()
+    finally:
+        model.close()
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU: the Triton kernels and CUDA graphs against the CPU
 
 
-def _gpu_vs_cpu(path, n_new=64, prompt_len=24, seed=0, chunk=16):
+TEXT = "def heap_push(heap, item):\n    \"\"\"Push item onto heap, maintaining the heap invariant.\"\"\"\n"
+
+
+def _gpu_vs_cpu(path, n_new=64, prompt_len=24, seed=0, chunk=16, text=None):
+    """Greedy tokens on the CPU reference and on the GPU runner. Real models get a real prompt
+    (random ids 0..499 are mostly control and unused tokens for Gemma: garbage in, near-ties out)."""
     cpu_model, gpu_model = open_model(path), open_model(path)
     try:
         V = cpu_model.spec.vocab_size
-        p = prompt(prompt_len, seed, V)
+        if text is None:
+            p = prompt(prompt_len, seed, V)
+        else:
+            from engine.tokenizer import Tokenizer
+            p = Tokenizer.from_metadata(cpu_model.file.metadata).encode(text, add_special=True)
         ref, _ = reference_greedy(cpu_model, p, n_new)
         runner = Runner(gpu_model, device="cuda", n_slots=4, max_ctx=256)
         toks, _ = runner_greedy(runner, [p], n_new, chunk=chunk)
@@ -158,7 +334,7 @@ def _gpu_vs_cpu(path, n_new=64, prompt_len=24, seed=0, chunk=16):
 @pytest.mark.parametrize("which", ["smollm2", "gemma3", "qwen35"])
 def test_gpu_greedy_equals_cpu(which, request, tiny):
     path = tiny("qwen35") if which == "qwen35" else request.getfixturevalue(f"{which}_path")
-    ref, got = _gpu_vs_cpu(path)
+    ref, got = _gpu_vs_cpu(path, text=None if which == "qwen35" else TEXT)
     same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
     assert got == ref, f"first difference at token {same}: {ref[same:same + 5]} vs {got[same:same + 5]}"
 
@@ -187,5 +363,77 @@ def test_gpu_graphs_equal_eager_and_rows_are_invariant(tiny, arch):
         many = runner.decode(list(range(19, -1, -1)), [3] * 20, [10] * 20).clone()   # bucket 32, slot 0 last
         assert torch.equal(eager[0], one[0])
         assert torch.equal(one[0], many[19])
+    finally:
+        model.close()
+
+
+GPU_TYPE_CASES = ([("llama", t, t) for t in CACHE_TYPES] + [("llama", k, v) for k, v in MIXED]
+                  + [("qwen35", t, t) for t in ("turbo4", "turbo3_tcq", "turbo2_tcq")]
+                  + [("gemma3", "turbo3", "turbo3"), ("gemma3", "turbo3_tcq", "q8_0")])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arch,kt,vt", GPU_TYPE_CASES, ids=[f"{a}-{k}-{v}" for a, k, v in GPU_TYPE_CASES])
+def test_gpu_runner_matches_cpu_runner_every_cache_type(tiny, short_segments, arch, kt, vt):
+    """The CUDA runner (Triton encoders incl. the Viterbi kernel, segment_bias, paged attention with the
+    center correction, a decode row making a segment's center, CUDA graphs) against the CPU runner
+    (torch references, which equal the CPU path: test_every_cache_type_matches_cpu_path), teacher-forced
+    on the CPU's greedy tokens. Not bit-equal: the GPU's matmuls round activations to fp16 where the
+    CPU's round to 8-bit blocks, prefill attention takes tf32 dot products, and the encoders rotate with
+    tl.dot; any of these can move a value across a code boundary. So: logits within 5e-2 of the largest,
+    the same argmax at >= 90 % of the steps (float types: within 1e-2, every argmax)."""
+    cpu_model, gpu_model = open_model(tiny(arch)), open_model(tiny(arch))
+    try:
+        p = prompt(45, 1, cpu_model.spec.vocab_size)
+        cpu = Runner(cpu_model, device="cpu", n_slots=2, max_ctx=96, cache_type_k=kt, cache_type_v=vt)
+        gpu = Runner(gpu_model, device="cuda", n_slots=2, max_ctx=96, cache_type_k=kt, cache_type_v=vt)
+        a = cpu.prefill(0, p, chunk=16)[-1].float()
+        b = gpu.prefill(0, p, chunk=16)[-1].float().cpu()
+        errs, same = [], []
+        for pos in range(45, 85):                      # crosses position 80: a decode row makes a center
+            errs.append((a - b).abs().max().item() / a.abs().max().item())
+            same.append(int(a.argmax()) == int(b.argmax()))
+            t = int(a.argmax())
+            a = cpu.decode([0], [t], [pos])[0].float()
+            b = gpu.decode([0], [t], [pos])[0].float().cpu()
+        rotated = get_codec(kt).rotated or get_codec(vt).rotated or "q8_0" in (kt, vt)
+        tol, agree = (7e-2, 0.9) if rotated else (1e-2, 1.0)   # H200, gemma3 turbo3: 5.1e-2
+        assert max(errs) <= tol, f"max |logit difference| {max(errs):.2e} of the largest logit"
+        assert sum(same) >= agree * len(same), f"argmax agrees at {sum(same)} of {len(same)} steps"
+        for il, kp in gpu.kprep.items():               # the decode row's center on the device
+            assert int(kp.ncent[0]) == 3
+            assert torch.allclose(kp.centers[0, :3].cpu(), cpu.kprep[il].centers[0, :3], atol=0.05, rtol=0.05)
+    finally:
+        cpu_model.close()
+        gpu_model.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo3_tcq", "turbo3_tcq"), ("qwen35", "turbo4", "q8_0"),
+                                        ("gemma3", "turbo2_tcq", "turbo3"), ("llama", "q8_0", "turbo2")])
+def test_gpu_graphs_equal_eager_and_rows_are_invariant_every_cache_type(tiny, short_segments, arch, kt, vt):
+    """A decode row at the first position of a segment (its center made inside the step): the CUDA
+    graph equals the eager step, and the row's logits are bit-identical alone (bucket 1) and among 20
+    rows (bucket 32): every kernel of the step, the key preconditioning included, works row by row."""
+    model = open_model(tiny(arch))
+    try:
+        V = model.spec.vocab_size
+        runner = Runner(model, device="cuda", n_slots=20, max_ctx=128, cache_type_k=kt, cache_type_v=vt)
+        for s in range(20):
+            runner.prefill(s, prompt(SEG, s, V))
+        state = _slot_state(runner)
+        dev = "cuda"
+        eager = runner._decode_eager(torch.tensor([3], device=dev), torch.tensor([SEG], device=dev),
+                                     torch.tensor([0], device=dev)).clone()
+        _restore(runner, state)
+        one = runner.decode([0], [3], [SEG]).clone()
+        _restore(runner, state)
+        many = runner.decode(list(range(19, -1, -1)), [3] * 20, [SEG] * 20).clone()   # bucket 32, slot 0 last
+        assert torch.equal(eager[0], one[0])
+        assert torch.equal(one[0], many[19])
+        if runner.kprep:
+            assert all(int(kp.ncent[0]) == 2 for kp in runner.kprep.values())
     finally:
         model.close()

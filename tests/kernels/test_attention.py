@@ -177,3 +177,33 @@ def test_split_k_gives_the_same_result():
     for o in outs[1:]:
         _close(o, outs[0], 1e-5)
     _close(outs[0][0], plain_attention(q[0], c.K[0], c.V[0], 149, 0.09))
+
+
+@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}-d{h[2]}")
+def test_segment_bias_matches_einsum(heads):
+    """The decode steps' score-correction table from a slot-indexed centers buffer (engine/runner.py)
+    equals SequenceKV.score_bias's einsum; a row's numbers do not depend on the other rows."""
+    from kernels.attention.paged import segment_bias
+    H, hkv, d = heads
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, H, d, generator=g)
+    centers = torch.randn(4, 37, hkv, d, generator=g)          # 37 segments: the last block partial
+    slots = torch.tensor([2, 0, 3])
+    out = segment_bias(q, centers, slots)
+    want = torch.einsum("nkgd,nskd->nkgs", q.reshape(3, hkv, H // hkv, d), centers[slots]).reshape(3, H, 37)
+    _close(out, want, 1e-5)
+    assert torch.equal(segment_bias(q[1:2], centers, slots[1:2])[0], out[1])
+
+
+def test_prefill_precision_option():
+    """precision="tf32" (the runner's prompt chunks on CUDA) and a given `longest`: in the interpreter,
+    which computes every dot in fp32, the ieee result; on a GPU within tf32 rounding of it."""
+    H, hkv, d = GQA[1]
+    c = _cache(("turbo3", "q8_0"), 16, GQA[1])
+    q = torch.randn(9, H, d, generator=torch.Generator().manual_seed(3))
+    args = (q, c.k, c.v, c.tables[:1], torch.tensor([0, 9]), torch.tensor([20]), c.ck, c.cv, 0.1, d)
+    a = paged_prefill_attention(*args, block_t=16)
+    b = paged_prefill_attention(*args, block_t=16, precision="tf32", longest=9)
+    _close(b, a, 3e-3)
+    for i in range(9):
+        _close(a[i], plain_attention(q[i], c.K[0], c.V[0], 20 + i, 0.1))

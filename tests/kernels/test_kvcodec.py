@@ -196,3 +196,17 @@ def test_bits_of_a_real_head_size():
     assert smol["f16"] == 768 and smol["q8_0"] == 408 and smol["turbo4"] == 396
     assert gemma["f16"] == 1024 and gemma["turbo4"] == 264 and gemma["turbo2_tcq"] == 144
     assert math.isclose(gemma["f16"] / gemma["turbo3_tcq"], 16 / 3.25)
+
+
+def test_triton_rotation_matches_torch():
+    """The rotation kernel CUDA tensors take (row by row, in a fixed order whatever the row count)
+    against torch's matmul: rotate, un-rotate, and a row alone equals the same row among others."""
+    pytest.importorskip("triton")
+    from kernels.kvcodec import default_rotation
+    from kernels.kvcodec.rotation import _rows_times
+    rot = default_rotation()
+    x = _rows(37, 256, seed=5)
+    y = _rows_times(x, rot.matrix_t("cpu"))
+    assert torch.allclose(y, rot.rotate(x), atol=1e-5)
+    assert torch.allclose(_rows_times(y, rot.matrix("cpu")), x, atol=1e-5)
+    assert torch.equal(_rows_times(x[5:6], rot.matrix_t("cpu")), y[5:6])

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 triton = pytest.importorskip("triton")
 
 from kernels.quant.packed import (  # noqa: E402
-    PACKED_TYPES, dequant_packed_ref, pack_weight, packed_matmul, packed_rows,
+    PACKED_TYPES, dequant_packed, dequant_packed_ref, pack_weight, packed_matmul, packed_rows, prefill_matmul,
 )
 from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
 
@@ -169,6 +169,14 @@ def test_swapped_operands_and_tuned_configs(qtype):
         _check(packed_matmul(x, p, **cfg), x, p)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequant_kernel_matches_reference(qtype):
+    """The prefill path's fp16 copy of a weight (tail rows included) is the reference rounded once."""
+    n, k = 40, 256
+    p = pack_weight(_random_weight(qtype, n, k, seed=11), qtype, n, k)
+    assert torch.equal(dequant_packed(p), dequant_packed_ref(p).half())
+
+
 def test_defaults_tails_and_dtypes():
     # default block sizes and split (4 "SMs" under the interpreter), N not a multiple of block_n
     n, k = 40, 512
@@ -227,6 +235,27 @@ def test_every_type_on_gpu(qtype):
         assert torch.equal(packed_matmul(x[:1], p), y[:1])
     ids = torch.tensor([0, 7, n - 1], device="cuda")
     assert torch.equal(packed_rows(p, ids), w[ids])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q5_K, QT.Q8_0], ids=lambda t: t.name)
+def test_prefill_matmul_on_gpu(qtype):
+    """Prompt rows: dequantize + cuBLAS matches the reference; the same rows give the same result
+    again (a prompt's chunks are fixed, so that is the invariance the engine needs)."""
+    n, k = 4096, 5120
+    p = pack_weight(_random_weight(qtype, n, k, seed=12).cuda(), qtype, n, k)
+    assert torch.equal(dequant_packed(p), dequant_packed_ref(p).half())
+    for m in (1, 37, 512):
+        x = torch.randn(m, k, device="cuda")
+        y = prefill_matmul(x, p)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        _check(y, x, p)
+        assert torch.equal(y, prefill_matmul(x, p))
+    # padded to a fixed row count, a row's result does not depend on how many rows its chunk had
+    x = torch.randn(256, k, device="cuda")
+    whole = prefill_matmul(x, p, pad_rows=256)
+    assert torch.equal(prefill_matmul(x[200:237], p, pad_rows=256), whole[200:237])
+    assert torch.equal(prefill_matmul(x[:1], p, pad_rows=256), whole[:1])
 
 
 @pytest.mark.gpu
