@@ -131,4 +131,6 @@ def test_device_choice_for_the_app(monkeypatch):
     dev, proj, note = choose_device("q8_0", "auto")
     assert (dev, proj) == ("cuda", None) and "GPU" in note
     assert choose_device("f16", None) == ("cuda", None, "")
-    assert choose_device("turbo3_tcq", "auto") == ("cpu", "auto", "")   # not on the GPU path yet
+    dev, proj, note = choose_device("turbo3_tcq", "auto")                # every cache type runs on the GPU path
+    assert (dev, proj) == ("cuda", None) and "GPU" in note
+    assert choose_device("no_such_type", "auto") == ("cpu", "auto", "")
