@@ -45,6 +45,9 @@ def _add_spec(p) -> None:
     p.add_argument("--spec-drafter", default=None, metavar="PATH",
                    help="the DFlash drafter for --spec dflash: a directory with config.json + model.safetensors "
                         "(as z-lab publishes them) or its GGUF port")
+    p.add_argument("--host-sampling", action="store_true",
+                   help="GPU path: choose every token on the host from full logits and run steps one after "
+                        "another (no device-side sampling, no step overlap): for diagnosing the GPU path")
 
 
 def _sampling(args):
@@ -59,7 +62,9 @@ def _engine(args):
     from engine.engine import Engine, EngineConfig
     return Engine(EngineConfig(model=args.model, ctx_size=getattr(args, "ctx_size", 0) or 0,
                                threads=getattr(args, "threads", 0) or 0, device=getattr(args, "device", "cpu"),
-                               spec=getattr(args, "spec", "off"), spec_drafter=getattr(args, "spec_drafter", None)),
+                               spec=getattr(args, "spec", "off"), spec_drafter=getattr(args, "spec_drafter", None),
+                               device_sampling=not getattr(args, "host_sampling", False),
+                               overlap_steps=not getattr(args, "host_sampling", False)),
                   progress=lambda msg: print(msg, file=sys.stderr))
 
 

@@ -33,6 +33,7 @@ from engine.spec.mtp import CatchUp, MtpState, catch_up
 from engine.spec.ngram import NgramDrafter, SharedNgramPool
 from engine.spec.verify import accept_or_resample
 from kernels.quant.ref import ROW_BLOCK
+from engine.sample_device import check_chosen, choose_tokens, samples_on_device
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.types import (ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError, QueueFullError,
@@ -84,6 +85,13 @@ class EngineConfig:
     state_checkpoints: int = -1     # GPU path, recurrent models (qwen35): snapshots of a slot's recurrent
                                     # states at prompt chunk ends, so other requests can share shorter
                                     # prefixes; -1: as many as fit in 2 % of the KV cache, 0: none
+    device_sampling: bool = True    # GPU path: requests with nothing host-only (greedy or temperature with
+                                    # top-k/top-p/min-p; no penalties, logit bias, grammar, logprobs) get their
+                                    # tokens chosen on the device (engine/sample_device.py); only the ids come
+                                    # back. False: every row's logits go to the host Sampler
+    overlap_steps: bool = True      # GPU path, with device_sampling: launch step N+1 (its input tokens are
+                                    # step N's ids, on the device) before streaming step N's tokens, so the
+                                    # host work runs while the GPU computes; same outputs (docs/ARCHITECTURE.md)
 
 
 def _default_kv_memory() -> int:
@@ -233,6 +241,52 @@ class _Sequence:
         return sum(n for _, n in self.recent) / span if len(self.recent) > 1 else 0.0
 
 
+class _RunnerStep:
+    """GPU path: the tokens one runner step chose on the device (engine/sample_device.py), in row order: the
+    ids stay on the device as the next step's input tokens, and one small copy brings them to the host
+    (pinned memory, non_blocking, an event to wait on) for the per-sequence bookkeeping."""
+
+    def __init__(self):
+        self.seqs: list[_Sequence] = []      # the rows' sequences, in the ids' order
+        self.row: dict[int, int] = {}        # sequence id -> its row in ids
+        self.decode: set[int] = set()        # sequences with a decode row among them (ahead rows, _finish)
+        self._parts: list[torch.Tensor] = []
+        self.ids: torch.Tensor | None = None          # [rows] long on the device
+        self._host: torch.Tensor | None = None
+        self._event = None
+
+    def choose(self, seqs: list[_Sequence], logits: torch.Tensor, vocab_size: int) -> None:
+        """Queue the choice of seqs' tokens from logits [len(seqs), V] (one uniform number from each
+        sampled request's generator, drawn now: the Sampler's stream)."""
+        us = [0.0 if s.params.greedy else s.sampler.next_uniform() for s in seqs]
+        self._parts.append(choose_tokens(logits, [s.params for s in seqs], us, vocab_size))
+        for s in seqs:
+            self.row[s.id] = len(self.seqs)
+            self.seqs.append(s)
+
+    def send(self) -> None:
+        """Start the ids' copy to the host (asynchronous on CUDA)."""
+        if not self._parts:
+            return
+        self.ids = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+        self._parts = []
+        if self.ids.device.type == "cuda":
+            self._host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
+            self._host.copy_(self.ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = self.ids
+
+    def read(self) -> list[int]:
+        """The ids on the host (waits for the copy)."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 class Engine:
     def __init__(self, config: EngineConfig, progress=None):
         if config.device == "auto":
@@ -356,6 +410,8 @@ class Engine:
         self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
         self._free_slots = list(range(c.max_seqs - 1, -1, -1))
         self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
+        self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
+        self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
@@ -970,37 +1026,147 @@ class Engine:
     def _step_runner(self) -> None:
         """One step on the runner: every generating sequence's next token in one decode call (a CUDA
         graph on the GPU), then prompt chunks (each cut at multiples of prefill_chunk) within the
-        step's token budget, in arrival order. The KV blocks they write are made free first."""
+        step's token budget, in arrival order. The KV blocks they write are made free first.
+
+        Tokens: rows whose request needs nothing host-only get theirs chosen on the device
+        (engine/sample_device.py) and only the ids come back; the others' logits go to the host Sampler
+        (_on_logits), both kinds in the same step. With overlap_steps, a step's device-chosen ids stay on
+        the device as the next step's input tokens and are read back by that next step after it has
+        launched its decode (_complete_runner): streaming, stop strings and finishing run while the GPU
+        computes. A sequence that such a token finishes (end of generation, stop string; a cancel) then
+        had a row in the running step: its result is discarded (_finish: _discard_ahead_row)."""
+        prev, self._inflight = self._inflight, None
+        try:
+            self._runner_step(prev)
+        except BaseException:
+            self._ahead = None   # (the loop finishes every running sequence with "error")
+            raise
+
+    def _runner_step(self, prev: _RunnerStep | None) -> None:
         t0 = time.monotonic()
         r, pc = self.runner, self.config.prefill_chunk
-        dec, chunks = self._make_room(*self._plan_runner())
-        results = []
+        while True:
+            room = self._make_room(*self._plan_runner(prev), drain=prev is not None)
+            if room is not None:
+                break
+            # short of free blocks: the previous step's tokens first, then the plan the engine makes without
+            # overlap (evicting and pre-empting need every sequence's tokens on the host)
+            self._complete_runner(prev)
+            prev = None
+        dec, chunks = room
+        step = _RunnerStep()
+        host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
         if dec:
-            pos = [len(s.tokens) - 1 for s in dec]
-            logits = r.decode([s.slot for s in dec], [s.tokens[-1] for s in dec], pos).float().cpu()
-            results += [(s, p + 1, logits[i]) for i, (s, p) in enumerate(zip(dec, pos))]
+            pos = [s.n_computed for s in dec]
+            logits = r.decode([s.slot for s in dec], self._decode_inputs(dec, prev), pos)
+            for s, p in zip(dec, pos):
+                s.n_computed = p + 1
+            on_dev = [self._device_row(s) for s in dec]
+            if all(on_dev):
+                step.choose(dec, logits, self.spec.vocab_size)
+            elif any(on_dev):
+                rows = [i for i, d in enumerate(on_dev) if d]
+                step.choose([dec[i] for i in rows], logits[rows], self.spec.vocab_size)
+            if not all(on_dev):
+                rows = [i for i, d in enumerate(on_dev) if not d]
+                host += [dec[i] for i in rows]
+                host_lg.append(logits[rows].float())   # (a copy: the graph's output buffer is rewritten next step)
+            step.decode = {s.id for s in step.seqs}
+            self._ahead = step
+        self._complete_runner(prev)   # the previous step's tokens, while this step's decode runs
         rows = len(dec)
+        firsts, first_lg = [], []
         for s, lo, hi in chunks:
             out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc)
-            last = hi == s.n_prompt and s.n_generated == 0   # (a recomputed sequence samples nothing here)
-            results.append((s, hi, out[-1].float().cpu() if last else None))
+            s.n_computed = hi
             rows += hi - lo
-        for s, n_computed, lg in results:
-            s.n_computed = n_computed
-            if lg is not None:
+            if hi == s.n_prompt and s.n_generated == 0:   # (a recomputed sequence samples nothing here)
+                if self._device_row(s):
+                    firsts.append(s)
+                    first_lg.append(out[-1:])
+                else:
+                    host.append(s)
+                    host_lg.append(out[-1:].float())
+        if firsts:
+            step.choose(firsts, torch.cat(first_lg) if len(first_lg) > 1 else first_lg[0], self.spec.vocab_size)
+        step.send()
+        if host:   # host rows, in one copy: their tokens are needed before the next step is planned
+            lgs = (torch.cat(host_lg) if len(host_lg) > 1 else host_lg[0]).cpu()
+            for s, lg in zip(host, lgs):
                 if s.n_generated == 0:
                     self._totals["prompt_tokens"] += s.n_prompt
                 self._on_logits(s, lg)
-        self._last_step = {"rows": rows, "seqs": len(results), "ms": round(1000 * (time.monotonic() - t0), 2)}
+        if self.config.overlap_steps:
+            self._inflight = step
+        else:
+            self._complete_runner(step)
+        self._last_step = {"rows": rows, "seqs": len(dec) + len(chunks),
+                           "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
 
-    def _plan_runner(self) -> tuple[list[_Sequence], list[tuple[_Sequence, int, int]]]:
-        """The runner step's rows: the generating sequences (one decode row each), and (sequence, lo, hi)
-        prompt chunks in arrival order while the step's token budget lasts. A sequence back from a
-        pre-emption reads all its tokens but the last as prompt chunks again."""
+    def _device_row(self, s: _Sequence) -> bool:
+        """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only)."""
+        return self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
+
+    def _decode_inputs(self, dec: list[_Sequence], prev: _RunnerStep | None):
+        """The decode rows' input tokens: a sequence's last token on the host, or the id the previous
+        step chose for it on the device when that is not read yet (a device tensor then: no sync)."""
+        if prev is None or prev.ids is None or not any(s.id in prev.row for s in dec):
+            return [s.tokens[-1] for s in dec]
+        dev = prev.ids.device
+        own = [s.tokens[-1] for s in dec if s.id not in prev.row]
+        src = torch.cat([prev.ids, torch.tensor(own, dtype=torch.long).to(dev, non_blocking=True)]) if own else prev.ids
+        idx, k = [], prev.ids.shape[0]
+        for s in dec:
+            if s.id in prev.row:
+                idx.append(prev.row[s.id])
+            else:
+                idx.append(k)
+                k += 1
+        if idx == list(range(src.shape[0])):
+            return src
+        return src.index_select(0, torch.tensor(idx, dtype=torch.long).to(dev, non_blocking=True))
+
+    def _complete_runner(self, step: _RunnerStep | None) -> None:
+        """A step's device-chosen tokens on the host: stream them, check stop strings and limits, finish
+        (_append_token, as for host-sampled tokens). Sequences finished meanwhile (a cancel) are skipped."""
+        if step is None:
+            return
+        if self._ahead is step:
+            self._ahead = None   # its rows' results are read now: they no longer run ahead
+        ids = step.read()
+        running = set(self._running)
+        for s, tok in zip(step.seqs, ids):
+            if s not in running:
+                continue
+            check_chosen(tok)
+            if s.n_generated == 0:
+                self._totals["prompt_tokens"] += s.n_prompt
+            self._totals["device_sampled_tokens"] += 1
+            self._append_token(s, tok, None)
+
+    def _discard_ahead_row(self, s: _Sequence) -> None:
+        """s finishes while its decode row of the running step, fed the token that finished it, is still on
+        the GPU (overlap_steps): that row's result is never read. Without recurrent layers the slot is cut
+        back to the tokens before it (blocks too), exactly as without overlap; a recurrent model's states
+        already moved past that token, so the slot keeps it (parked one token longer)."""
+        self._ahead.decode.discard(s.id)
+        self._totals["discarded_rows"] += 1
+        if not self.spec.recurrent_layers:
+            s.n_computed -= 1
+            self.runner.truncate(s.slot, s.n_computed)
+
+    def _plan_runner(self, prev: _RunnerStep | None = None) -> tuple[list[_Sequence], list[tuple[_Sequence, int, int]]]:
+        """The runner step's rows: the generating sequences (one decode row each, at position n_computed),
+        and (sequence, lo, hi) prompt chunks in arrival order while the step's token budget lasts. A sequence
+        back from a pre-emption reads all its tokens but the last as prompt chunks again. A sequence whose
+        token from prev is not read yet gets no row when that token will end it by max_tokens or the
+        context limit."""
         budget = max(self.config.step_tokens, len(self._running))
         pc = self.config.prefill_chunk
-        dec = [s for s in self._running if s.n_computed >= s.target]
+        pend = prev.row if prev is not None else {}
+        dec = [s for s in self._running if s.n_computed >= s.target and not (
+            s.id in pend and (s.n_generated + 1 >= s.params.max_tokens or len(s.tokens) + 1 >= self.ctx_size))]
         rows = len(dec)
         budget -= rows
         chunks = []
@@ -1015,17 +1181,20 @@ class Engine:
                 rows += hi - lo
         return dec, chunks
 
-    def _make_room(self, dec: list, chunks: list) -> tuple[list, list]:
+    def _make_room(self, dec: list, chunks: list, drain: bool = False) -> tuple[list, list] | None:
         """Free the KV blocks a runner step needs before it runs: evict parked conversations (least
         recently used first), then pre-empt the newest running sequence (_preempt: recomputed later);
         a sequence that cannot fit even alone stops with reason "length". Returns the step's rows
-        without the pre-empted ones."""
+        without the pre-empted ones; with drain, None instead of evicting anything (the caller reads the
+        previous step's tokens first)."""
         r = self.runner
         while True:
-            need = sum(r.blocks_needed(s.slot, len(s.tokens) - 1, len(s.tokens)) for s in dec)
+            need = sum(r.blocks_needed(s.slot, s.n_computed, s.n_computed + 1) for s in dec)
             need += sum(r.blocks_needed(s.slot, lo, hi) for s, lo, hi in chunks)
             if need <= r.pool.n_free:
                 return dec, chunks
+            if drain:
+                return None
             if self._evict_parked():
                 continue
             if len(self._running) <= 1:   # (not expected: one sequence's context is at most the pool)
@@ -1250,6 +1419,8 @@ class Engine:
                 s.kv.release()
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
         if getattr(s, "slot", None) is not None:
+            if self._ahead is not None and s.id in self._ahead.decode:
+                self._discard_ahead_row(s)
             if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
                 self._parked[s.slot] = s.tokens[:s.n_computed]   # resident (its blocks kept) until evicted
             else:

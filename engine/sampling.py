@@ -198,6 +198,12 @@ class Sampler:
         self.generator.manual_seed(self.seed)
         self._bias_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def next_uniform(self) -> float:
+        """The next uniform number in [0, 1) of this request's random stream: one per sampled (not greedy)
+        token. The draw below takes it; the GPU path's device sampler (engine/sample_device.py) takes it
+        here on the host and picks the token on the device with the same inverse CDF."""
+        return torch.rand((), generator=self.generator, dtype=torch.float64).item()
+
     # -- pieces of the chain ------------------------------------------------------------------------
     def _row(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dim() == 2 and logits.shape[0] == 1:
@@ -284,7 +290,7 @@ class Sampler:
         w = torch.where(vals == vmax, torch.ones_like(vals), torch.exp(vals - vmax))
         w = torch.nan_to_num(w, nan=0.0)
         cum = torch.cumsum(w.to(torch.float64), dim=0)
-        u = torch.rand((), generator=self.generator, dtype=torch.float64).item()
+        u = self.next_uniform()
         pos = torch.searchsorted(cum, (cum[-1] * u).reshape(1), right=True).clamp_(max=vals.shape[0] - 1)
         if ids is not None:
             pos = ids.index_select(0, pos)

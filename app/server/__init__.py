@@ -53,6 +53,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-drafter", default=None, metavar="PATH",
                    help="the DFlash drafter for --spec dflash: a directory with config.json + model.safetensors "
                         "(as z-lab publishes them) or its GGUF port")
+    p.add_argument("--host-sampling", action="store_true",
+                   help="GPU path: choose every token on the host from full logits and run steps one after "
+                        "another (no device-side sampling, no step overlap): for diagnosing the GPU path")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; default: CORS off)")
@@ -118,6 +121,8 @@ def run_serve(args) -> int:
             eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
                                       max_queue=args.max_queue, threads=args.threads,
                                       device=args.device, spec=args.spec, spec_drafter=args.spec_drafter,
+                                      device_sampling=not getattr(args, "host_sampling", False),
+                                      overlap_steps=not getattr(args, "host_sampling", False),
                                       cache_type_k=args.cache_type_k,
                                       kv_memory=int(args.kv_memory * 2**30),
                                       cache_type_v=args.cache_type_v),

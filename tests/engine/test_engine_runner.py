@@ -162,3 +162,245 @@ def test_runner_path_says_it_decodes_without_drafts(tmp_path, caplog):
     finally:
         spec.shutdown()
         plain.shutdown()
+
+
+# --- tokens chosen on the device, and the next step launched before the host streams them ------------------
+# (engine/sample_device.py; EngineConfig.device_sampling / overlap_steps; docs/ARCHITECTURE.md, GPU path)
+
+def _outcome(h):
+    """Everything a client sees of a request: text, ids, finish reason, stop string, usage, and how many
+    token events carried logprobs."""
+    from engine.types import TokenEvent
+    text, ids, lps, fin = [], [], 0, None
+    for ev in h:
+        if isinstance(ev, TokenEvent):
+            text.append(ev.text)
+            ids.extend(ev.ids)
+            lps += ev.logprobs is not None
+        else:
+            fin = ev
+    u = fin.usage
+    return "".join(text), ids, fin.reason, fin.stop_string, (u.prompt_tokens, u.completion_tokens, u.cached_tokens), lps
+
+
+def _stop_inside(text: str) -> str:
+    """Two printable characters of text that first occur past its start (a stop string ending mid-output,
+    often inside a token)."""
+    for k in range(3, len(text) - 2):
+        s = text[k:k + 2]
+        if s.isprintable() and not s.isspace() and text.find(s) == k:
+            return s
+    raise AssertionError(f"no stop string in {text!r}")
+
+
+def _sampled(n, seed, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.8, seed=seed, **kw)
+
+
+def _mixed_requests(path, prompts):
+    """Greedy and seeded sampled requests (device rows: top-k, top-p without top-k, min-p only) with stop
+    strings that end mid-output, an end-of-generation token (stop_token_ids) mid-output, max_tokens 1 and
+    others; and host rows in the same steps (repetition penalty, logprobs)."""
+    cfg = dict(model=str(path), ctx_size=128, max_seqs=len(prompts), prefill_chunk=16, static_slots=True)
+    plain = [_greedy(24, ignore_eos=True), _greedy(24, ignore_eos=True), _sampled(24, 5, top_k=20, ignore_eos=True),
+             _greedy(24, ignore_eos=True), _greedy(16, repetition_penalty=1.3, ignore_eos=True),
+             _sampled(20, 9, top_k=0, top_p=0.9, logprobs=2, ignore_eos=True), _greedy(1),
+             _sampled(12, 3, top_k=0, top_p=1.0, min_p=0.1, ignore_eos=True)]
+    eng = Engine(EngineConfig(**cfg, overlap_steps=False))
+    try:
+        ref = [_outcome(eng.submit(Request(prompt_ids=p, sampling=sp))) for p, sp in zip(prompts, plain)]
+    finally:
+        eng.shutdown()
+    reqs = list(plain)
+    reqs[1] = _greedy(24, stop=[_stop_inside(ref[1][0])])
+    reqs[2] = _sampled(24, 5, top_k=20, stop=[_stop_inside(ref[2][0])])
+    reqs[3] = _greedy(24, stop_token_ids=[ref[3][1][6]])          # an end of generation mid-output
+    reqs[5] = _sampled(20, 9, top_k=0, top_p=0.9, logprobs=2, stop=[_stop_inside(ref[5][0])])
+    return cfg, reqs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_overlapped_steps_give_the_outputs_of_plain_steps(tmp_path, arch):
+    """Eight concurrent requests, device and host rows mixed in each step: with overlap_steps (step N+1
+    launched before step N's tokens are streamed), without it, and with every token sampled on the host
+    (device_sampling=False), every client sees the same text, ids, finish reason, stop string, usage and
+    logprobs; stop strings and an end-of-generation token end requests mid-output (their extra row is
+    discarded) and max_tokens ends others. Without recurrent layers the slots are left exactly as without
+    overlap (parked tokens, pool blocks)."""
+    from engine.synth import write_synthetic
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, "tiny", seed=17)
+    prompts = [[1 + (7 * i + 3 * j + i * j) % 400 for j in range(20 + 5 * i)] for i in range(8)]
+    cfg, reqs = _mixed_requests(path, prompts)
+    out, parked, pools, totals = {}, {}, {}, {}
+    for name, kw in (("overlap", {}), ("plain", dict(overlap_steps=False)), ("host", dict(device_sampling=False))):
+        eng = Engine(EngineConfig(**cfg, **kw))
+        try:
+            hs = [eng.submit(Request(prompt_ids=p, sampling=sp)) for p, sp in zip(prompts, reqs)]
+            out[name] = [_outcome(h) for h in hs]
+            assert eng.stats()["running"] == 0
+            parked[name] = sorted(tuple(t) for t in eng._parked.values())
+            pools[name] = eng.stats()["kv_pool"]
+            totals[name] = eng.stats()["totals"]
+        finally:
+            eng.shutdown()
+    assert out["overlap"] == out["plain"] == out["host"]
+    reasons = [o[2] for o in out["overlap"]]
+    assert reasons == ["length", "stop", "stop", "stop", "length", "stop", "length", "length"]
+    stops = [None, reqs[1].stop[0], reqs[2].stop[0], None, None, reqs[5].stop[0], None, None]
+    assert [o[3] for o in out["overlap"]] == stops
+    assert out["overlap"][5][5] == out["overlap"][5][4][1] > 0        # logprobs on every token of the host row
+    n_gen = sum(o[4][1] for o in out["overlap"])
+    host_rows = out["overlap"][4][4][1] + out["overlap"][5][4][1]
+    assert totals["overlap"]["device_sampled_tokens"] == totals["plain"]["device_sampled_tokens"] == n_gen - host_rows
+    assert "device_sampled_tokens" not in totals["host"]
+    # the two stop strings and the end-of-generation token each finished a request with a row on the GPU
+    assert totals["overlap"]["discarded_rows"] == 3 and "discarded_rows" not in totals["plain"]
+    assert parked["plain"] == parked["host"]
+    if arch == "llama":
+        assert parked["overlap"] == parked["plain"] and pools["overlap"] == pools["plain"]
+    else:   # the recurrent states moved past the finishing token: those conversations are parked with it
+        longer = [t for t in parked["overlap"] if t not in parked["plain"]]
+        assert len(longer) == 3 and all(t[:-1] in parked["plain"] for t in longer)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_queued_requests_and_follow_ups_with_overlap(tmp_path, overlap):
+    """Two slots, five requests (three wait for a slot), then a follow-up to a conversation a stop string
+    ended mid-output: the same outputs with and without overlap, the follow-up takes the parked slot over (cached
+    tokens as without overlap) and gives a cold engine's tokens."""
+    from engine.synth import write_synthetic
+    path = tmp_path / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=23)
+    prompts = [[1 + (11 * i + 5 * j + i * j) % 400 for j in range(18 + 7 * i)] for i in range(5)]
+    cfg = dict(model=str(path), ctx_size=128, max_seqs=2, prefill_chunk=16, static_slots=True)
+    ref = Engine(EngineConfig(**cfg, overlap_steps=False, resident_tokens=0))
+    try:
+        alone = [_outcome(ref.submit(Request(prompt_ids=p, sampling=_greedy(20, ignore_eos=True)))) for p in prompts]
+    finally:
+        ref.shutdown()
+    stop = _stop_inside(alone[0][0])
+    reqs = [_greedy(20, stop=[stop])] + [_greedy(20, ignore_eos=True)] * 3 + [_sampled(20, 4, ignore_eos=True)]
+    eng = Engine(EngineConfig(**cfg, overlap_steps=overlap))
+    try:
+        got = [_outcome(h) for h in [eng.submit(Request(prompt_ids=p, sampling=sp)) for p, sp in zip(prompts, reqs)]]
+        assert got[1:4] == alone[1:4]
+        assert got[0][2:4] == ("stop", stop) and alone[0][0].startswith(got[0][0])
+        assert _outcome(eng.submit(Request(prompt_ids=prompts[0], sampling=reqs[0])))[:4] == got[0][:4]   # (parked now)
+        follow = prompts[0] + got[0][1] + [7, 8, 9]
+        fu = _outcome(eng.submit(Request(prompt_ids=follow, sampling=_greedy(8, ignore_eos=True))))
+        assert fu[4][2] == len(follow) - 4            # all but the answer's last token and the 3 new ones
+        assert eng.stats()["running"] == 0 and sorted(eng._free_slots + list(eng._parked)) == [0, 1]
+    finally:
+        eng.shutdown()
+    cold = Engine(EngineConfig(**cfg, resident_tokens=0))
+    try:
+        assert fu[:3] == _outcome(cold.submit(Request(prompt_ids=follow, sampling=_greedy(8, ignore_eos=True))))[:3]
+        other = Engine(EngineConfig(**cfg, overlap_steps=not overlap))
+        try:   # the sampled request and the stop string also agree across the switch
+            assert got == [_outcome(h) for h in [other.submit(Request(prompt_ids=p, sampling=sp))
+                                                 for p, sp in zip(prompts, reqs)]]
+        finally:
+            other.shutdown()
+    finally:
+        cold.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cancel_while_a_row_runs_ahead(tmp_path, overlap):
+    """A request cancelled mid-generation beside another: it finishes "cancelled" with usage counting exactly
+    the tokens it streamed (a prefix of its uncancelled output); the other's output is unchanged; the slot
+    is parked with the tokens whose KV was computed before the cancel (the row that ran ahead discarded)."""
+    from engine.synth import write_synthetic
+    from engine.types import TokenEvent
+    path = tmp_path / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=29)
+    a, b = [1 + (3 * j + 1) % 400 for j in range(30)], [1 + (13 * j + 5) % 400 for j in range(26)]
+    cfg = dict(model=str(path), ctx_size=256, max_seqs=2, prefill_chunk=16, static_slots=True)
+    ref = Engine(EngineConfig(**cfg, resident_tokens=0))
+    try:
+        full_a, full_b = [ref.submit(Request(prompt_ids=p, sampling=_greedy(120, ignore_eos=True))).result()[1]
+                          for p in (a, b)]
+    finally:
+        ref.shutdown()
+    eng = Engine(EngineConfig(**cfg, overlap_steps=overlap))
+    try:
+        ha = eng.submit(Request(prompt_ids=a, sampling=_greedy(120, ignore_eos=True)))
+        hb = eng.submit(Request(prompt_ids=b, sampling=_greedy(120, ignore_eos=True)))
+        ids, fin = [], None
+        for ev in ha:
+            if isinstance(ev, TokenEvent):
+                ids.extend(ev.ids)
+                if len(ids) >= 5:
+                    ha.cancel()
+            else:
+                fin = ev
+        assert fin.reason == "cancelled" and fin.usage.completion_tokens == len(ids) and ids == full_a[:len(ids)]
+        assert hb.result()[1] == full_b
+        assert eng.stats()["running"] == 0
+        parked = [t for t in eng._parked.values() if t[:len(a)] == a]
+        assert parked == [a + ids[:-1]]          # the KV of its last streamed token was never needed
+        assert eng.stats()["totals"].get("discarded_rows", 0) == (1 if overlap else 0)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_cuda_overlapped_steps_give_the_outputs_of_plain_steps(tmp_path, arch):
+    """On the GPU (CUDA graphs, ids copied to pinned memory, the next step launched first): the same client
+    outputs with and without overlap_steps; greedy ones also those of the host Sampler (device_sampling
+    off) and of the CPU path."""
+    from engine.synth import write_synthetic
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, "tiny", seed=17)
+    prompts = [[1 + (7 * i + 3 * j + i * j) % 400 for j in range(20 + 5 * i)] for i in range(8)]
+    _, reqs = _mixed_requests(path, prompts)
+    cfg = dict(model=str(path), ctx_size=128, max_seqs=8, prefill_chunk=16)
+    out = {}
+    for name, kw in (("overlap", dict(device="cuda")), ("plain", dict(device="cuda", overlap_steps=False)),
+                     ("host", dict(device="cuda", device_sampling=False)), ("cpu", dict(device="cpu"))):
+        eng = Engine(EngineConfig(**cfg, **kw))
+        try:
+            out[name] = [_outcome(h) for h in [eng.submit(Request(prompt_ids=p, sampling=sp))
+                                                for p, sp in zip(prompts, reqs)]]
+        finally:
+            eng.shutdown()
+    assert out["overlap"] == out["plain"]
+    greedy = [i for i, sp in enumerate(reqs) if sp.greedy]
+    for other in ("host", "cpu"):
+        assert [out["overlap"][i] for i in greedy] == [out[other][i] for i in greedy]
+
+
+def test_recurrent_conversation_ended_by_a_stop_string_parks_its_last_token(tmp_path):
+    """qwen35 with overlap: a stop string ends the request while its next row (fed the last token) runs; the
+    recurrent states are past that token, so the slot is parked with it, and a follow-up that continues the
+    conversation (the answer's ids, last one included) takes the slot over and gives a cold engine's tokens."""
+    from engine.synth import write_synthetic
+    path = tmp_path / "qwen35.gguf"
+    write_synthetic(path, "qwen35", "tiny", seed=19)
+    prompt = [1 + (9 * j + j * j) % 400 for j in range(40)]
+    cfg = dict(model=str(path), ctx_size=128, max_seqs=2, prefill_chunk=16, static_slots=True)
+    cold = Engine(EngineConfig(**cfg, resident_tokens=0))
+    try:
+        text = _outcome(cold.submit(Request(prompt_ids=prompt, sampling=_greedy(20, ignore_eos=True))))[0]
+        stop = _greedy(20, stop=[_stop_inside(text)])
+        res = {}
+        for overlap in (True, False):
+            eng = Engine(EngineConfig(**cfg, overlap_steps=overlap))
+            try:
+                first = _outcome(eng.submit(Request(prompt_ids=prompt, sampling=stop)))
+                assert first[2] == "stop"
+                follow = prompt + first[1] + [5, 6, 7]
+                again = eng.submit(Request(prompt_ids=follow, sampling=_greedy(8, ignore_eos=True)))
+                res[overlap] = first, _outcome(again)
+                assert eng.stats()["totals"].get("discarded_rows", 0) == (1 if overlap else 0)
+            finally:
+                eng.shutdown()
+        assert res[True][0] == res[False][0]
+        want = _outcome(cold.submit(Request(prompt_ids=follow, sampling=_greedy(8, ignore_eos=True))))
+        assert res[True][1][:2] == res[False][1][:2] == want[:2]
+        assert res[True][1][4][2] == len(follow) - 3 and res[False][1][4][2] == len(follow) - 4
+    finally:
+        cold.shutdown()
