@@ -39,6 +39,8 @@ Every number comes from the GGUF header (nothing is loaded):
   also (``Plan.prep``, every slot and the scratch slot) the key preconditioning of each attention layer:
   float32 smoothing weights [n_head_kv, head_dim] and one center [n_head_kv, head_dim] per 256
   positions of the most one sequence may reach (``Plan.seq_ctx``). Neither grows with the tokens stored.
+  Recurrent models also get state checkpoints for prefix sharing (``Plan.checkpoints``): as many
+  one-slot recurrent states as fit in 2 % of the KV, at most 64 (the engine's default).
 * **workspace**: an allowance HiveJet defines (and the runner must stay inside):
 
   - CUDA context, cuBLAS/Triton handles: 400 MiB (`CUDA_CONTEXT_BYTES`; outside torch's allocator);
@@ -361,6 +363,8 @@ class Plan:
     kv_type_v: str = ""             # V's cache type ("" = kv_type)
     prep: int = 0                   # key preconditioning of all slots (rotated K types)
     seq_ctx: int = 0                # the most tokens one sequence may hold: min(training context, pool)
+    checkpoints: int = 0            # recurrent-state checkpoints for prefix sharing (qwen35): the engine's
+                                    # default, as many one-slot states as fit in 2 % of the KV, at most 64
 
     @property
     def pool_tokens(self) -> int:
@@ -369,7 +373,7 @@ class Plan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.recurrent + self.prep + self.workspace + self.vision
+        return self.weights + self.kv + self.recurrent + self.prep + self.checkpoints + self.workspace + self.vision
 
     @property
     def allocated(self) -> int:
@@ -388,7 +392,8 @@ class Plan:
         return {"ctx": self.ctx, "kv_type_k": self.kv_type, "kv_type_v": self.kv_type_v or self.kv_type,
                 "slots": self.n_seqs, "pool_tokens": self.pool_tokens, "seq_ctx": self.seq_ctx,
                 "weights": self.weights, "kv": self.kv, "recurrent": self.recurrent,
-                "prep": self.prep, "workspace": self.workspace, "vision": self.vision, "total": self.total,
+                "prep": self.prep, "checkpoints": self.checkpoints, "workspace": self.workspace,
+                "vision": self.vision, "total": self.total,
                 "allocated": self.allocated}
 
 
@@ -402,8 +407,11 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
     kv_type_v = kv_type_v or kv_type
     _kv_type(kv_type_v)
     seq_ctx = seq_context(facts, ctx, n_seqs)
+    kv = runner_kv_bytes(facts, ctx, kv_type, kv_type_v, n_seqs)
+    one = facts.recurrent_bytes
+    checkpoints = min(64, int(0.02 * kv) // one) * one if one else 0
     return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,
-                kv=runner_kv_bytes(facts, ctx, kv_type, kv_type_v, n_seqs), recurrent=n_seqs * facts.recurrent_bytes,
+                kv=kv, recurrent=n_seqs * facts.recurrent_bytes, checkpoints=checkpoints,
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
                 prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx)
@@ -519,7 +527,8 @@ def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int
 def format_plan(p: Plan) -> str:
     """One plan's breakdown (`hivejet plan --ctx N`)."""
     rows = [("weights (on the GPU)", p.weights), (f"KV cache ({p.kv_type} / {p.kv_type_v or p.kv_type})", p.kv),
-            ("recurrent states", p.recurrent), ("key preconditioning", p.prep), ("workspace", p.workspace)]
+            ("recurrent states", p.recurrent), ("key preconditioning", p.prep),
+            ("state checkpoints", p.checkpoints), ("workspace", p.workspace)]
     if p.vision:
         rows.append(("vision projector", p.vision))
     rows += [("total", p.total), ("allocated by torch (total - CUDA context - graph pool)", p.allocated)]
