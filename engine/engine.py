@@ -4,6 +4,10 @@ each request's handle.
 Every step stacks the rows of all running sequences into one forward pass: a decode token for
 each sequence that is generating, and the next chunk of each prompt still being read, within a
 token budget. So several requests progress together and a long prompt never blocks the others.
+
+This module holds the contract (EngineConfig, submit, the handles, stats), the loop and the CPU path's
+step; the GPU path's step is engine/scheduler_gpu.py (RunnerScheduler) and the CPU path's speculative
+decoding engine/spec/engine_spec.py (SpeculationMixin), mixins the Engine inherits.
 """
 from __future__ import annotations
 
@@ -25,23 +29,20 @@ from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.kv.pool import PoolFullError
-from engine.prefix import Entry, ResidentCache, add_checkpoint, common_prefix
+from engine.prefix import Entry, ResidentCache, add_checkpoint
+from engine.scheduler_gpu import RunnerScheduler
 from engine.spec import SPEC_MODES
-from engine.spec.adaptive import MAX_DEFERRED, DraftLength, StepCosts, choose_k, expected_tokens
-from engine.spec.dflash import DFlashError, DraftRequest, load_drafter, propose
+from engine.spec.adaptive import DraftLength, StepCosts, choose_k
+from engine.spec.engine_spec import SpeculationMixin, _acceptance_by_drafter
 from engine.spec.mtp import CatchUp, MtpState, catch_up
 from engine.spec.ngram import NgramDrafter, SharedNgramPool
-from engine.spec.verify import accept_or_resample
 from kernels.quant.ref import ROW_BLOCK
-from engine.sample_device import check_chosen, choose_tokens, samples_on_device
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.types import (ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError, QueueFullError,
                           Request, Timings, TokenEvent, Usage)
 
 log = logging.getLogger("hivejet.engine")
-
-RUNNER_BLOCK = 16   # tokens per block of the GPU path's KV pool
 
 
 @dataclass
@@ -108,16 +109,6 @@ def resolve_auto_device(config: EngineConfig) -> str:
     if not torch.cuda.is_available() or config.mmproj:
         return "cpu"
     return "cuda"
-
-
-def _acceptance_by_drafter(counts) -> dict:
-    """{drafter: {drafted, accepted, acceptance}} from "<drafter>_drafted" / "<drafter>_accepted" counts."""
-    out = {}
-    for name in ("ngram", "mtp", "dflash"):
-        d, a = counts.get(f"{name}_drafted", 0), counts.get(f"{name}_accepted", 0)
-        if d:
-            out[name] = dict(drafted=d, accepted=a, acceptance=round(a / d, 3))
-    return out
 
 
 def _has_image_parts(messages) -> bool:
@@ -241,53 +232,7 @@ class _Sequence:
         return sum(n for _, n in self.recent) / span if len(self.recent) > 1 else 0.0
 
 
-class _RunnerStep:
-    """GPU path: the tokens one runner step chose on the device (engine/sample_device.py), in row order: the
-    ids stay on the device as the next step's input tokens, and one small copy brings them to the host
-    (pinned memory, non_blocking, an event to wait on) for the per-sequence bookkeeping."""
-
-    def __init__(self):
-        self.seqs: list[_Sequence] = []      # the rows' sequences, in the ids' order
-        self.row: dict[int, int] = {}        # sequence id -> its row in ids
-        self.decode: set[int] = set()        # sequences with a decode row among them (ahead rows, _finish)
-        self._parts: list[torch.Tensor] = []
-        self.ids: torch.Tensor | None = None          # [rows] long on the device
-        self._host: torch.Tensor | None = None
-        self._event = None
-
-    def choose(self, seqs: list[_Sequence], logits: torch.Tensor, vocab_size: int) -> None:
-        """Queue the choice of seqs' tokens from logits [len(seqs), V] (one uniform number from each
-        sampled request's generator, drawn now: the Sampler's stream)."""
-        us = [0.0 if s.params.greedy else s.sampler.next_uniform() for s in seqs]
-        self._parts.append(choose_tokens(logits, [s.params for s in seqs], us, vocab_size))
-        for s in seqs:
-            self.row[s.id] = len(self.seqs)
-            self.seqs.append(s)
-
-    def send(self) -> None:
-        """Start the ids' copy to the host (asynchronous on CUDA)."""
-        if not self._parts:
-            return
-        self.ids = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
-        self._parts = []
-        if self.ids.device.type == "cuda":
-            self._host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
-            self._host.copy_(self.ids, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = self.ids
-
-    def read(self) -> list[int]:
-        """The ids on the host (waits for the copy)."""
-        if self._host is None:
-            return []
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
-
-
-class Engine:
+class Engine(RunnerScheduler, SpeculationMixin):
     def __init__(self, config: EngineConfig, progress=None):
         if config.device == "auto":
             config = dataclasses.replace(config, device=resolve_auto_device(config))
@@ -363,92 +308,6 @@ class Engine:
         self._last_step = {"rows": 0, "seqs": 0, "ms": 0.0}
         self._thread = threading.Thread(target=self._loop, name="hivejet-engine", daemon=True)
         self._thread.start()
-
-    def _open_runner(self) -> None:
-        """Put the model on the device with one slot per concurrent sequence and ONE KV pool they share:
-        ctx_pool_tokens, else on a GPU as much as fits in 90 % of the memory left after the weights and
-        the fixed per-slot state (too little for 256 tokens is an error), else (static slots on the CPU)
-        max_seqs x the context. One sequence may use up to min(its context, the pool). Recurrent models
-        also get state checkpoints for prefix sharing (state_checkpoints; by default as many as fit in
-        2 % of the KV cache, which the fit leaves room for)."""
-        from engine.runner import Runner, state_checkpoint_bytes
-        c = self.config
-        dev = torch.device(c.device)
-        types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
-        want = c.ctx_size or self.spec.context_length
-        if c.prefill_chunk % RUNNER_BLOCK:   # shared prefixes end on chunk ends: whole blocks, never copied
-            self.model.close()
-            raise EngineError(f"prefill_chunk {c.prefill_chunk} must be a multiple of {RUNNER_BLOCK} on the "
-                              f"{c.device} path (its KV blocks)")
-        one_ckpt = state_checkpoint_bytes(self.model) if c.resident_tokens > 0 else 0   # 0: no recurrent layers
-        ckpt_share = 0.02 if one_ckpt and c.state_checkpoints < 0 else 0.0
-        try:
-            if c.ctx_pool_tokens:
-                pool = c.ctx_pool_tokens
-            elif dev.type == "cuda":
-                self.model.to_device(dev)
-                free, _ = torch.cuda.mem_get_info(dev)
-                pool = self._fit_pool(int(0.9 * free), want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
-                if pool < 256:
-                    raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
-                                      f"the weights, for {c.max_seqs} sequences' state and a pool of 256 tokens")
-            else:
-                pool = c.max_seqs * want
-            blocks = max(1, pool // RUNNER_BLOCK)
-            self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, n_blocks=blocks, block_size=RUNNER_BLOCK,
-                                 max_ctx=min(want, blocks * RUNNER_BLOCK), **types)
-            if one_ckpt:
-                n = c.state_checkpoints if c.state_checkpoints >= 0 else \
-                    min(64, int(ckpt_share * self.runner.kv_bytes()) // one_ckpt)
-                self.runner.enable_checkpoints(n)
-        except (ValueError, torch.OutOfMemoryError) as e:
-            self.model.close()
-            raise EngineError(f"cannot set up the {c.device} path: {e}") from None
-        except EngineError:
-            self.model.close()
-            raise
-        self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
-        self._free_slots = list(range(c.max_seqs - 1, -1, -1))
-        self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
-        self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
-        self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
-
-    def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
-        """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
-        (recurrent states, key preconditioning sized for min(want, pool) positions, the scratch slot's
-        too), the given checkpoints and a `ckpt_share` of the KV for the default checkpoints."""
-        from engine.runner import slot_bytes_per_token, slot_fixed_bytes
-        c = self.config
-        types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
-        per_token = max(1, slot_bytes_per_token(self.model, **types))
-
-        def fits(blocks: int) -> bool:
-            tokens = blocks * RUNNER_BLOCK
-            fixed = slot_fixed_bytes(self.model, **types, max_ctx=min(want, tokens)) * (c.max_seqs + 1)
-            return (tokens + RUNNER_BLOCK) * per_token * (1 + ckpt_share) + fixed + ckpt_bytes <= budget
-        lo, hi = 0, budget // (per_token * RUNNER_BLOCK) + 1       # lo fits (or is 0), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo * RUNNER_BLOCK
-
-    def _open_dflash(self, drafter: str | None) -> None:
-        """Load the DFlash drafter, check it fits the target, and have the target's forward keep the
-        hidden states the drafter reads (only now: the capture costs nothing when unset)."""
-        if not drafter:
-            self.model.close()
-            raise EngineError(f"spec={self.config.spec!r} needs a DFlash drafter (spec_drafter / --spec-drafter: "
-                              "a directory with config.json + model.safetensors, or its GGUF)")
-        try:
-            d = load_drafter(drafter)
-            d.check_target(self.model)
-        except (DFlashError, GGUFError, OSError) as e:
-            self.model.close()
-            raise EngineError(f"DFlash drafter: {e}") from None
-        self._dflash = d
-        self.model.capture_layers = d.cfg.target_layer_ids
-        log.info("DFlash drafter %s: %d layers, blocks of %d, target layers %s", drafter, d.cfg.n_layer,
-                 d.cfg.block_size, list(d.cfg.target_layer_ids))
 
     def _open_vision(self, mmproj: str, model_path) -> None:
         from engine.vision import check_pair, find_mmproj, open_mmproj
@@ -697,59 +556,6 @@ class Engine:
                         self._attach_drafters(s)
                 self._running.append(s)
 
-    def _take_slot(self, s: _Sequence) -> None:
-        """GPU path: a finished conversation stays parked in its slot (KV blocks and recurrent states in
-        place); a request whose prompt continues one takes that slot over and computes only the rest.
-        Else the longest prefix another slot holds, running or parked (agents sharing a system prompt),
-        is shared with the new slot (Runner.find_prefix / share_prefix: a multiple of prefill_chunk, its
-        blocks referenced, recurrent states from a checkpoint), and only the rest is computed, with the
-        numbers a cold run gives. Else a free slot, else the least recently parked one. A sequence back
-        from a pre-emption needs all its tokens but the last again (s.target)."""
-        r, pc = self.runner, self.config.prefill_chunk
-        best, n, whole = None, 0, False
-        prompt = s.tokens[:s.target]
-        if s.vision is None:
-            for slot, toks in self._parked.items():
-                lcp = common_prefix(toks, prompt)
-                if self.spec.recurrent_layers:   # the states are those after the parked tokens: all or nothing
-                    use = len(toks) if lcp >= len(toks) and len(toks) < s.target else 0
-                else:
-                    use = min(lcp, s.target - 1)
-                if use > n:
-                    best, n, whole = slot, use, lcp >= len(toks)
-        match = None
-        if s.vision is None and self._resident.budget > 0:
-            donors = {q.slot: q.tokens[:q.n_computed] for q in self._running if q.slot is not None and q.vision is None}
-            donors.update(self._parked)
-            match = r.find_prefix(prompt, donors, pc)
-        # taking over a parked conversation the prompt does not continue loses that conversation: worth it
-        # only for at least a block, and a chunk more than a copy would give
-        if best is not None and not whole and (n < r.block_size or (match is not None and n - pc < match.n)):
-            best, n = None, 0
-        if match is not None and match.n > n:
-            if self._free_slots:
-                s.slot = self._free_slots.pop()
-            else:   # the least recently parked slot other than the donor (the donor itself when it is the only one)
-                s.slot = next((p for p in self._parked if p != match.src), match.src)
-                del self._parked[s.slot]
-            if match.src in self._parked:
-                self._parked.move_to_end(match.src)   # just used: evicted last
-            r.share_prefix(match, s.slot)              # (drops what s.slot held before)
-            s.n_computed = s.cached = match.n
-            self._totals["cached_tokens"] += match.n
-            self._totals["shared_tokens"] += match.n
-        elif best is not None:
-            del self._parked[best]
-            s.slot = best
-            r.truncate(best, n)                        # the blocks after the common part go back to the pool
-            s.n_computed = s.cached = n
-            self._totals["cached_tokens"] += n
-        elif self._free_slots:
-            s.slot = self._free_slots.pop()
-        else:
-            s.slot, _ = self._parked.popitem(last=False)
-            r.release(s.slot)
-
     def _pool_has_room(self, s: _Sequence) -> bool:
         """Whether the CPU pool (free blocks plus evictable resident ones) can take s's tokens."""
         if self.runner is not None:
@@ -784,13 +590,6 @@ class Engine:
                 self._preempt(victim)
                 plan = [(s, c) for s, c in plan if s is not victim]
 
-    def _runner_has_room(self, s: _Sequence) -> bool:
-        """GPU path: whether the pool's free blocks, plus those only parked conversations hold, can take all of
-        s's tokens (a prefix it may share is not counted: it waits rather than push a running one out)."""
-        r = self.runner
-        spare = r.pool.n_free + sum(r.held_alone(p) for p in self._parked)
-        return spare * r.block_size >= len(s.tokens) + 1
-
     def _preempt(self, s: _Sequence) -> None:
         """Pool full: s goes back to the front of the queue and gives its KV back; it is computed again
         (prompt and generated tokens, in prompt chunks) when there is room."""
@@ -808,12 +607,6 @@ class Engine:
         s.drafts = []
         s.t_start = None
         self._totals["preempted"] += 1
-
-    def _spec_ok(self, s: _Sequence) -> bool:
-        """Drafts for this sequence: on, no grammar constraint (it must see every token), no
-        images. (qwen35's recurrent states roll back to the snapshot after the last accepted row.)"""
-        return (bool(self._spec_kinds) and self.config.spec_max_drafts > 0 and s.req.constraint is None
-                and s.vision is None)
 
     def _attach_drafters(self, s: _Sequence) -> None:
         """The drafters of the engine's spec mode for a sequence starting to run. A sequence that starts
@@ -836,95 +629,6 @@ class Engine:
             for name, dl in s.adapt.items():
                 dl.decide(choose_k(dl.alpha, dl.k_max, self._costs.step_time, n + 1,
                                    lambda k, name=name: self._costs.draft_time(name, k), others_tokens=n))
-
-    def _ngram_first(self, s: _Sequence) -> bool:
-        """Whether s drafts with n-grams this step: it has no model drafter, or (a chain) the end of its
-        conversation repeats an earlier span of at least spec_ngram_min_match tokens, where lookup
-        predicts better than a model drafter."""
-        if s.drafter is None:
-            return False
-        if s.mtp is None and s.dflash is None:
-            return True
-        return s.drafter.match_length() >= self.config.spec_ngram_min_match
-
-    def _model_drafts_wanted(self, s: _Sequence) -> int:
-        """Drafts to ask the MTP block / DFlash drafter for after this step: what the next step can
-        verify (the draft length, the context and max_tokens left), 0 when s is not generating or
-        takes n-gram drafts next."""
-        if s.kv is None or s.n_computed < s.n_prompt or self._ngram_first(s):
-            return 0
-        return max(0, min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
-                          s.params.max_tokens - s.n_generated - 1))
-
-    def _draft_source(self, s: _Sequence) -> str | None:
-        """The drafter s takes its next drafts from (as _take_drafts chooses)."""
-        if self._ngram_first(s):
-            return "ngram"
-        return "mtp" if s.mtp is not None else "dflash" if s.dflash is not None else None
-
-    def _draft_len(self, s: _Sequence) -> int:
-        """The draft length of s's next step: its drafter's adaptive k (spec_adaptive), else spec_k."""
-        if not self.config.spec_adaptive:
-            return s.spec_k
-        dl = s.adapt.get(self._draft_source(s))
-        return dl.k if dl is not None else 0
-
-    def _adapt_draft_lengths(self, decode: list) -> None:
-        """After a step's verification (before the model drafters draft for the next one): the draft
-        length of every generating sequence's next drafter, k maximizing the step's expected tokens per
-        second (engine/spec/adaptive.py: choose_k) from its acceptance and the measured costs, with the
-        other sequences' rows, expected tokens and drafting time as in this step; 0 backs off (probes
-        every few steps). decode: (sequence, chunk, drafts) of this step's generating sequences."""
-        live = [(s, c, nd) for s, c, nd in decode if s.kv is not None and s.adapt]
-        if not self.config.spec_adaptive or not live:
-            return
-        costs = self._costs
-        mine = {}
-        for s, c, nd in live:   # each one's share of the step as it ran: rows, expected tokens, drafting time
-            dl = s.adapt.get(s.draft_src) if nd else None
-            mine[s.id] = (len(c.tokens), expected_tokens(dl.alpha, nd) if dl else 1.0,
-                          costs.draft_time(s.draft_src, nd) if dl else 0.0)
-        rows, tokens, draft_s = (sum(v[i] for v in mine.values()) for i in range(3))
-        for s, c, nd in live:
-            src = self._draft_source(s)
-            s.spec_src = src
-            dl = s.adapt.get(src)
-            if dl is None:
-                continue
-            r, e, d = mine[s.id]
-            k = choose_k(dl.alpha, dl.k_max, costs.step_time, rows - r + 1,
-                         lambda k, src=src: costs.draft_time(src, k), others_tokens=tokens - e,
-                         others_time=draft_s - d)
-            dl.decide(k)
-
-    def _spec_length_stats(self, s: _Sequence) -> dict:
-        """stats() of a running sequence: the draft length of its next step, whether its drafter is
-        backed off, and per drafter k, backed_off and the acceptance estimate alpha."""
-        if not self.config.spec_adaptive or not s.adapt:
-            return dict(spec_k=s.spec_k if s.adapt else 0, spec_backed_off=False)
-        dl = s.adapt.get(s.spec_src) or next(iter(s.adapt.values()))
-        return dict(spec_k=dl.k, spec_backed_off=dl.backed_off,
-                    spec_lengths={name: d.summary() for name, d in s.adapt.items()})
-
-    def _take_drafts(self, s: _Sequence, room: int) -> tuple[list[int], torch.Tensor | None, str]:
-        """This step's drafts for s (at most `room`): (tokens, their drafter distributions or None for
-        one-hot drafts, the drafter's name)."""
-        if room <= 0:
-            return [], None, ""
-        if self._ngram_first(s):
-            t0 = time.perf_counter()
-            d = s.drafter.propose(room)
-            dt = time.perf_counter() - t0
-            self._costs.add_draft("ngram", dt, 1)
-            self._draft_s += dt
-            return d, None, "ngram"
-        if s.mtp is not None:
-            return s.mtp.drafts[:room], None, "mtp"
-        st = s.dflash
-        if st is not None and st.drafts and st.position == len(s.tokens) - 1:   # drafts follow the last token
-            d = st.drafts[:room]
-            return d, (st.q[:len(d)] if st.q is not None else None), "dflash"
-        return [], None, ""
 
     def _reuse_prefix(self, s: _Sequence) -> None:
         """Start s from the longest prefix of its prompt that a resident or running sequence holds."""
@@ -1023,202 +727,6 @@ class Engine:
             vp.encode_ms += 1000 * (time.monotonic() - t0)
             self._totals["image_encode_ms"] += round(1000 * (time.monotonic() - t0), 3)
 
-    def _step_runner(self) -> None:
-        """One step on the runner: every generating sequence's next token in one decode call (a CUDA
-        graph on the GPU), then prompt chunks (each cut at multiples of prefill_chunk) within the
-        step's token budget, in arrival order. The KV blocks they write are made free first.
-
-        Tokens: rows whose request needs nothing host-only get theirs chosen on the device
-        (engine/sample_device.py) and only the ids come back; the others' logits go to the host Sampler
-        (_on_logits), both kinds in the same step. With overlap_steps, a step's device-chosen ids stay on
-        the device as the next step's input tokens and are read back by that next step after it has
-        launched its decode (_complete_runner): streaming, stop strings and finishing run while the GPU
-        computes. A sequence that such a token finishes (end of generation, stop string; a cancel) then
-        had a row in the running step: its result is discarded (_finish: _discard_ahead_row)."""
-        prev, self._inflight = self._inflight, None
-        try:
-            self._runner_step(prev)
-        except BaseException:
-            self._ahead = None   # (the loop finishes every running sequence with "error")
-            raise
-
-    def _runner_step(self, prev: _RunnerStep | None) -> None:
-        t0 = time.monotonic()
-        r, pc = self.runner, self.config.prefill_chunk
-        while True:
-            room = self._make_room(*self._plan_runner(prev), drain=prev is not None)
-            if room is not None:
-                break
-            # short of free blocks: the previous step's tokens first, then the plan the engine makes without
-            # overlap (evicting and pre-empting need every sequence's tokens on the host)
-            self._complete_runner(prev)
-            prev = None
-        dec, chunks = room
-        step = _RunnerStep()
-        host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
-        if dec:
-            pos = [s.n_computed for s in dec]
-            logits = r.decode([s.slot for s in dec], self._decode_inputs(dec, prev), pos)
-            for s, p in zip(dec, pos):
-                s.n_computed = p + 1
-            on_dev = [self._device_row(s) for s in dec]
-            if all(on_dev):
-                step.choose(dec, logits, self.spec.vocab_size)
-            elif any(on_dev):
-                rows = [i for i, d in enumerate(on_dev) if d]
-                step.choose([dec[i] for i in rows], logits[rows], self.spec.vocab_size)
-            if not all(on_dev):
-                rows = [i for i, d in enumerate(on_dev) if not d]
-                host += [dec[i] for i in rows]
-                host_lg.append(logits[rows].float())   # (a copy: the graph's output buffer is rewritten next step)
-            step.decode = {s.id for s in step.seqs}
-            self._ahead = step
-        self._complete_runner(prev)   # the previous step's tokens, while this step's decode runs
-        rows = len(dec)
-        firsts, first_lg = [], []
-        for s, lo, hi in chunks:
-            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc)
-            s.n_computed = hi
-            rows += hi - lo
-            if hi == s.n_prompt and s.n_generated == 0:   # (a recomputed sequence samples nothing here)
-                if self._device_row(s):
-                    firsts.append(s)
-                    first_lg.append(out[-1:])
-                else:
-                    host.append(s)
-                    host_lg.append(out[-1:].float())
-        if firsts:
-            step.choose(firsts, torch.cat(first_lg) if len(first_lg) > 1 else first_lg[0], self.spec.vocab_size)
-        step.send()
-        if host:   # host rows, in one copy: their tokens are needed before the next step is planned
-            lgs = (torch.cat(host_lg) if len(host_lg) > 1 else host_lg[0]).cpu()
-            for s, lg in zip(host, lgs):
-                if s.n_generated == 0:
-                    self._totals["prompt_tokens"] += s.n_prompt
-                self._on_logits(s, lg)
-        if self.config.overlap_steps:
-            self._inflight = step
-        else:
-            self._complete_runner(step)
-        self._last_step = {"rows": rows, "seqs": len(dec) + len(chunks),
-                           "ms": round(1000 * (time.monotonic() - t0), 2)}
-        self._totals["steps"] += 1
-
-    def _device_row(self, s: _Sequence) -> bool:
-        """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only)."""
-        return self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
-
-    def _decode_inputs(self, dec: list[_Sequence], prev: _RunnerStep | None):
-        """The decode rows' input tokens: a sequence's last token on the host, or the id the previous
-        step chose for it on the device when that is not read yet (a device tensor then: no sync)."""
-        if prev is None or prev.ids is None or not any(s.id in prev.row for s in dec):
-            return [s.tokens[-1] for s in dec]
-        dev = prev.ids.device
-        own = [s.tokens[-1] for s in dec if s.id not in prev.row]
-        src = torch.cat([prev.ids, torch.tensor(own, dtype=torch.long).to(dev, non_blocking=True)]) if own else prev.ids
-        idx, k = [], prev.ids.shape[0]
-        for s in dec:
-            if s.id in prev.row:
-                idx.append(prev.row[s.id])
-            else:
-                idx.append(k)
-                k += 1
-        if idx == list(range(src.shape[0])):
-            return src
-        return src.index_select(0, torch.tensor(idx, dtype=torch.long).to(dev, non_blocking=True))
-
-    def _complete_runner(self, step: _RunnerStep | None) -> None:
-        """A step's device-chosen tokens on the host: stream them, check stop strings and limits, finish
-        (_append_token, as for host-sampled tokens). Sequences finished meanwhile (a cancel) are skipped."""
-        if step is None:
-            return
-        if self._ahead is step:
-            self._ahead = None   # its rows' results are read now: they no longer run ahead
-        ids = step.read()
-        running = set(self._running)
-        for s, tok in zip(step.seqs, ids):
-            if s not in running:
-                continue
-            check_chosen(tok)
-            if s.n_generated == 0:
-                self._totals["prompt_tokens"] += s.n_prompt
-            self._totals["device_sampled_tokens"] += 1
-            self._append_token(s, tok, None)
-
-    def _discard_ahead_row(self, s: _Sequence) -> None:
-        """s finishes while its decode row of the running step, fed the token that finished it, is still on
-        the GPU (overlap_steps): that row's result is never read. Without recurrent layers the slot is cut
-        back to the tokens before it (blocks too), exactly as without overlap; a recurrent model's states
-        already moved past that token, so the slot keeps it (parked one token longer)."""
-        self._ahead.decode.discard(s.id)
-        self._totals["discarded_rows"] += 1
-        if not self.spec.recurrent_layers:
-            s.n_computed -= 1
-            self.runner.truncate(s.slot, s.n_computed)
-
-    def _plan_runner(self, prev: _RunnerStep | None = None) -> tuple[list[_Sequence], list[tuple[_Sequence, int, int]]]:
-        """The runner step's rows: the generating sequences (one decode row each, at position n_computed),
-        and (sequence, lo, hi) prompt chunks in arrival order while the step's token budget lasts. A sequence
-        back from a pre-emption reads all its tokens but the last as prompt chunks again. A sequence whose
-        token from prev is not read yet gets no row when that token will end it by max_tokens or the
-        context limit."""
-        budget = max(self.config.step_tokens, len(self._running))
-        pc = self.config.prefill_chunk
-        pend = prev.row if prev is not None else {}
-        dec = [s for s in self._running if s.n_computed >= s.target and not (
-            s.id in pend and (s.n_generated + 1 >= s.params.max_tokens or len(s.tokens) + 1 >= self.ctx_size))]
-        rows = len(dec)
-        budget -= rows
-        chunks = []
-        for s in self._running:
-            if s.n_computed < s.target:
-                lo = s.n_computed
-                hi = min((lo // pc + 1) * pc, s.target)   # chunks end at fixed positions after a reused prefix
-                if hi - lo > budget and rows:
-                    continue
-                chunks.append((s, lo, hi))
-                budget -= hi - lo
-                rows += hi - lo
-        return dec, chunks
-
-    def _make_room(self, dec: list, chunks: list, drain: bool = False) -> tuple[list, list] | None:
-        """Free the KV blocks a runner step needs before it runs: evict parked conversations (least
-        recently used first), then pre-empt the newest running sequence (_preempt: recomputed later);
-        a sequence that cannot fit even alone stops with reason "length". Returns the step's rows
-        without the pre-empted ones; with drain, None instead of evicting anything (the caller reads the
-        previous step's tokens first)."""
-        r = self.runner
-        while True:
-            need = sum(r.blocks_needed(s.slot, s.n_computed, s.n_computed + 1) for s in dec)
-            need += sum(r.blocks_needed(s.slot, lo, hi) for s, lo, hi in chunks)
-            if need <= r.pool.n_free:
-                return dec, chunks
-            if drain:
-                return None
-            if self._evict_parked():
-                continue
-            if len(self._running) <= 1:   # (not expected: one sequence's context is at most the pool)
-                for s in list(self._running):
-                    log.warning("KV pool full: request %d stopped at %d tokens", s.id, len(s.tokens))
-                    self._totals["pool_full_stops"] += 1
-                    self._finish(s, "length")
-                return [], []
-            victim = max(self._running, key=lambda q: (q.t_start or 0, q.id))
-            self._preempt(victim)
-            dec = [s for s in dec if s is not victim]
-            chunks = [c for c in chunks if c[0] is not victim]
-
-    def _evict_parked(self) -> bool:
-        """Drop the least recently used parked conversation (GPU path): its slot is free, its blocks go back
-        to the pool unless another slot shares them. False when none is parked."""
-        if not self._parked:
-            return False
-        slot, _ = self._parked.popitem(last=False)
-        self.runner.release(slot)
-        self._free_slots.append(slot)
-        self._totals["parked_evicted"] += 1
-        return True
-
     def _step(self) -> None:
         if self.runner is not None:
             return self._step_runner()
@@ -1270,87 +778,6 @@ class Engine:
             self._costs.add_step(rows, time.monotonic() - t0 - self._draft_s)
         self._last_step = {"rows": rows, "seqs": len(plan), "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
-
-    def _dflash_step(self, plan: list[tuple[_Sequence, SeqChunk]]) -> None:
-        """After a step: append to each DFlash context the target's hidden states of the positions that
-        became final (prompt rows, the fed token and accepted drafts; never rejected drafts), then draft
-        the block after the last sampled token of every generating sequence."""
-        grow, reqs = [], []
-        for s, c in plan:
-            st = s.dflash
-            if st is None or s.kv is None or c.features is None:
-                continue
-            held, st.deferred = st.deferred, None      # (rows put off while drafting is backed off)
-            n_held = 0 if held is None else held.shape[0]
-            lo, hi = st.length + n_held - c.start, s.n_computed - c.start   # rows new to the context / still final
-            new = c.features[lo:hi] if 0 <= lo < hi else None
-            rows = new if held is None else held if new is None else torch.cat([held, new])
-            if rows is None:
-                continue
-            dl = s.adapt.get("dflash") if self.config.spec_adaptive else None
-            if (dl is not None and dl.backed_off and self._model_drafts_wanted(s) == 0
-                    and rows.shape[0] <= MAX_DEFERRED):
-                st.deferred = rows.clone() if rows is new else rows
-                continue
-            grow.append((st, rows))
-        self._dflash.extend(grow)
-        for s, c in plan:
-            st = s.dflash
-            if st is None or s.kv is None:
-                continue
-            k = self._model_drafts_wanted(s)
-            if k and st.length == s.n_computed == len(s.tokens) - 1:
-                reqs.append(DraftRequest(st, s.tokens[-1], k, s.sampler, s.tokens))
-            else:
-                st.drafts, st.q = [], None
-        t0 = time.perf_counter()
-        propose(self._dflash, self.model, reqs)
-        if reqs:
-            dt = time.perf_counter() - t0
-            self._costs.add_draft("dflash", dt, len(reqs))
-            self._draft_s += dt
-
-    def _verify_drafts(self, s: _Sequence, start: int, lg: torch.Tensor) -> None:
-        """Rows of [last token, draft 1..k]: accept drafts as the target would have produced them
-        (greedy: while they equal its choice; sampled: with probability min(1, p/q), the first rejection
-        drawn from normalize(max(p - q, 0)), q one-hot for n-gram and MTP drafts; engine/spec/verify.py).
-        The KV and recurrent states are rolled back to the accepted rows first, then the tokens are
-        streamed (which may finish the sequence)."""
-        drafts, s.drafts = s.drafts, []
-        q, s.draft_q = s.draft_q, None
-        p = s.params
-        hist = list(s.tokens)
-        out = []
-        n_acc = 0
-        for i in range(len(drafts) + 1):
-            if i == len(drafts) or p.greedy:
-                tok, lp = s.sampler.sample_with_logprobs(lg[i], hist)
-            else:
-                probs = torch.softmax(s.sampler.final_logits(lg[i], hist).double(), 0)
-                tok, _ = accept_or_resample(probs, drafts[i], s.sampler.generator, None if q is None else q[i])
-                lp = s.sampler.logprob_of(lg[i], tok) if p.logprobs is not None else None
-            out.append((tok, lp))
-            hist.append(tok)
-            if i == len(drafts) or tok != drafts[i]:
-                break
-            n_acc += 1
-        s.drafted += len(drafts)
-        s.accepted += n_acc
-        self._totals["drafted_tokens"] += len(drafts)
-        self._totals["accepted_tokens"] += n_acc
-        for counts in (s.spec_by, self._totals):   # per drafter, for stats()
-            counts[f"{s.draft_src}_drafted"] += len(drafts)
-            counts[f"{s.draft_src}_accepted"] += n_acc
-        s.spec_k = min(self.config.spec_max_drafts, 2 * s.spec_k) if n_acc == len(drafts) else max(1, n_acc + 1)
-        dl = s.adapt.get(s.draft_src)
-        if dl is not None:
-            dl.observe(len(drafts), n_acc)
-        s.n_computed = start + 1 + n_acc          # the fed token and the accepted drafts have good KV
-        s.kv.keep_rows(start, 1 + n_acc)
-        for tok, lp in out:
-            self._append_token(s, tok, lp)
-            if s.kv is None:                      # finished (end of generation, stop string, limit)
-                break
 
     def _on_logits(self, s: _Sequence, logits: torch.Tensor) -> None:
         p = s.params

@@ -1,0 +1,402 @@
+"""The GPU path's scheduling: one step of engine/runner.py's slots for the Engine (a mixin of it).
+
+Slots and the one KV pool they share (_open_runner, _fit_pool), admission into a slot with parked
+conversations and shared prefixes (_take_slot), pool room, eviction and pre-emption before a step
+(_make_room), and the step itself: decode rows and prompt chunks, tokens chosen on the device or by the
+host Sampler, overlapped steps (_step_runner). The engine's loop, contract and CPU step stay in
+engine/engine.py.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.prefix import common_prefix
+from engine.sample_device import check_chosen, choose_tokens, samples_on_device
+from engine.types import EngineError
+
+if TYPE_CHECKING:
+    from engine.engine import _Sequence
+
+log = logging.getLogger("hivejet.engine")
+
+RUNNER_BLOCK = 16   # tokens per block of the GPU path's KV pool
+
+
+class _RunnerStep:
+    """GPU path: the tokens one runner step chose on the device (engine/sample_device.py), in row order: the
+    ids stay on the device as the next step's input tokens, and one small copy brings them to the host
+    (pinned memory, non_blocking, an event to wait on) for the per-sequence bookkeeping."""
+
+    def __init__(self):
+        self.seqs: list[_Sequence] = []      # the rows' sequences, in the ids' order
+        self.row: dict[int, int] = {}        # sequence id -> its row in ids
+        self.decode: set[int] = set()        # sequences with a decode row among them (ahead rows, _finish)
+        self._parts: list[torch.Tensor] = []
+        self.ids: torch.Tensor | None = None          # [rows] long on the device
+        self._host: torch.Tensor | None = None
+        self._event = None
+
+    def choose(self, seqs: list[_Sequence], logits: torch.Tensor, vocab_size: int) -> None:
+        """Queue the choice of seqs' tokens from logits [len(seqs), V] (one uniform number from each
+        sampled request's generator, drawn now: the Sampler's stream)."""
+        us = [0.0 if s.params.greedy else s.sampler.next_uniform() for s in seqs]
+        self._parts.append(choose_tokens(logits, [s.params for s in seqs], us, vocab_size))
+        for s in seqs:
+            self.row[s.id] = len(self.seqs)
+            self.seqs.append(s)
+
+    def send(self) -> None:
+        """Start the ids' copy to the host (asynchronous on CUDA)."""
+        if not self._parts:
+            return
+        self.ids = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+        self._parts = []
+        if self.ids.device.type == "cuda":
+            self._host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
+            self._host.copy_(self.ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = self.ids
+
+    def read(self) -> list[int]:
+        """The ids on the host (waits for the copy)."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+
+class RunnerScheduler:
+    """The Engine's GPU-path (engine/runner.py) methods; Engine inherits them."""
+
+    def _open_runner(self) -> None:
+        """Put the model on the device with one slot per concurrent sequence and ONE KV pool they share:
+        ctx_pool_tokens, else on a GPU as much as fits in 90 % of the memory left after the weights and
+        the fixed per-slot state (too little for 256 tokens is an error), else (static slots on the CPU)
+        max_seqs x the context. One sequence may use up to min(its context, the pool). Recurrent models
+        also get state checkpoints for prefix sharing (state_checkpoints; by default as many as fit in
+        2 % of the KV cache, which the fit leaves room for)."""
+        from engine.runner import Runner, state_checkpoint_bytes
+        c = self.config
+        dev = torch.device(c.device)
+        types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
+        want = c.ctx_size or self.spec.context_length
+        if c.prefill_chunk % RUNNER_BLOCK:   # shared prefixes end on chunk ends: whole blocks, never copied
+            self.model.close()
+            raise EngineError(f"prefill_chunk {c.prefill_chunk} must be a multiple of {RUNNER_BLOCK} on the "
+                              f"{c.device} path (its KV blocks)")
+        one_ckpt = state_checkpoint_bytes(self.model) if c.resident_tokens > 0 else 0   # 0: no recurrent layers
+        ckpt_share = 0.02 if one_ckpt and c.state_checkpoints < 0 else 0.0
+        try:
+            if c.ctx_pool_tokens:
+                pool = c.ctx_pool_tokens
+            elif dev.type == "cuda":
+                self.model.to_device(dev)
+                free, _ = torch.cuda.mem_get_info(dev)
+                pool = self._fit_pool(int(0.9 * free), want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
+                if pool < 256:
+                    raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
+                                      f"the weights, for {c.max_seqs} sequences' state and a pool of 256 tokens")
+            else:
+                pool = c.max_seqs * want
+            blocks = max(1, pool // RUNNER_BLOCK)
+            self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, n_blocks=blocks, block_size=RUNNER_BLOCK,
+                                 max_ctx=min(want, blocks * RUNNER_BLOCK), **types)
+            if one_ckpt:
+                n = c.state_checkpoints if c.state_checkpoints >= 0 else \
+                    min(64, int(ckpt_share * self.runner.kv_bytes()) // one_ckpt)
+                self.runner.enable_checkpoints(n)
+        except (ValueError, torch.OutOfMemoryError) as e:
+            self.model.close()
+            raise EngineError(f"cannot set up the {c.device} path: {e}") from None
+        except EngineError:
+            self.model.close()
+            raise
+        self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
+        self._free_slots = list(range(c.max_seqs - 1, -1, -1))
+        self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
+        self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
+        self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
+
+    def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
+        """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
+        (recurrent states, key preconditioning sized for min(want, pool) positions, the scratch slot's
+        too), the given checkpoints and a `ckpt_share` of the KV for the default checkpoints."""
+        from engine.runner import slot_bytes_per_token, slot_fixed_bytes
+        c = self.config
+        types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
+        per_token = max(1, slot_bytes_per_token(self.model, **types))
+
+        def fits(blocks: int) -> bool:
+            tokens = blocks * RUNNER_BLOCK
+            fixed = slot_fixed_bytes(self.model, **types, max_ctx=min(want, tokens)) * (c.max_seqs + 1)
+            return (tokens + RUNNER_BLOCK) * per_token * (1 + ckpt_share) + fixed + ckpt_bytes <= budget
+        lo, hi = 0, budget // (per_token * RUNNER_BLOCK) + 1       # lo fits (or is 0), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo * RUNNER_BLOCK
+
+    def _take_slot(self, s: _Sequence) -> None:
+        """GPU path: a finished conversation stays parked in its slot (KV blocks and recurrent states in
+        place); a request whose prompt continues one takes that slot over and computes only the rest.
+        Else the longest prefix another slot holds, running or parked (agents sharing a system prompt),
+        is shared with the new slot (Runner.find_prefix / share_prefix: a multiple of prefill_chunk, its
+        blocks referenced, recurrent states from a checkpoint), and only the rest is computed, with the
+        numbers a cold run gives. Else a free slot, else the least recently parked one. A sequence back
+        from a pre-emption needs all its tokens but the last again (s.target)."""
+        r, pc = self.runner, self.config.prefill_chunk
+        best, n, whole = None, 0, False
+        prompt = s.tokens[:s.target]
+        if s.vision is None:
+            for slot, toks in self._parked.items():
+                lcp = common_prefix(toks, prompt)
+                if self.spec.recurrent_layers:   # the states are those after the parked tokens: all or nothing
+                    use = len(toks) if lcp >= len(toks) and len(toks) < s.target else 0
+                else:
+                    use = min(lcp, s.target - 1)
+                if use > n:
+                    best, n, whole = slot, use, lcp >= len(toks)
+        match = None
+        if s.vision is None and self._resident.budget > 0:
+            donors = {q.slot: q.tokens[:q.n_computed] for q in self._running if q.slot is not None and q.vision is None}
+            donors.update(self._parked)
+            match = r.find_prefix(prompt, donors, pc)
+        # taking over a parked conversation the prompt does not continue loses that conversation: worth it
+        # only for at least a block, and a chunk more than a copy would give
+        if best is not None and not whole and (n < r.block_size or (match is not None and n - pc < match.n)):
+            best, n = None, 0
+        if match is not None and match.n > n:
+            if self._free_slots:
+                s.slot = self._free_slots.pop()
+            else:   # the least recently parked slot other than the donor (the donor itself when it is the only one)
+                s.slot = next((p for p in self._parked if p != match.src), match.src)
+                del self._parked[s.slot]
+            if match.src in self._parked:
+                self._parked.move_to_end(match.src)   # just used: evicted last
+            r.share_prefix(match, s.slot)              # (drops what s.slot held before)
+            s.n_computed = s.cached = match.n
+            self._totals["cached_tokens"] += match.n
+            self._totals["shared_tokens"] += match.n
+        elif best is not None:
+            del self._parked[best]
+            s.slot = best
+            r.truncate(best, n)                        # the blocks after the common part go back to the pool
+            s.n_computed = s.cached = n
+            self._totals["cached_tokens"] += n
+        elif self._free_slots:
+            s.slot = self._free_slots.pop()
+        else:
+            s.slot, _ = self._parked.popitem(last=False)
+            r.release(s.slot)
+
+    def _runner_has_room(self, s: _Sequence) -> bool:
+        """GPU path: whether the pool's free blocks, plus those only parked conversations hold, can take all of
+        s's tokens (a prefix it may share is not counted: it waits rather than push a running one out)."""
+        r = self.runner
+        spare = r.pool.n_free + sum(r.held_alone(p) for p in self._parked)
+        return spare * r.block_size >= len(s.tokens) + 1
+
+    def _step_runner(self) -> None:
+        """One step on the runner: every generating sequence's next token in one decode call (a CUDA
+        graph on the GPU), then prompt chunks (each cut at multiples of prefill_chunk) within the
+        step's token budget, in arrival order. The KV blocks they write are made free first.
+
+        Tokens: rows whose request needs nothing host-only get theirs chosen on the device
+        (engine/sample_device.py) and only the ids come back; the others' logits go to the host Sampler
+        (_on_logits), both kinds in the same step. With overlap_steps, a step's device-chosen ids stay on
+        the device as the next step's input tokens and are read back by that next step after it has
+        launched its decode (_complete_runner): streaming, stop strings and finishing run while the GPU
+        computes. A sequence that such a token finishes (end of generation, stop string; a cancel) then
+        had a row in the running step: its result is discarded (_finish: _discard_ahead_row)."""
+        prev, self._inflight = self._inflight, None
+        try:
+            self._runner_step(prev)
+        except BaseException:
+            self._ahead = None   # (the loop finishes every running sequence with "error")
+            raise
+
+    def _runner_step(self, prev: _RunnerStep | None) -> None:
+        t0 = time.monotonic()
+        r, pc = self.runner, self.config.prefill_chunk
+        while True:
+            room = self._make_room(*self._plan_runner(prev), drain=prev is not None)
+            if room is not None:
+                break
+            # short of free blocks: the previous step's tokens first, then the plan the engine makes without
+            # overlap (evicting and pre-empting need every sequence's tokens on the host)
+            self._complete_runner(prev)
+            prev = None
+        dec, chunks = room
+        step = _RunnerStep()
+        host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
+        if dec:
+            pos = [s.n_computed for s in dec]
+            logits = r.decode([s.slot for s in dec], self._decode_inputs(dec, prev), pos)
+            for s, p in zip(dec, pos):
+                s.n_computed = p + 1
+            on_dev = [self._device_row(s) for s in dec]
+            if all(on_dev):
+                step.choose(dec, logits, self.spec.vocab_size)
+            elif any(on_dev):
+                rows = [i for i, d in enumerate(on_dev) if d]
+                step.choose([dec[i] for i in rows], logits[rows], self.spec.vocab_size)
+            if not all(on_dev):
+                rows = [i for i, d in enumerate(on_dev) if not d]
+                host += [dec[i] for i in rows]
+                host_lg.append(logits[rows].float())   # (a copy: the graph's output buffer is rewritten next step)
+            step.decode = {s.id for s in step.seqs}
+            self._ahead = step
+        self._complete_runner(prev)   # the previous step's tokens, while this step's decode runs
+        rows = len(dec)
+        firsts, first_lg = [], []
+        for s, lo, hi in chunks:
+            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc)
+            s.n_computed = hi
+            rows += hi - lo
+            if hi == s.n_prompt and s.n_generated == 0:   # (a recomputed sequence samples nothing here)
+                if self._device_row(s):
+                    firsts.append(s)
+                    first_lg.append(out[-1:])
+                else:
+                    host.append(s)
+                    host_lg.append(out[-1:].float())
+        if firsts:
+            step.choose(firsts, torch.cat(first_lg) if len(first_lg) > 1 else first_lg[0], self.spec.vocab_size)
+        step.send()
+        if host:   # host rows, in one copy: their tokens are needed before the next step is planned
+            lgs = (torch.cat(host_lg) if len(host_lg) > 1 else host_lg[0]).cpu()
+            for s, lg in zip(host, lgs):
+                if s.n_generated == 0:
+                    self._totals["prompt_tokens"] += s.n_prompt
+                self._on_logits(s, lg)
+        if self.config.overlap_steps:
+            self._inflight = step
+        else:
+            self._complete_runner(step)
+        self._last_step = {"rows": rows, "seqs": len(dec) + len(chunks),
+                           "ms": round(1000 * (time.monotonic() - t0), 2)}
+        self._totals["steps"] += 1
+
+    def _device_row(self, s: _Sequence) -> bool:
+        """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only)."""
+        return self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
+
+    def _decode_inputs(self, dec: list[_Sequence], prev: _RunnerStep | None):
+        """The decode rows' input tokens: a sequence's last token on the host, or the id the previous
+        step chose for it on the device when that is not read yet (a device tensor then: no sync)."""
+        if prev is None or prev.ids is None or not any(s.id in prev.row for s in dec):
+            return [s.tokens[-1] for s in dec]
+        dev = prev.ids.device
+        own = [s.tokens[-1] for s in dec if s.id not in prev.row]
+        src = torch.cat([prev.ids, torch.tensor(own, dtype=torch.long).to(dev, non_blocking=True)]) if own else prev.ids
+        idx, k = [], prev.ids.shape[0]
+        for s in dec:
+            if s.id in prev.row:
+                idx.append(prev.row[s.id])
+            else:
+                idx.append(k)
+                k += 1
+        if idx == list(range(src.shape[0])):
+            return src
+        return src.index_select(0, torch.tensor(idx, dtype=torch.long).to(dev, non_blocking=True))
+
+    def _complete_runner(self, step: _RunnerStep | None) -> None:
+        """A step's device-chosen tokens on the host: stream them, check stop strings and limits, finish
+        (_append_token, as for host-sampled tokens). Sequences finished meanwhile (a cancel) are skipped."""
+        if step is None:
+            return
+        if self._ahead is step:
+            self._ahead = None   # its rows' results are read now: they no longer run ahead
+        ids = step.read()
+        running = set(self._running)
+        for s, tok in zip(step.seqs, ids):
+            if s not in running:
+                continue
+            check_chosen(tok)
+            if s.n_generated == 0:
+                self._totals["prompt_tokens"] += s.n_prompt
+            self._totals["device_sampled_tokens"] += 1
+            self._append_token(s, tok, None)
+
+    def _discard_ahead_row(self, s: _Sequence) -> None:
+        """s finishes while its decode row of the running step, fed the token that finished it, is still on
+        the GPU (overlap_steps): that row's result is never read. Without recurrent layers the slot is cut
+        back to the tokens before it (blocks too), exactly as without overlap; a recurrent model's states
+        already moved past that token, so the slot keeps it (parked one token longer)."""
+        self._ahead.decode.discard(s.id)
+        self._totals["discarded_rows"] += 1
+        if not self.spec.recurrent_layers:
+            s.n_computed -= 1
+            self.runner.truncate(s.slot, s.n_computed)
+
+    def _plan_runner(self, prev: _RunnerStep | None = None) -> tuple[list[_Sequence], list[tuple[_Sequence, int, int]]]:
+        """The runner step's rows: the generating sequences (one decode row each, at position n_computed),
+        and (sequence, lo, hi) prompt chunks in arrival order while the step's token budget lasts. A sequence
+        back from a pre-emption reads all its tokens but the last as prompt chunks again. A sequence whose
+        token from prev is not read yet gets no row when that token will end it by max_tokens or the
+        context limit."""
+        budget = max(self.config.step_tokens, len(self._running))
+        pc = self.config.prefill_chunk
+        pend = prev.row if prev is not None else {}
+        dec = [s for s in self._running if s.n_computed >= s.target and not (
+            s.id in pend and (s.n_generated + 1 >= s.params.max_tokens or len(s.tokens) + 1 >= self.ctx_size))]
+        rows = len(dec)
+        budget -= rows
+        chunks = []
+        for s in self._running:
+            if s.n_computed < s.target:
+                lo = s.n_computed
+                hi = min((lo // pc + 1) * pc, s.target)   # chunks end at fixed positions after a reused prefix
+                if hi - lo > budget and rows:
+                    continue
+                chunks.append((s, lo, hi))
+                budget -= hi - lo
+                rows += hi - lo
+        return dec, chunks
+
+    def _make_room(self, dec: list, chunks: list, drain: bool = False) -> tuple[list, list] | None:
+        """Free the KV blocks a runner step needs before it runs: evict parked conversations (least
+        recently used first), then pre-empt the newest running sequence (_preempt: recomputed later);
+        a sequence that cannot fit even alone stops with reason "length". Returns the step's rows
+        without the pre-empted ones; with drain, None instead of evicting anything (the caller reads the
+        previous step's tokens first)."""
+        r = self.runner
+        while True:
+            need = sum(r.blocks_needed(s.slot, s.n_computed, s.n_computed + 1) for s in dec)
+            need += sum(r.blocks_needed(s.slot, lo, hi) for s, lo, hi in chunks)
+            if need <= r.pool.n_free:
+                return dec, chunks
+            if drain:
+                return None
+            if self._evict_parked():
+                continue
+            if len(self._running) <= 1:   # (not expected: one sequence's context is at most the pool)
+                for s in list(self._running):
+                    log.warning("KV pool full: request %d stopped at %d tokens", s.id, len(s.tokens))
+                    self._totals["pool_full_stops"] += 1
+                    self._finish(s, "length")
+                return [], []
+            victim = max(self._running, key=lambda q: (q.t_start or 0, q.id))
+            self._preempt(victim)
+            dec = [s for s in dec if s is not victim]
+            chunks = [c for c in chunks if c[0] is not victim]
+
+    def _evict_parked(self) -> bool:
+        """Drop the least recently used parked conversation (GPU path): its slot is free, its blocks go back
+        to the pool unless another slot shares them. False when none is parked."""
+        if not self._parked:
+            return False
+        slot, _ = self._parked.popitem(last=False)
+        self.runner.release(slot)
+        self._free_slots.append(slot)
+        self._totals["parked_evicted"] += 1
+        return True

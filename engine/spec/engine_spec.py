@@ -1,0 +1,232 @@
+"""The CPU path's speculative decoding for the Engine (a mixin of it): the DFlash drafter's loading,
+which drafter drafts and how many tokens (adaptive lengths), taking the drafts into a step, and verifying
+them after the forward. The drafters themselves live beside this module (ngram, mtp, dflash, adaptive,
+verify); the engine's loop and CPU step stay in engine/engine.py.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.gguf.reader import GGUFError
+from engine.spec.adaptive import MAX_DEFERRED, choose_k, expected_tokens
+from engine.spec.dflash import DFlashError, DraftRequest, load_drafter, propose
+from engine.spec.verify import accept_or_resample
+from engine.types import EngineError
+
+if TYPE_CHECKING:
+    from engine.engine import _Sequence
+    from engine.models.common import SeqChunk
+
+log = logging.getLogger("hivejet.engine")
+
+
+def _acceptance_by_drafter(counts) -> dict:
+    """{drafter: {drafted, accepted, acceptance}} from "<drafter>_drafted" / "<drafter>_accepted" counts."""
+    out = {}
+    for name in ("ngram", "mtp", "dflash"):
+        d, a = counts.get(f"{name}_drafted", 0), counts.get(f"{name}_accepted", 0)
+        if d:
+            out[name] = dict(drafted=d, accepted=a, acceptance=round(a / d, 3))
+    return out
+
+
+class SpeculationMixin:
+    """The Engine's speculative-decoding methods (CPU path); Engine inherits them."""
+
+    def _open_dflash(self, drafter: str | None) -> None:
+        """Load the DFlash drafter, check it fits the target, and have the target's forward keep the
+        hidden states the drafter reads (only now: the capture costs nothing when unset)."""
+        if not drafter:
+            self.model.close()
+            raise EngineError(f"spec={self.config.spec!r} needs a DFlash drafter (spec_drafter / --spec-drafter: "
+                              "a directory with config.json + model.safetensors, or its GGUF)")
+        try:
+            d = load_drafter(drafter)
+            d.check_target(self.model)
+        except (DFlashError, GGUFError, OSError) as e:
+            self.model.close()
+            raise EngineError(f"DFlash drafter: {e}") from None
+        self._dflash = d
+        self.model.capture_layers = d.cfg.target_layer_ids
+        log.info("DFlash drafter %s: %d layers, blocks of %d, target layers %s", drafter, d.cfg.n_layer,
+                 d.cfg.block_size, list(d.cfg.target_layer_ids))
+
+    def _spec_ok(self, s: _Sequence) -> bool:
+        """Drafts for this sequence: on, no grammar constraint (it must see every token), no
+        images. (qwen35's recurrent states roll back to the snapshot after the last accepted row.)"""
+        return (bool(self._spec_kinds) and self.config.spec_max_drafts > 0 and s.req.constraint is None
+                and s.vision is None)
+
+    def _ngram_first(self, s: _Sequence) -> bool:
+        """Whether s drafts with n-grams this step: it has no model drafter, or (a chain) the end of its
+        conversation repeats an earlier span of at least spec_ngram_min_match tokens, where lookup
+        predicts better than a model drafter."""
+        if s.drafter is None:
+            return False
+        if s.mtp is None and s.dflash is None:
+            return True
+        return s.drafter.match_length() >= self.config.spec_ngram_min_match
+
+    def _model_drafts_wanted(self, s: _Sequence) -> int:
+        """Drafts to ask the MTP block / DFlash drafter for after this step: what the next step can
+        verify (the draft length, the context and max_tokens left), 0 when s is not generating or
+        takes n-gram drafts next."""
+        if s.kv is None or s.n_computed < s.n_prompt or self._ngram_first(s):
+            return 0
+        return max(0, min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
+                          s.params.max_tokens - s.n_generated - 1))
+
+    def _draft_source(self, s: _Sequence) -> str | None:
+        """The drafter s takes its next drafts from (as _take_drafts chooses)."""
+        if self._ngram_first(s):
+            return "ngram"
+        return "mtp" if s.mtp is not None else "dflash" if s.dflash is not None else None
+
+    def _draft_len(self, s: _Sequence) -> int:
+        """The draft length of s's next step: its drafter's adaptive k (spec_adaptive), else spec_k."""
+        if not self.config.spec_adaptive:
+            return s.spec_k
+        dl = s.adapt.get(self._draft_source(s))
+        return dl.k if dl is not None else 0
+
+    def _adapt_draft_lengths(self, decode: list) -> None:
+        """After a step's verification (before the model drafters draft for the next one): the draft
+        length of every generating sequence's next drafter, k maximizing the step's expected tokens per
+        second (engine/spec/adaptive.py: choose_k) from its acceptance and the measured costs, with the
+        other sequences' rows, expected tokens and drafting time as in this step; 0 backs off (probes
+        every few steps). decode: (sequence, chunk, drafts) of this step's generating sequences."""
+        live = [(s, c, nd) for s, c, nd in decode if s.kv is not None and s.adapt]
+        if not self.config.spec_adaptive or not live:
+            return
+        costs = self._costs
+        mine = {}
+        for s, c, nd in live:   # each one's share of the step as it ran: rows, expected tokens, drafting time
+            dl = s.adapt.get(s.draft_src) if nd else None
+            mine[s.id] = (len(c.tokens), expected_tokens(dl.alpha, nd) if dl else 1.0,
+                          costs.draft_time(s.draft_src, nd) if dl else 0.0)
+        rows, tokens, draft_s = (sum(v[i] for v in mine.values()) for i in range(3))
+        for s, c, nd in live:
+            src = self._draft_source(s)
+            s.spec_src = src
+            dl = s.adapt.get(src)
+            if dl is None:
+                continue
+            r, e, d = mine[s.id]
+            k = choose_k(dl.alpha, dl.k_max, costs.step_time, rows - r + 1,
+                         lambda k, src=src: costs.draft_time(src, k), others_tokens=tokens - e,
+                         others_time=draft_s - d)
+            dl.decide(k)
+
+    def _spec_length_stats(self, s: _Sequence) -> dict:
+        """stats() of a running sequence: the draft length of its next step, whether its drafter is
+        backed off, and per drafter k, backed_off and the acceptance estimate alpha."""
+        if not self.config.spec_adaptive or not s.adapt:
+            return dict(spec_k=s.spec_k if s.adapt else 0, spec_backed_off=False)
+        dl = s.adapt.get(s.spec_src) or next(iter(s.adapt.values()))
+        return dict(spec_k=dl.k, spec_backed_off=dl.backed_off,
+                    spec_lengths={name: d.summary() for name, d in s.adapt.items()})
+
+    def _take_drafts(self, s: _Sequence, room: int) -> tuple[list[int], torch.Tensor | None, str]:
+        """This step's drafts for s (at most `room`): (tokens, their drafter distributions or None for
+        one-hot drafts, the drafter's name)."""
+        if room <= 0:
+            return [], None, ""
+        if self._ngram_first(s):
+            t0 = time.perf_counter()
+            d = s.drafter.propose(room)
+            dt = time.perf_counter() - t0
+            self._costs.add_draft("ngram", dt, 1)
+            self._draft_s += dt
+            return d, None, "ngram"
+        if s.mtp is not None:
+            return s.mtp.drafts[:room], None, "mtp"
+        st = s.dflash
+        if st is not None and st.drafts and st.position == len(s.tokens) - 1:   # drafts follow the last token
+            d = st.drafts[:room]
+            return d, (st.q[:len(d)] if st.q is not None else None), "dflash"
+        return [], None, ""
+
+    def _dflash_step(self, plan: list[tuple[_Sequence, SeqChunk]]) -> None:
+        """After a step: append to each DFlash context the target's hidden states of the positions that
+        became final (prompt rows, the fed token and accepted drafts; never rejected drafts), then draft
+        the block after the last sampled token of every generating sequence."""
+        grow, reqs = [], []
+        for s, c in plan:
+            st = s.dflash
+            if st is None or s.kv is None or c.features is None:
+                continue
+            held, st.deferred = st.deferred, None      # (rows put off while drafting is backed off)
+            n_held = 0 if held is None else held.shape[0]
+            lo, hi = st.length + n_held - c.start, s.n_computed - c.start   # rows new to the context / still final
+            new = c.features[lo:hi] if 0 <= lo < hi else None
+            rows = new if held is None else held if new is None else torch.cat([held, new])
+            if rows is None:
+                continue
+            dl = s.adapt.get("dflash") if self.config.spec_adaptive else None
+            if (dl is not None and dl.backed_off and self._model_drafts_wanted(s) == 0
+                    and rows.shape[0] <= MAX_DEFERRED):
+                st.deferred = rows.clone() if rows is new else rows
+                continue
+            grow.append((st, rows))
+        self._dflash.extend(grow)
+        for s, c in plan:
+            st = s.dflash
+            if st is None or s.kv is None:
+                continue
+            k = self._model_drafts_wanted(s)
+            if k and st.length == s.n_computed == len(s.tokens) - 1:
+                reqs.append(DraftRequest(st, s.tokens[-1], k, s.sampler, s.tokens))
+            else:
+                st.drafts, st.q = [], None
+        t0 = time.perf_counter()
+        propose(self._dflash, self.model, reqs)
+        if reqs:
+            dt = time.perf_counter() - t0
+            self._costs.add_draft("dflash", dt, len(reqs))
+            self._draft_s += dt
+
+    def _verify_drafts(self, s: _Sequence, start: int, lg: torch.Tensor) -> None:
+        """Rows of [last token, draft 1..k]: accept drafts as the target would have produced them
+        (greedy: while they equal its choice; sampled: with probability min(1, p/q), the first rejection
+        drawn from normalize(max(p - q, 0)), q one-hot for n-gram and MTP drafts; engine/spec/verify.py).
+        The KV and recurrent states are rolled back to the accepted rows first, then the tokens are
+        streamed (which may finish the sequence)."""
+        drafts, s.drafts = s.drafts, []
+        q, s.draft_q = s.draft_q, None
+        p = s.params
+        hist = list(s.tokens)
+        out = []
+        n_acc = 0
+        for i in range(len(drafts) + 1):
+            if i == len(drafts) or p.greedy:
+                tok, lp = s.sampler.sample_with_logprobs(lg[i], hist)
+            else:
+                probs = torch.softmax(s.sampler.final_logits(lg[i], hist).double(), 0)
+                tok, _ = accept_or_resample(probs, drafts[i], s.sampler.generator, None if q is None else q[i])
+                lp = s.sampler.logprob_of(lg[i], tok) if p.logprobs is not None else None
+            out.append((tok, lp))
+            hist.append(tok)
+            if i == len(drafts) or tok != drafts[i]:
+                break
+            n_acc += 1
+        s.drafted += len(drafts)
+        s.accepted += n_acc
+        self._totals["drafted_tokens"] += len(drafts)
+        self._totals["accepted_tokens"] += n_acc
+        for counts in (s.spec_by, self._totals):   # per drafter, for stats()
+            counts[f"{s.draft_src}_drafted"] += len(drafts)
+            counts[f"{s.draft_src}_accepted"] += n_acc
+        s.spec_k = min(self.config.spec_max_drafts, 2 * s.spec_k) if n_acc == len(drafts) else max(1, n_acc + 1)
+        dl = s.adapt.get(s.draft_src)
+        if dl is not None:
+            dl.observe(len(drafts), n_acc)
+        s.n_computed = start + 1 + n_acc          # the fed token and the accepted drafts have good KV
+        s.kv.keep_rows(start, 1 + n_acc)
+        for tok, lp in out:
+            self._append_token(s, tok, lp)
+            if s.kv is None:                      # finished (end of generation, stop string, limit)
+                break
