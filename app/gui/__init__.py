@@ -27,6 +27,8 @@ def run_gui(model: str | None = None, smoke: bool = False) -> int:
     from app.gui.theme import apply_theme
     from app.store import Store
     app = QApplication.instance() or QApplication(sys.argv[:1])
+    from app.gui.gc_guard import MainThreadGC
+    app._gc_guard = MainThreadGC(app)   # collections in the GUI thread only (see gc_guard)
     app.setApplicationName("HiveJet")
     app.setOrganizationName("HiveJet")
     store = Store()
