@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from app import __version__
+from app.cli_options import add_spec_args
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -34,20 +35,6 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-
-
-def _add_spec(p) -> None:
-    from engine.spec import SPEC_MODES
-    p.add_argument("--spec", default="off", choices=list(SPEC_MODES),
-                   help="speculative decoding (exact output, CPU path): ngram drafts from the conversation, mtp "
-                        "(Qwen3.5/3.6's own MTP block), dflash (a DFlash drafter, --spec-drafter), or a chain "
-                        "mtp+ngram / dflash+ngram (n-gram drafts when the conversation repeats a long span)")
-    p.add_argument("--spec-drafter", default=None, metavar="PATH",
-                   help="the DFlash drafter for --spec dflash: a directory with config.json + model.safetensors "
-                        "(as z-lab publishes them) or its GGUF port")
-    p.add_argument("--host-sampling", action="store_true",
-                   help="GPU path: choose every token on the host from full logits and run steps one after "
-                        "another (no device-side sampling, no step overlap): for diagnosing the GPU path")
 
 
 def _sampling(args):
@@ -237,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-c", "--ctx-size", type=int, default=0)
     c.add_argument("-t", "--threads", type=int, default=0)
     c.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
-    _add_spec(c)
+    add_spec_args(c)
     c.set_defaults(func=cmd_chat)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -250,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-c", "--ctx-size", type=int, default=0)
     g.add_argument("-t", "--threads", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu or cuda")
-    _add_spec(g)
+    add_spec_args(g)
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 

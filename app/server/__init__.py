@@ -9,6 +9,7 @@ import logging
 import sys
 import threading
 
+from app.cli_options import add_spec_args
 from app.server.security import ServerSettings, SettingsError
 
 __all__ = ["add_serve_args", "run_serve", "create_app", "start_server", "ServerSettings", "SettingsError"]
@@ -46,16 +47,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "finished conversations are evicted and the newest request waits")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
                                                     "cache types), cpu or cuda")
-    p.add_argument("--spec", default="off", help="speculative decoding, exact at any temperature (CPU path): off, "
-                                                 "ngram (prompt lookup), mtp (Qwen3.5/3.6's MTP block), dflash "
-                                                 "(a DFlash drafter, --spec-drafter), or the chains mtp+ngram, "
-                                                 "dflash+ngram")
-    p.add_argument("--spec-drafter", default=None, metavar="PATH",
-                   help="the DFlash drafter for --spec dflash: a directory with config.json + model.safetensors "
-                        "(as z-lab publishes them) or its GGUF port")
-    p.add_argument("--host-sampling", action="store_true",
-                   help="GPU path: choose every token on the host from full logits and run steps one after "
-                        "another (no device-side sampling, no step overlap): for diagnosing the GPU path")
+    add_spec_args(p)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; default: CORS off)")

@@ -10,24 +10,11 @@ from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.kv.sequence import SequenceKV
 from engine.runner import Runner
-from engine.synth import write_synthetic
 from kernels.kvcodec import CACHE_TYPES, get_codec
 
+TINY_SEED = 5   # the synthetic models' weights (the `tiny` fixture: conftest.py)
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "qwen35"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("runner")
-    paths = {}
-
-    def get(arch: str):
-        if arch not in paths:
-            paths[arch] = d / f"{arch}.gguf"
-            write_synthetic(paths[arch], arch, "tiny", seed=5)
-        return paths[arch]
-    return get
 
 
 def prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -38,8 +25,13 @@ def reference_greedy(model, tokens: list[int], n_new: int) -> tuple[list[int], l
     """Greedy decoding through the model's own forward (per-sequence SequenceKV, f32 cache)."""
     kv = model.new_kv(torch.float32)
     logits = model.forward([SeqChunk(torch.tensor(tokens), 0, kv)])[0][-1]
+    return _forward_greedy(model, kv, logits, len(tokens), n_new)
+
+
+def _forward_greedy(model, kv, logits: torch.Tensor, pos: int, n_new: int) -> tuple[list[int], list[torch.Tensor]]:
+    """n_new greedy steps through model.forward from the prompt's last logits, the prompt already in `kv`
+    (pos = its length). Returns (tokens, logits after the prompt and after each token)."""
     out, all_logits = [], [logits]
-    pos = len(tokens)
     for _ in range(n_new):
         t = int(logits.argmax())
         out.append(t)
@@ -164,14 +156,7 @@ def cpu_path_greedy(model, tokens, n_new, kt, vt, chunk=16):
     kv = model.new_kv(cache_type_k=kt, cache_type_v=vt)
     for lo in range(0, len(tokens), chunk):
         logits = model.forward([SeqChunk(torch.tensor(tokens[lo:lo + chunk]), lo, kv)])[0][-1]
-    out, all_logits = [], [logits]
-    pos = len(tokens)
-    for _ in range(n_new):
-        t = int(logits.argmax())
-        out.append(t)
-        logits = model.forward([SeqChunk(torch.tensor([t]), pos, kv)])[0][-1]
-        all_logits.append(logits)
-        pos += 1
+    out, all_logits = _forward_greedy(model, kv, logits, len(tokens), n_new)
     return out, all_logits, kv
 
 

@@ -15,23 +15,10 @@ from engine.kv.pool import PoolFullError
 from engine.models import open_model
 from engine.runner import Runner
 from engine.sampling import SamplingParams
-from engine.synth import write_synthetic
 from engine.types import EngineError, FinishEvent, Request
 
 PC = 16   # prefill chunk = block size
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pool")
-    paths = {}
-
-    def get(arch: str):
-        if arch not in paths:
-            paths[arch] = d / f"{arch}.gguf"
-            write_synthetic(paths[arch], arch, "tiny", seed=31)
-        return paths[arch]
-    return get
+TINY_SEED = 31   # the synthetic models' weights (the `tiny` fixture: conftest.py)
 
 
 def _ids(n: int, seed: int) -> list[int]:
