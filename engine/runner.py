@@ -282,6 +282,8 @@ class Runner:
         self._ckpt: collections.OrderedDict[tuple, int] = collections.OrderedDict()   # key -> buffer, LRU first
         self._ckpt_conv: dict[int, torch.Tensor] = {}
         self._ckpt_ssm: dict[int, torch.Tensor] = {}
+        self._ckpt_last: dict[int, tuple] = {}   # slot -> the last checkpoint it saved (its chain's end)
+        self._ckpt_superseded: set[tuple] = set()   # checkpoints a later one of the same chain followed
         self.checkpoints_evicted = 0
 
     # the old single-type names (K's type)
@@ -451,6 +453,8 @@ class Runner:
         that continues the exact prefix extends it, and (recurrent models, enable_checkpoints) the states
         there are kept as a checkpoint."""
         c, digests = (chunk, [b""]) if lo == 0 else self._grid[slot]
+        if lo == 0:
+            self._ckpt_last.pop(slot, None)   # a new chain
         self._live[slot] = hi
         if c != chunk or lo != c * (len(digests) - 1) or hi - lo != chunk or (self.conv_state and live != lo):
             self._grid[slot] = (c, digests)
@@ -470,6 +474,8 @@ class Runner:
         count = max(0, count) if self.conv_state else 0
         self.n_checkpoints = count
         self._ckpt.clear()
+        self._ckpt_last.clear()
+        self._ckpt_superseded.clear()
         self._ckpt_conv = {il: t.new_zeros((count,) + t.shape[1:]) for il, t in self.conv_state.items()}
         self._ckpt_ssm = {il: t.new_zeros((count,) + t.shape[1:]) for il, t in self.ssm_state.items()}
 
@@ -478,13 +484,24 @@ class Runner:
         return [key[1] for key in self._ckpt]
 
     def _save_checkpoint(self, slot: int, key: tuple) -> None:
+        """Keep slot's states under `key`. The slot's previous checkpoint, on the same chain, is superseded:
+        when all buffers are taken, superseded checkpoints go first (least recently used first), then the
+        others. So each prompt's last checkpoint (what a follow-up or a re-sent prompt needs) outlives the
+        intermediate ones of longer prompts (wanted only by a prompt that leaves this one part way)."""
+        prev = self._ckpt_last.get(slot)
+        self._ckpt_last[slot] = key
+        if prev is not None and prev in self._ckpt and prev[1] == key[1] - key[2]:
+            self._ckpt_superseded.add(prev)
         if key in self._ckpt:                 # the same prefix on the same grid: the same states
             self._ckpt.move_to_end(key)
+            self._ckpt_superseded.discard(key)
             return
         if len(self._ckpt) < self.n_checkpoints:
             i = len(self._ckpt)               # (buffers are only ever reused, never freed)
         else:
-            _, i = self._ckpt.popitem(last=False)
+            old = next((k for k in self._ckpt if k in self._ckpt_superseded), next(iter(self._ckpt)))
+            i = self._ckpt.pop(old)
+            self._ckpt_superseded.discard(old)
             self.checkpoints_evicted += 1
         for il in self.conv_state:
             self._ckpt_conv[il][i].copy_(self.conv_state[il][slot])
@@ -576,6 +593,7 @@ class Runner:
         self.copy_prefix(match.src, dst, match.n)
         if not self.conv_state:
             return
+        self._ckpt_last.pop(dst, None)   # what dst saves next does not supersede the shared prefix's checkpoint
         if isinstance(match.state, int):
             if match.state != dst:
                 for il in self.conv_state:
@@ -584,6 +602,7 @@ class Runner:
         else:
             i = self._ckpt[match.state]
             self._ckpt.move_to_end(match.state)
+            self._ckpt_superseded.discard(match.state)   # wanted after all: kept like a chain's end
             for il in self.conv_state:
                 self.conv_state[il][dst].copy_(self._ckpt_conv[il][i])
                 self.ssm_state[il][dst].copy_(self._ckpt_ssm[il][i])

@@ -14,26 +14,13 @@ from engine.kv.sequence import SequenceKV
 from engine.models import open_model
 from engine.runner import Runner, state_checkpoint_bytes
 from engine.sampling import SamplingParams
-from engine.synth import write_synthetic
 from engine.types import FinishEvent, Request
 
 PC = 16                                                  # prefill chunk (= the runner's block size)
+TINY_SEED = 21                                           # the synthetic models' weights (conftest.py: tiny)
 SYSTEM = [1 + (7 * j + j * j) % 397 for j in range(70)]  # a shared "system prompt": 70 tokens, 64 shareable
 A = SYSTEM + [2 + (5 * j) % 311 for j in range(20)]
 B = SYSTEM + [3 + (11 * j) % 293 for j in range(25)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prefix")
-    paths = {}
-
-    def get(arch: str):
-        if arch not in paths:
-            paths[arch] = d / f"{arch}.gguf"
-            write_synthetic(paths[arch], arch, "tiny", seed=21)
-        return paths[arch]
-    return get
 
 
 @pytest.fixture
@@ -123,6 +110,26 @@ def test_checkpoint_lru_and_exact_prefix_rules(tiny):
 
 # ------------------------------------------------------------------------------------------------
 # the engine
+
+def test_each_prompts_last_checkpoint_outlives_intermediate_ones(tiny):
+    """Two 48-token prompts and three checkpoint buffers: a prompt's intermediate checkpoints (superseded by
+    its later ones) are evicted before the other prompt's last one, so a follow-up of either (the prompt
+    plus new tokens) restores the states at 48; under plain LRU the first prompt's would be gone."""
+    model = open_model(tiny("qwen35"))
+    try:
+        r = Runner(model, device="cpu", n_slots=3, max_ctx=128)
+        r.enable_checkpoints(3)
+        p0, p1 = A[:48], [4 + (7 * j) % 301 for j in range(48)]
+        r.prefill(0, p0, chunk=PC)
+        r.prefill(1, p1, chunk=PC)
+        assert r.checkpoint_lengths() == [48, 32, 48]
+        r.decode([0, 1], [5, 5], [48, 48])            # the live states move on: only checkpoints serve now
+        for prompt, slot in ((p0, 0), (p1, 1)):
+            m = r.find_prefix(prompt + [9] * 10, {0: p0, 1: p1}, PC)
+            assert (m.src, m.n) == (slot, 48) and m.state[1] == 48
+    finally:
+        model.close()
+
 
 def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
