@@ -15,5 +15,7 @@ def test_bench_agents_runs_every_scenario(tmp_path, capsys):
     assert [d["agents"] for d in r["decode"]] == [1, 2] and all(d["total"] > 0 for d in r["decode"])
     assert len(r["long_context"]["per_agent"]) == 4 and len(r["follow_up_ttft"]) == 4
     assert r["during_prefill"]["intruder_ttft"] > 0 and r["paused_agents"]["total"] > 0
+    assert all(x > 0 for x in r["during_prefill"]["before"])   # the long prompt waits until the three decode
+    assert all(x > 0 for x in r["long_context"]["per_agent"])
     print_agents(res)
     assert "follow-up first token" in capsys.readouterr().out
