@@ -17,7 +17,9 @@ from gguf import GGMLQuantizationType as QT
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernels.quant.packed import dequant_packed, matmul_tuned, packed_matmul, prefill_matmul, tuned_config  # noqa: E402
+from kernels.quant.packed import (  # noqa: E402
+    dequant_packed, matmul_tuned, packed_matmul, prefill_matmul, row_major, tuned_config,
+)
 
 SHAPES = [(17408, 5120), (5120, 17408)]
 ROWS = [1, 2, 4, 8, 16, 32, 64]
@@ -39,11 +41,12 @@ def q4k_weight(n, k):
 
 def tinygemm(p):
     """The same 4-bit values and per-32 scale/min in tinygemm's layout: w = (q - 8) * s + z."""
-    q = torch.stack([p.planes[0] & 15, p.planes[0] >> 4], -1).view(p.n, p.k)       # 0..15
+    lo, s, mn = (row_major(p, t) for t in (p.planes[0], p.scale, p.minv))
+    q = torch.stack([lo & 15, lo >> 4], -1).view(p.n, p.k)       # 0..15
     packed = (q[:, 0::2] << 4 | q[:, 1::2]).contiguous()
     w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
-    s = p.scale.float()
-    z = 8 * s - p.minv.float()
+    s = s.float()
+    z = 8 * s - mn.float()
     sz = torch.stack([s, z], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/32, N, 2]
     return lambda x: torch.ops.aten._weight_int4pack_mm(x, w, 32, sz)
 
@@ -53,9 +56,10 @@ def gemlite_layer(p):
     from gemlite.core import DType, GemLiteLinearTriton
     cfg = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
     GemLiteLinearTriton.load_config(cfg)
-    q = torch.stack([p.planes[0] & 15, p.planes[0] >> 4], -1).view(p.n, p.k).contiguous()
-    s = p.scale.contiguous()
-    z = (p.minv.float() / p.scale.float()).to(torch.float16).contiguous()   # w = (q - z) * s
+    lo, s, mn = (row_major(p, t) for t in (p.planes[0], p.scale, p.minv))
+    q = torch.stack([lo & 15, lo >> 4], -1).view(p.n, p.k).contiguous()
+    s = s.contiguous()
+    z = (mn.float() / s.float()).to(torch.float16).contiguous()   # w = (q - z) * s
     lin = GemLiteLinearTriton(W_nbits=4, group_size=32, in_features=p.k, out_features=p.n,
                               input_dtype=DType.FP16, output_dtype=DType.FP16)
     lin.pack(q, s, z, bias=None)

@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 
 from kernels.quant.packed import (  # noqa: E402
     PACKED_TYPES, dequant_packed, dequant_packed_ref, pack_weight, packed_matmul, packed_rows, prefill_matmul,
+    row_major,
 )
 from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
 
@@ -80,18 +81,21 @@ def test_4bit_types_pack_exactly_like_packed4(qtype):
     p, p4 = pack_weight(raw, qtype, n, k), pack_q4(raw, qtype, n, k)
     assert p.hi_bits == 0 and p.group == 32 and len(p.planes) == 1
     for a, b in ((p.planes[0], p4.q), (p.scale, p4.scale), (p.minv, p4.minv)):
-        assert torch.equal(a, b)
+        assert torch.equal(row_major(p, a), b)
 
 
 def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
+    """Packing row bands in several steps (the last one a partial tile band) from bytes at an odd offset
+    gives the same tensors as one step; the tiles' padding rows are zero."""
     import kernels.quant.packed as packed_mod
-    n, k = 7, 512
+    n, k = 37, 512
     raw = _random_weight(QT.Q6_K, n, k, seed=3)
-    whole = pack_weight(raw, QT.Q6_K, n, k)
-    monkeypatch.setattr(packed_mod, "_CHUNK_VALUES", 2 * k)  # 2 rows per step, last step 1 row
+    whole = pack_weight(raw, QT.Q6_K, n, k, tile_n=16, tile_k=128)
+    assert whole.n_pad == 48 and not whole.scale[2, :, 5:].any()
+    monkeypatch.setattr(packed_mod, "_CHUNK_VALUES", 16 * k)  # 16 rows per step, last step 5 rows
     buf = torch.empty(raw.numel() + 1, dtype=torch.uint8)
     buf[1:] = raw
-    chunked = pack_weight(buf[1:], QT.Q6_K, n, k)  # odd storage offset
+    chunked = pack_weight(buf[1:], QT.Q6_K, n, k, tile_n=16, tile_k=128)  # odd storage offset
     for a, b in zip((*whole.planes, whole.scale, whole.minv), (*chunked.planes, chunked.scale, chunked.minv)):
         assert torch.equal(a, b)
 
@@ -110,7 +114,7 @@ OVER_BUDGET = {QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS}
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_packed_bytes_near_gguf_bytes(qtype):
-    n, k = 4, 512
+    n, k = 64, 512   # (a whole tile band: rows short of one are padded)
     raw = _random_weight(qtype, n, k)
     ratio = pack_weight(raw, qtype, n, k).nbytes / raw.numel()
     assert ratio == pytest.approx(RATIO[qtype])
@@ -137,18 +141,18 @@ def _check(y, x, p):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_kernel_matches_reference(qtype):
     n, k = 32, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=5), qtype, n, k)
+    p = pack_weight(_random_weight(qtype, n, k, seed=5), qtype, n, k, tile_n=32)
     for m in (1, 3, 17):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        _check(packed_matmul(x, p, block_n=32, block_k=256, split_k=2), x, p)
+        _check(packed_matmul(x, p, split_k=2), x, p)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_do_not_depend_on_batch(qtype):
     n, k = 32, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=6), qtype, n, k)
+    p = pack_weight(_random_weight(qtype, n, k, seed=6), qtype, n, k, tile_n=32)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(6))
-    kw = dict(block_n=32, block_k=256, split_k=2)
+    kw = dict(split_k=2)
     assert torch.equal(packed_matmul(x[:1], p, **kw), packed_matmul(x, p, **kw)[:1])
 
 
@@ -158,9 +162,9 @@ def test_swapped_operands_and_tuned_configs(qtype):
     configurations give the reference's result, and a row's result does not depend on the batch."""
     from kernels.quant.packed import tuned_config
     n, k = 64, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=7), qtype, n, k)
+    p = pack_weight(_random_weight(qtype, n, k, seed=7), qtype, n, k, tile_n=32, tile_k=128)
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(7))
-    kw = dict(block_n=32, block_k=128, split_k=2, swap_ab=True)
+    kw = dict(split_k=2, swap_ab=True)
     y = packed_matmul(x, p, **kw)
     _check(y, x, p)
     assert torch.equal(packed_matmul(x[:1], p, **kw), y[:1])
@@ -173,26 +177,40 @@ def test_swapped_operands_and_tuned_configs(qtype):
 def test_dequant_kernel_matches_reference(qtype):
     """The prefill path's fp16 copy of a weight (tail rows included) is the reference rounded once."""
     n, k = 40, 256
-    p = pack_weight(_random_weight(qtype, n, k, seed=11), qtype, n, k)
+    p = pack_weight(_random_weight(qtype, n, k, seed=11), qtype, n, k, tile_n=16)
     assert torch.equal(dequant_packed(p), dequant_packed_ref(p).half())
 
 
+def test_fast_conversion_gives_the_float32_paths_result():
+    """The kernel's conversion-free dequantization (bit tricks and one fp16 fma) and its float32 path
+    agree to fp16 rounding (exactly on the GPU, where the fma is fused; the interpreter rounds twice)."""
+    for qtype in (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.IQ4_NL):
+        n, k = 32, 256
+        p = pack_weight(_random_weight(qtype, n, k, seed=13), qtype, n, k, tile_n=32)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(13))
+        fast, slow = packed_matmul(x, p, fast_cvt=True), packed_matmul(x, p, fast_cvt=False)
+        assert ((fast - slow).abs().max() / slow.abs().max()).item() < 2e-3
+        _check(fast, x, p)
+
+
 def test_defaults_tails_and_dtypes():
-    # default block sizes and split (4 "SMs" under the interpreter), N not a multiple of block_n
+    # default tiles and split (4 "SMs" under the interpreter), N not a multiple of the tile's rows
     n, k = 40, 512
     p = pack_weight(_random_weight(QT.Q5_K, n, k, seed=7), QT.Q5_K, n, k)
     x = torch.randn(2, 3, k, dtype=torch.bfloat16)
     y = packed_matmul(x, p)
     assert y.shape == (2, 3, n) and y.dtype == torch.float32
     _check(y.view(6, n), x.view(6, k).float(), p)
-    y16 = packed_matmul(x, p, out_dtype=torch.float16, block_n=32, block_k=128, split_k=4)
+    y16 = packed_matmul(x, p, out_dtype=torch.float16, split_k=4)
     assert y16.dtype == torch.float16
     _check(y16.view(6, n), x.view(6, k).float(), p)
-    # K not a multiple of split_k * block_k: masked K tail (and a split with no work left)
+    # K = 160: 32-value tiles (the largest power of two dividing K), a split that is no divisor of the
+    # 5 K tiles goes up to one that is
     n, k = 32, 160
     p = pack_weight(_random_weight(QT.Q5_0, n, k, seed=8), QT.Q5_0, n, k)
+    assert p.tile_k == 32
     x = torch.randn(3, k)
-    _check(packed_matmul(x, p, block_n=32, block_k=64, split_k=2), x, p)
+    _check(packed_matmul(x, p, split_k=2), x, p)
     assert packed_matmul(x[:0], p).shape == (0, n)
 
 
