@@ -121,6 +121,16 @@ class RunnerScheduler:
             self.model.close()
             raise
         self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
+        if dev.type == "cuda":
+            # every decode graph a step can need, now: captured lazily, the first step with 4 (16) agents
+            # stalled 7 (12) s on the H200 while its kernels compiled and its graph was captured
+            from engine.runner import BUCKETS
+            top = next((b for b in BUCKETS if b >= c.max_seqs), BUCKETS[-1])
+            try:
+                self.runner.capture([b for b in BUCKETS if b <= top])
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                self.model.close()
+                raise EngineError(f"cannot capture the decode graphs on {c.device}: {e}") from None
         self._free_slots = list(range(c.max_seqs - 1, -1, -1))
         self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
         self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
