@@ -11,7 +11,9 @@ Scenarios:
           engine/bench_agents.py.
   spec    speculative decoding on a code-edit workload (any device), and the speedup modelled from a
           decode result's row table (engine/bench_spec.py).
-  plot    a PNG of a decode result's row-scaling table (`hivejet bench plot RESULT.json OUT.png`).
+  plot    a PNG of a decode result's row-scaling table (`hivejet bench plot RESULT.json OUT.png`), or of
+          agents results, the servers of all given files in one chart
+          (`hivejet bench plot A.json B.json OUT.png`).
 """
 from __future__ import annotations
 
@@ -102,12 +104,23 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def run_bench(args) -> int:
     if args.scenario == "plot":
-        if len(args.paths) != 2:
-            print("usage: hivejet bench plot RESULT.json OUT.png", file=sys.stderr)
+        if len(args.paths) < 2:
+            print("usage: hivejet bench plot RESULT.json [RESULT.json ...] OUT.png", file=sys.stderr)
+            return 2
+        loaded = []
+        for path in args.paths[:-1]:
+            with open(path) as f:
+                loaded.append(json.load(f))
+        if all("results" in r for r in loaded):   # agents: the servers of every file in one chart
+            from engine.bench_agents import plot_agents
+            merged = {name: res for r in loaded for name, res in r["results"].items()}
+            plot_agents(merged, args.paths[-1], f"hivejet bench agents, {loaded[0].get('model', '')}")
+            return 0
+        if len(loaded) != 1 or "rows" not in loaded[0]:
+            print("bench plot: give one decode result, or agents results", file=sys.stderr)
             return 2
         from engine.bench_decode import plot_rows
-        with open(args.paths[0]) as f:
-            plot_rows(json.load(f), args.paths[1])
+        plot_rows(loaded[0], args.paths[-1])
         return 0
     if args.scenario == "agents":
         if not args.model:

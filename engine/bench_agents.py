@@ -294,3 +294,51 @@ def print_agents(res: dict) -> None:
         for r in (res["results"][n]["during_prefill"] for n in names)))
     print("5. 4 agents with pauses, total tok/s: " + " | ".join(
         f"{res['results'][n]['paused_agents']['total']:.1f}" for n in names))
+
+
+def plot_agents(results: dict, out_png: str, title: str = "") -> None:
+    """The five scenarios as grouped bars, one colour per server (Pillow). results: server name ->
+    run_scenarios' result (several result files merged: each server may come from its own run)."""
+    from PIL import Image, ImageDraw
+    names = list(results)
+    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
+    first = results[names[0]]
+    panels = [
+        ("1. decode, short prompts: total tok/s", [f"{d['agents']} agents" for d in first["decode"]],
+         {n: [d["total"] for d in results[n]["decode"]] for n in names}),
+        ("2. four agents at 23K: tok/s each (mean)", ["per agent"],
+         {n: [sum(results[n]["long_context"]["per_agent"]) / 4] for n in names}),
+        ("3. follow-up first token, s (lower is better)", ["conv 1", "conv 2", "conv 3", "conv 4"],
+         {n: results[n]["follow_up_ttft"] for n in names}),
+        ("4. three agents' tok/s before / during a 20K prompt; its first token, s",
+         ["before", "during", "1st token s"],
+         {n: [sum(results[n]["during_prefill"]["before"]) / 3, sum(results[n]["during_prefill"]["during"]) / 3,
+              results[n]["during_prefill"]["intruder_ttft"]] for n in names}),
+        ("5. four agents pausing for tools: total tok/s", ["total"],
+         {n: [results[n]["paused_agents"]["total"]] for n in names}),
+    ]
+    W, PH, L = 900, 190, 20
+    img = Image.new("RGB", (W, 40 + PH * len(panels)), "white")
+    d = ImageDraw.Draw(img)
+    d.text((L, 8), title or "hivejet bench agents", fill="black")
+    for i, n in enumerate(names):
+        d.rectangle([W - 260 + 120 * i, 8, W - 250 + 120 * i, 18], fill=colors[i % 4])
+        d.text((W - 245 + 120 * i, 8), n, fill="black")
+    for pi, (label, groups, vals) in enumerate(panels):
+        top = 40 + pi * PH
+        d.text((L, top), label, fill="black")
+        y0, y1 = top + 18, top + PH - 30
+        vmax = max(max(v) for v in vals.values()) * 1.15 or 1
+        gw = (W - 2 * L) / len(groups)
+        bw = min(60, gw / (len(names) + 1))
+        for gi, g in enumerate(groups):
+            gx = L + gi * gw + (gw - bw * len(names)) / 2
+            for si, n in enumerate(names):
+                v = vals[n][gi]
+                x = gx + si * bw
+                yt = y1 - v / vmax * (y1 - y0)
+                d.rectangle([x, yt, x + bw - 4, y1], fill=colors[si % 4])
+                d.text((x, yt - 12), f"{v:.1f}", fill="black")
+            d.text((L + gi * gw + gw / 2 - 3 * len(g), y1 + 4), g, fill="black")
+        d.line([L, y1, W - L, y1], fill="black")
+    img.save(out_png)

@@ -19,3 +19,13 @@ def test_bench_agents_runs_every_scenario(tmp_path, capsys):
     assert all(x > 0 for x in r["long_context"]["per_agent"])
     print_agents(res)
     assert "follow-up first token" in capsys.readouterr().out
+    # the chart: both "servers" (here the same run twice) in one PNG through `hivejet bench plot`
+    import json
+    from PIL import Image
+
+    from app.cli import main
+    res_b = {"model": res["model"], "results": {"other": r}}
+    for name, obj in (("a.json", res), ("b.json", res_b)):
+        (tmp_path / name).write_text(json.dumps(obj))
+    assert main(["bench", "plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"), str(tmp_path / "a.png")]) == 0
+    assert Image.open(tmp_path / "a.png").size == (900, 40 + 5 * 190)
