@@ -1,14 +1,15 @@
-"""Host-side allocator of the GPU path's shared KV pool (engine/runner.py).
-
-The runner's K/V tensors hold `n_blocks` physical blocks per attention layer (every layer uses the same
-block ids). This class only does the bookkeeping, on the host: a free list and a reference count per
-block, so that slots with a common prefix reference the same blocks and a block returns to the free
-list when its last user lets go. Nothing here touches the device, so a step never waits on the host's
-allocation decisions (they are made before the step is launched).
+"""Host-side bookkeeping of paged KV blocks: a free list and a reference count per block, so that
+sequences with a common prefix reference the same blocks and a block returns to the free list when its
+last user lets go. Used by the GPU path's shared pool (engine/runner.py: every attention layer uses the
+same block ids) and by the CPU path's layer groups (engine/kv/pool.py, which grow it). Nothing here
+touches the device, so a step never waits on the host's allocation decisions (they are made before the
+step is launched).
 """
 from __future__ import annotations
 
-from engine.kv.pool import PoolFullError
+
+class PoolFullError(RuntimeError):
+    """No free KV block is left (and the pool cannot grow)."""
 
 
 class BlockAllocator:
@@ -16,6 +17,13 @@ class BlockAllocator:
         self.n_blocks = n_blocks
         self.refs = [0] * n_blocks
         self._free = list(range(n_blocks - 1, -1, -1))   # pop() gives the lowest id first
+
+    def grow(self, n_blocks: int) -> None:
+        """Blocks n_blocks.. become available (after the ones already free, lowest id first)."""
+        if n_blocks > self.n_blocks:
+            self.refs += [0] * (n_blocks - self.n_blocks)
+            self._free = list(range(n_blocks - 1, self.n_blocks - 1, -1)) + self._free
+            self.n_blocks = n_blocks
 
     def alloc(self) -> int:
         if not self._free:

@@ -20,13 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv.blocks import BlockAllocator, PoolFullError
 from kernels.kvcodec import KVCodec, cache_type_name, get_codec
 
 DEFAULT_BLOCK_SIZE = 16
-
-
-class PoolFullError(RuntimeError):
-    """No free KV block is left (the pool has a fixed size)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,8 @@ def rope_key_pairs(head_dim: int, rope_dim: int, neox: bool, inv_freq=None, hori
 
 
 class LayerGroup:
-    """Layers sharing block ids: storage per layer, the free list and reference counts."""
+    """Layers sharing block ids: storage per layer, and their blocks' free list and reference counts
+    (a BlockAllocator, grown with the storage)."""
 
     def __init__(self, pool: "KVPool", gid: int, window: int, n_blocks: int | None):
         self.pool, self.gid, self.window = pool, gid, window
@@ -69,8 +67,11 @@ class LayerGroup:
         self.fixed = n_blocks is not None
         self.limit: int | None = None   # growing pools stop here (KVPool.set_limit); then PoolFullError
         self.capacity = n_blocks or 0
-        self.refcount = [0] * self.capacity
-        self.free_list = list(range(self.capacity - 1, -1, -1))   # pop() gives the lowest id first
+        self.blocks = BlockAllocator(self.capacity)
+
+    @property
+    def refcount(self) -> list[int]:
+        return self.blocks.refs
 
     # ----- storage -----
     def _make(self, layer: int, spec: LayerKV) -> None:
@@ -83,7 +84,7 @@ class LayerGroup:
     def _grow(self, need: int) -> None:
         if self.fixed or (self.limit is not None and self.capacity + need > self.limit):
             raise PoolFullError(f"KV pool full: {need} more blocks of {self.pool.block_size} tokens needed, "
-                                f"{len(self.free_list)} of {self.limit or self.capacity} free")
+                                f"{self.blocks.n_free} of {self.limit or self.capacity} free")
         new_cap = max(2 * self.capacity, self.capacity + need, 16)
         if self.limit is not None:
             new_cap = min(new_cap, self.limit)
@@ -92,39 +93,28 @@ class LayerGroup:
                 grown = torch.zeros((new_cap,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
                 grown[: self.capacity] = t
                 store[layer] = grown
-        self.refcount += [0] * (new_cap - self.capacity)
-        self.free_list = list(range(new_cap - 1, self.capacity - 1, -1)) + self.free_list
+        self.blocks.grow(new_cap)
         self.capacity = new_cap
 
     # ----- blocks -----
     def alloc(self, n: int) -> list[int]:
         with self.pool.lock:
-            if len(self.free_list) < n:
-                self._grow(n - len(self.free_list))
-            ids = [self.free_list.pop() for _ in range(n)]
-            for b in ids:
-                self.refcount[b] = 1
-            return ids
+            if self.blocks.n_free < n:
+                self._grow(n - self.blocks.n_free)
+            return [self.blocks.alloc() for _ in range(n)]
 
     def incref(self, ids) -> None:
         with self.pool.lock:
             for b in ids:
                 if b >= 0:
-                    if self.refcount[b] <= 0:
-                        raise ValueError(f"block {b} is not allocated")
-                    self.refcount[b] += 1
+                    self.blocks.incref(b)
 
     def free(self, ids) -> None:
         """Drop one reference to each block; blocks nobody references go back to the free list."""
         with self.pool.lock:
             for b in ids:
-                if b < 0:
-                    continue
-                if self.refcount[b] <= 0:
-                    raise ValueError(f"block {b} freed twice")
-                self.refcount[b] -= 1
-                if self.refcount[b] == 0:
-                    self.free_list.append(b)
+                if b >= 0:
+                    self.blocks.decref(b)
 
     def copy_block(self, src: int, dst: int) -> None:
         for store in (self.k, self.v):
@@ -133,11 +123,11 @@ class LayerGroup:
 
     @property
     def n_free(self) -> int:
-        return len(self.free_list)
+        return self.blocks.n_free
 
     @property
     def n_used(self) -> int:
-        return self.capacity - len(self.free_list)
+        return self.blocks.n_used
 
 
 class KVPool:
