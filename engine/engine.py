@@ -291,12 +291,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
         self._draft_s = 0.0           # avoidable drafting seconds of the current step
         if self.runner is None and "dflash" in self._spec_kinds:
             self._open_dflash(config.spec_drafter)
-        # the GPU path verifies no drafts yet (qwen35 would need its recurrent states per draft row):
-        # say so once rather than silently decoding without them; stats() reports it too
-        self.spec_active = self._spec_kinds if self.runner is None else set()
-        if self.runner is not None and self._spec_kinds:
-            log.warning("speculative decoding (%s) runs on the CPU path only for now: the %s path decodes "
-                        "without drafts", config.spec, config.device)
+        # the GPU path verifies n-gram drafts of models without recurrent layers (RunnerScheduler
+        # ._runner_spec_kinds); what it cannot do is said once, and stats() reports it too
+        self.spec_active = self._spec_kinds if self.runner is None else self._runner_spec_kinds()
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)
         self._inbox: queue.Queue = queue.Queue()
@@ -550,6 +547,8 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 s.t_start = time.monotonic()
                 if self.runner is not None:
                     self._take_slot(s)
+                    if self._spec_ok(s):
+                        self._attach_drafters(s)
                 else:
                     self._reuse_prefix(s)
                     if self._spec_ok(s):
@@ -613,10 +612,10 @@ class Engine(RunnerScheduler, SpeculationMixin):
         from a reused prefix gets no model drafter: the resident cache keeps no MTP rows or DFlash
         context (n-gram drafts still work)."""
         s.spec_k = self.config.spec_max_drafts
-        if "ngram" in self._spec_kinds:
+        if "ngram" in self.spec_active:
             s.drafter = NgramDrafter(pool=self._ngram_pool)
             s.drafter.extend(s.tokens)
-        if s.cached == 0 and "mtp" in self._spec_kinds:
+        if s.cached == 0 and "mtp" in self.spec_active:
             s.mtp = MtpState(self.model.new_mtp_kv())
         if s.cached == 0 and self._dflash is not None:
             s.dflash = self._dflash.new_state()
@@ -738,7 +737,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
         if not plan:
             return
         chunks = [c for _, c in plan]
-        decode = [(s, c, len(s.drafts)) for s, c in plan if s.n_computed >= s.target]   # generating sequences
+        decode = [(s, len(c.tokens), len(s.drafts)) for s, c in plan if s.n_computed >= s.target]   # generating
         mtp = "mtp" in self._spec_kinds and any(s.mtp is not None for s, _ in plan)
         if mtp:
             logits, hidden = self.model.forward_with_hidden(chunks)

@@ -882,14 +882,18 @@ class Runner:
 
     def _reserve_rows(self, slots: list[int], positions: list[int]) -> None:
         """The blocks a decode step's rows write into: all of them, or none and PoolFullError."""
-        rows = [(s, p) for s, p in zip(slots, positions) if s != self.scratch]
-        for s, p in rows:
+        span: dict[int, list[int]] = {}   # slot -> [first, last] position (a sequence with drafts has several rows)
+        for s, p in zip(slots, positions):
+            if s == self.scratch:
+                continue
             self._check_slot(s)
             if p >= self.max_ctx:
                 raise ValueError(f"position {p} is outside the runner's context of {self.max_ctx}")
-        self._check_free(sum(self._need(s, p, p + 1) for s, p in rows))
-        for s, p in rows:
-            self.reserve(s, p + 1, p)
+            lo_hi = span.setdefault(s, [p, p])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], p), max(lo_hi[1], p)
+        self._check_free(sum(self._need(s, lo, hi + 1) for s, (lo, hi) in span.items()))
+        for s, (lo, hi) in span.items():
+            self.reserve(s, hi + 1, lo)
 
     def _decode_rows(self, slots, positions) -> None:
         """Prefix bookkeeping of a decode step: a row below a slot's exact prefix cuts it there, and the

@@ -74,6 +74,9 @@ class _RunnerStep:
 
 
 
+RUNNER_MAX_ROWS = 64   # rows of one decode step that still run as a CUDA graph (engine/runner.py BUCKETS)
+
+
 class RunnerScheduler:
     """The Engine's GPU-path (engine/runner.py) methods; Engine inherits them."""
 
@@ -135,6 +138,30 @@ class RunnerScheduler:
         self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
         self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
         self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
+
+    def _runner_spec_kinds(self) -> set[str]:
+        """The drafters the GPU path runs: n-gram drafts, verified as extra decode rows of their sequence
+        in the same step (its rows attend to the drafts before them; rejected rows are cut off), for models
+        without recurrent layers and K caches without key preconditioning. Otherwise none, with a warning
+        (qwen35 would need its recurrent states per draft row; MTP and DFlash, the target's hidden states)."""
+        kinds = self._spec_kinds
+        why = None
+        if not kinds:
+            return set()
+        if self.spec.recurrent_layers:
+            why = "the recurrent states of qwen35-type models are not kept per draft row on this path yet"
+        elif self.runner.kprep:
+            why = f"the {self.config.cache_type_k} K cache's key preconditioning takes one row per sequence"
+        elif "ngram" not in kinds:
+            why = "MTP and DFlash drafts need the target's hidden states, which this path does not keep yet"
+        if why:
+            log.warning("speculative decoding (%s) runs on the CPU path only here: %s; the %s path decodes "
+                        "without drafts", self.config.spec, why, self.config.device)
+            return set()
+        if kinds - {"ngram"}:
+            log.warning("speculative decoding: the %s path drafts with n-grams only (MTP and DFlash need the "
+                        "target's hidden states, which it does not keep yet)", self.config.device)
+        return {"ngram"}
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
@@ -248,26 +275,42 @@ class RunnerScheduler:
         dec, chunks = room
         step = _RunnerStep()
         host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
+        spec = []   # (sequence, its first row's position, its rows' logits): verified after the step
         if dec:
             pos = [s.n_computed for s in dec]
-            logits = r.decode([s.slot for s in dec], self._decode_inputs(dec, prev), pos)
+            if any(s.drafts for s in dec):   # drafts: rows p, p+1, .. of the same slot (overlap is off)
+                first = self._decode_inputs(dec, None)
+                slots, toks, poss, row0 = [], [], [], []
+                for s, p, t in zip(dec, pos, first):
+                    row0.append(len(slots))
+                    slots += [s.slot] * (1 + len(s.drafts))
+                    toks += [t] + s.drafts
+                    poss += range(p, p + 1 + len(s.drafts))
+                logits = r.decode(slots, toks, poss)
+            else:
+                row0 = list(range(len(dec)))
+                logits = r.decode([s.slot for s in dec], self._decode_inputs(dec, prev), pos)
             for s, p in zip(dec, pos):
-                s.n_computed = p + 1
+                s.n_computed = p + 1 + len(s.drafts)   # with drafts: set again by _verify_drafts
             on_dev = [self._device_row(s) for s in dec]
-            if all(on_dev):
+            if all(on_dev) and len(row0) == logits.shape[0]:
                 step.choose(dec, logits, self.spec.vocab_size)
             elif any(on_dev):
-                rows = [i for i, d in enumerate(on_dev) if d]
-                step.choose([dec[i] for i in rows], logits[rows], self.spec.vocab_size)
-            if not all(on_dev):
-                rows = [i for i, d in enumerate(on_dev) if not d]
-                host += [dec[i] for i in rows]
-                host_lg.append(logits[rows].float())   # (a copy: the graph's output buffer is rewritten next step)
+                rows = [row0[i] for i, d in enumerate(on_dev) if d]
+                step.choose([dec[i] for i, d in enumerate(on_dev) if d], logits[rows], self.spec.vocab_size)
+            plain = [i for i, d in enumerate(on_dev) if not d and not dec[i].drafts]
+            if plain:
+                host += [dec[i] for i in plain]
+                host_lg.append(logits[[row0[i] for i in plain]].float())   # (a copy: the graph's output buffer is rewritten next step)
+            for i, s in enumerate(dec):
+                if s.drafts:
+                    spec.append((s, pos[i], logits[row0[i]:row0[i] + 1 + len(s.drafts)].float()))
             step.decode = {s.id for s in step.seqs}
             self._ahead = step
         self._complete_runner(prev)   # the previous step's tokens, while this step's decode runs
         rows = len(dec)
         firsts, first_lg = [], []
+        rows += sum(len(s.drafts) for s in dec)
         for s, lo, hi in chunks:
             out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc)
             s.n_computed = hi
@@ -288,7 +331,12 @@ class RunnerScheduler:
                 if s.n_generated == 0:
                     self._totals["prompt_tokens"] += s.n_prompt
                 self._on_logits(s, lg)
-        if self.config.overlap_steps:
+        for seq, start, lg in spec:   # drafts: accepted as the target would have decoded them, the rest cut off
+            self._verify_drafts(seq, start, lg.cpu())
+        if self.spec_active and dec and not chunks:
+            self._costs.add_step(rows, time.monotonic() - t0 - self._draft_s)
+            self._adapt_draft_lengths([(s, 1 + len(s.drafts), len(s.drafts)) for s in dec])
+        if self.config.overlap_steps and not self.spec_active:
             self._inflight = step
         else:
             self._complete_runner(step)
@@ -297,8 +345,10 @@ class RunnerScheduler:
         self._totals["steps"] += 1
 
     def _device_row(self, s: _Sequence) -> bool:
-        """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only)."""
-        return self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
+        """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only;
+        a sequence that drafts is verified on the host)."""
+        return (self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
+                and s.drafter is None)
 
     def _decode_inputs(self, dec: list[_Sequence], prev: _RunnerStep | None):
         """The decode rows' input tokens: a sequence's last token on the host, or the id the previous
@@ -361,6 +411,14 @@ class RunnerScheduler:
             s.id in pend and (s.n_generated + 1 >= s.params.max_tokens or len(s.tokens) + 1 >= self.ctx_size))]
         rows = len(dec)
         budget -= rows
+        for s in dec:   # n-gram drafts (spec_active): rows after the sequence's own, while graphs have room
+            s.drafts, s.draft_q, s.draft_src = [], None, ""
+            if s.drafter is not None:
+                room = min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
+                           s.params.max_tokens - s.n_generated - 1, RUNNER_MAX_ROWS - rows, max(0, budget))
+                s.drafts, s.draft_q, s.draft_src = self._take_drafts(s, room)
+                rows += len(s.drafts)
+                budget -= len(s.drafts)
         chunks = []
         for s in self._running:
             if s.n_computed < s.target:
@@ -381,7 +439,7 @@ class RunnerScheduler:
         previous step's tokens first)."""
         r = self.runner
         while True:
-            need = sum(r.blocks_needed(s.slot, s.n_computed, s.n_computed + 1) for s in dec)
+            need = sum(r.blocks_needed(s.slot, s.n_computed, s.n_computed + 1 + len(s.drafts)) for s in dec)
             need += sum(r.blocks_needed(s.slot, lo, hi) for s, lo, hi in chunks)
             if need <= r.pool.n_free:
                 return dec, chunks

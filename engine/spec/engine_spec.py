@@ -58,7 +58,7 @@ class SpeculationMixin:
     def _spec_ok(self, s: _Sequence) -> bool:
         """Drafts for this sequence: on, no grammar constraint (it must see every token), no
         images. (qwen35's recurrent states roll back to the snapshot after the last accepted row.)"""
-        return (bool(self._spec_kinds) and self.config.spec_max_drafts > 0 and s.req.constraint is None
+        return (bool(self.spec_active) and self.config.spec_max_drafts > 0 and s.req.constraint is None
                 and s.vision is None)
 
     def _ngram_first(self, s: _Sequence) -> bool:
@@ -98,18 +98,18 @@ class SpeculationMixin:
         length of every generating sequence's next drafter, k maximizing the step's expected tokens per
         second (engine/spec/adaptive.py: choose_k) from its acceptance and the measured costs, with the
         other sequences' rows, expected tokens and drafting time as in this step; 0 backs off (probes
-        every few steps). decode: (sequence, chunk, drafts) of this step's generating sequences."""
-        live = [(s, c, nd) for s, c, nd in decode if s.kv is not None and s.adapt]
+        every few steps). decode: (sequence, its rows, its drafts) of this step's generating sequences."""
+        live = [(s, n, nd) for s, n, nd in decode if self._alive(s) and s.adapt]
         if not self.config.spec_adaptive or not live:
             return
         costs = self._costs
         mine = {}
-        for s, c, nd in live:   # each one's share of the step as it ran: rows, expected tokens, drafting time
+        for s, n, nd in live:   # each one's share of the step as it ran: rows, expected tokens, drafting time
             dl = s.adapt.get(s.draft_src) if nd else None
-            mine[s.id] = (len(c.tokens), expected_tokens(dl.alpha, nd) if dl else 1.0,
+            mine[s.id] = (n, expected_tokens(dl.alpha, nd) if dl else 1.0,
                           costs.draft_time(s.draft_src, nd) if dl else 0.0)
         rows, tokens, draft_s = (sum(v[i] for v in mine.values()) for i in range(3))
-        for s, c, nd in live:
+        for s, _, _ in live:
             src = self._draft_source(s)
             s.spec_src = src
             dl = s.adapt.get(src)
@@ -225,8 +225,16 @@ class SpeculationMixin:
         if dl is not None:
             dl.observe(len(drafts), n_acc)
         s.n_computed = start + 1 + n_acc          # the fed token and the accepted drafts have good KV
-        s.kv.keep_rows(start, 1 + n_acc)
+        if s.kv is not None:
+            s.kv.keep_rows(start, 1 + n_acc)
+        else:                                     # GPU path: the rejected rows' blocks go back
+            self.runner.truncate(s.slot, s.n_computed)
         for tok, lp in out:
             self._append_token(s, tok, lp)
-            if s.kv is None:                      # finished (end of generation, stop string, limit)
+            if not self._alive(s):                # finished (end of generation, stop string, limit)
                 break
+
+    @staticmethod
+    def _alive(s: _Sequence) -> bool:
+        """s still runs: it holds KV (CPU path) or a slot (GPU path)."""
+        return s.kv is not None or getattr(s, "slot", None) is not None

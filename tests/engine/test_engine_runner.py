@@ -143,19 +143,23 @@ def test_parked_slot_serves_the_follow_up(tmp_path, arch):
         cold.shutdown()
 
 
-def test_runner_path_says_it_decodes_without_drafts(tmp_path, caplog):
-    """Speculative decoding is not on the GPU path yet: asking for it there logs a warning, stats() says
-    it is inactive, and the tokens are those of spec off."""
+@pytest.mark.parametrize("arch,kt,why", [("qwen35", "f16", "recurrent states"),
+                                          ("llama", "turbo3", "key preconditioning")])
+def test_runner_path_says_when_it_decodes_without_drafts(tmp_path, caplog, arch, kt, why):
+    """The GPU path verifies n-gram drafts (tests/engine/test_spec_ngram.py) except for recurrent models and
+    preconditioned K caches: asking for them there logs why, stats() says speculation is inactive, and the
+    tokens are those of spec off."""
     from engine.synth import write_synthetic
-    path = tmp_path / "llama.gguf"
-    write_synthetic(path, "llama", "tiny", seed=3)
-    cfg = dict(model=str(path), ctx_size=128, max_seqs=2, prefill_chunk=16, static_slots=True)
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, "tiny", seed=3)
+    cfg = dict(model=str(path), ctx_size=128, max_seqs=2, prefill_chunk=16, static_slots=True,
+               cache_type_k=kt, cache_type_v=kt)
     prompt = [1 + (5 * j) % 300 for j in range(20)] * 2
     with caplog.at_level("WARNING", logger="hivejet.engine"):
         spec = Engine(EngineConfig(**cfg, spec="ngram"))
     plain = Engine(EngineConfig(**cfg))
     try:
-        assert "CPU path only" in caplog.text
+        assert "CPU path only" in caplog.text and why in caplog.text
         assert spec.stats()["spec"]["active"] is False and plain.stats()["spec"]["active"] is False
         got = spec.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1]
         assert got == plain.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1]

@@ -98,6 +98,36 @@ def test_row_does_not_depend_on_other_rows(tiny, arch):
         model.close()
 
 
+@pytest.mark.parametrize("kt,triton", [("f16", False), ("q8_0", False), ("f16", True)])
+def test_draft_rows_of_one_slot_equal_successive_steps(tiny, kt, triton):
+    """A sequence's token and two drafts as three rows of one decode call (positions p, p+1, p+2 of the
+    same slot, beside another slot's row) give the logits that three successive one-row steps give: what
+    makes speculative decoding on the GPU path exact. Cutting the slot back (a rejected draft) frees the
+    blocks it took. triton: the GPU path's kernels (split-K decode attention, packed matmuls) under
+    TRITON_INTERPRET=1."""
+    if triton:
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the interpreter is for machines without a GPU")
+    model = open_model(tiny("llama"))
+    try:
+        V = model.spec.vocab_size
+        runner = Runner(model, device="cpu", n_slots=2, max_ctx=64, cache_type_k=kt, cache_type_v=kt, block_size=4,
+                        **(dict(triton=True) if triton else {}))
+        runner.prefill(0, prompt(10, 0, V))
+        runner.prefill(1, prompt(7, 1, V))
+        free = runner.pool.n_free
+        joint = runner.decode([0, 0, 1, 0], [5, 6, 9, 8], [10, 11, 7, 12]).clone()
+        assert runner.pool.n_free == free - 1   # position 12 starts a new block: one, not three
+        runner.truncate(0, 10)                    # (as if both drafts were rejected)
+        assert runner.pool.n_free == free
+        alone = [runner.decode([0], [t], [p])[0].clone() for t, p in ((5, 10), (6, 11), (8, 12))]
+        for a, j in zip(alone, (joint[0], joint[1], joint[3])):
+            assert torch.equal(a, j)
+    finally:
+        model.close()
+
+
 def test_perplexity_through_the_runner(tiny):
     """`hivejet perplexity --device` evaluates through Runner.prefill(all_logits=True): same log-probs."""
     import numpy as np

@@ -114,3 +114,55 @@ def test_sampled_distribution_is_unchanged(tiny_llama):
 def test_unknown_mode(tiny_llama):
     with pytest.raises(EngineError, match="speculative"):
         Engine(EngineConfig(model=str(tiny_llama), spec="medusa"))
+
+
+# --- the GPU path (engine/scheduler_gpu.py; on the CPU here through its static slots) -------------------------
+# drafts are extra decode rows of their sequence in the shared step; rejected rows are cut off
+
+@pytest.fixture(scope="module")
+def tiny_llama_slots(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec_slots") / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=4)
+    return path
+
+
+def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots):
+    out = {}
+    for spec in ("off", "ngram"):
+        eng = Engine(EngineConfig(model=str(tiny_llama_slots), spec=spec, ctx_size=256, resident_tokens=0,
+                                  static_slots=True, max_seqs=4, prefill_chunk=16))
+        try:
+            assert eng.runner is not None and eng.stats()["spec"]["active"] is (spec == "ngram")
+            hs = [eng.submit(Request(prompt_ids=PROMPT[i:], sampling=SamplingParams(max_tokens=30, temperature=0.0,
+                                                                                      ignore_eos=True)))
+                  for i in range(3)]
+            out[spec] = [h.result()[1] for h in hs]
+            out[spec + "_totals"] = eng.stats()["totals"]
+            assert eng.runner.pool.n_free + sum(eng.runner.held_alone(p) for p in eng._parked) == eng.runner.pool.n_blocks
+        finally:
+            eng.shutdown()
+    assert out["ngram"] == out["off"]
+    t = out["ngram_totals"]
+    assert 0 < t["accepted_tokens"] <= t["drafted_tokens"] and t["steps"] < out["off_totals"]["steps"]
+
+
+def test_gpu_path_sampled_distribution_is_unchanged(tiny_llama_slots):
+    n = 400
+    samples = {}
+    for spec in ("off", "ngram"):
+        eng = Engine(EngineConfig(model=str(tiny_llama_slots), spec=spec, ctx_size=256, max_seqs=16,
+                                  resident_tokens=0, spec_max_drafts=3, max_queue=n + 16, static_slots=True,
+                                  prefill_chunk=16))
+        try:
+            hs = [eng.submit(Request(prompt_ids=PROMPT, sampling=SamplingParams(
+                max_tokens=4, temperature=0.8, top_k=4, top_p=1.0, min_p=0.0, seed=seed, ignore_eos=True)))
+                for seed in range(n)]
+            samples[spec] = collections.Counter(tuple(h.result()[1][:3]) for h in hs)
+            if spec == "ngram":
+                t = eng.stats()["totals"]
+                assert t["drafted_tokens"] > n // 2 and 0 < t["accepted_tokens"] < t["drafted_tokens"]
+        finally:
+            eng.shutdown()
+    p = _chi2_p(samples["off"], samples["ngram"])
+    print(f"GPU path: chi-square homogeneity of the first 3 tokens, {n} seeds per arm: p = {p:.3f}")
+    assert p > 0.001, p
