@@ -32,10 +32,10 @@ from engine.kv.pool import PoolFullError
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.scheduler_gpu import RunnerScheduler
 from engine.spec import SPEC_MODES
-from engine.spec.adaptive import DraftLength, StepCosts, choose_k
+from engine.spec.adaptive import DraftLength, StepCosts
 from engine.spec.engine_spec import SpeculationMixin, _acceptance_by_drafter
-from engine.spec.mtp import CatchUp, MtpState, catch_up
-from engine.spec.ngram import NgramDrafter, SharedNgramPool
+from engine.spec.mtp import CatchUp, catch_up
+from engine.spec.ngram import SharedNgramPool
 from kernels.quant.ref import ROW_BLOCK
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -606,28 +606,6 @@ class Engine(RunnerScheduler, SpeculationMixin):
         s.drafts = []
         s.t_start = None
         self._totals["preempted"] += 1
-
-    def _attach_drafters(self, s: _Sequence) -> None:
-        """The drafters of the engine's spec mode for a sequence starting to run. A sequence that starts
-        from a reused prefix gets no model drafter: the resident cache keeps no MTP rows or DFlash
-        context (n-gram drafts still work)."""
-        s.spec_k = self.config.spec_max_drafts
-        if "ngram" in self.spec_active:
-            s.drafter = NgramDrafter(pool=self._ngram_pool)
-            s.drafter.extend(s.tokens)
-        if s.cached == 0 and "mtp" in self.spec_active:
-            s.mtp = MtpState(self.model.new_mtp_kv())
-        if s.cached == 0 and self._dflash is not None:
-            s.dflash = self._dflash.new_state()
-        k_max = self.config.spec_max_drafts
-        s.adapt = {name: DraftLength(min(k_max, self._dflash.cfg.block_size - 1) if name == "dflash" else k_max)
-                   for name, st in (("ngram", s.drafter), ("mtp", s.mtp), ("dflash", s.dflash)) if st is not None}
-        s.spec_src = self._draft_source(s)
-        if self._costs.step_time(1) is not None:   # costs known: start from the prior (0: a probe at once)
-            n = len(self._running)
-            for name, dl in s.adapt.items():
-                dl.decide(choose_k(dl.alpha, dl.k_max, self._costs.step_time, n + 1,
-                                   lambda k, name=name: self._costs.draft_time(name, k), others_tokens=n))
 
     def _reuse_prefix(self, s: _Sequence) -> None:
         """Start s from the longest prefix of its prompt that a resident or running sequence holds."""

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.gguf.reader import GGUFError
-from engine.spec.adaptive import MAX_DEFERRED, choose_k, expected_tokens
+from engine.spec.adaptive import MAX_DEFERRED, DraftLength, choose_k, expected_tokens
 from engine.spec.dflash import DFlashError, DraftRequest, load_drafter, propose
+from engine.spec.mtp import MtpState
+from engine.spec.ngram import NgramDrafter
 from engine.spec.verify import accept_or_resample
 from engine.types import EngineError
 
@@ -54,6 +56,28 @@ class SpeculationMixin:
         self.model.capture_layers = d.cfg.target_layer_ids
         log.info("DFlash drafter %s: %d layers, blocks of %d, target layers %s", drafter, d.cfg.n_layer,
                  d.cfg.block_size, list(d.cfg.target_layer_ids))
+
+    def _attach_drafters(self, s: _Sequence) -> None:
+        """The drafters of the engine's spec mode for a sequence starting to run. A sequence that starts
+        from a reused prefix gets no model drafter: the resident cache keeps no MTP rows or DFlash
+        context (n-gram drafts still work)."""
+        s.spec_k = self.config.spec_max_drafts
+        if "ngram" in self.spec_active:
+            s.drafter = NgramDrafter(pool=self._ngram_pool)
+            s.drafter.extend(s.tokens)
+        if s.cached == 0 and "mtp" in self.spec_active:
+            s.mtp = MtpState(self.model.new_mtp_kv())
+        if s.cached == 0 and self._dflash is not None:
+            s.dflash = self._dflash.new_state()
+        k_max = self.config.spec_max_drafts
+        s.adapt = {name: DraftLength(min(k_max, self._dflash.cfg.block_size - 1) if name == "dflash" else k_max)
+                   for name, st in (("ngram", s.drafter), ("mtp", s.mtp), ("dflash", s.dflash)) if st is not None}
+        s.spec_src = self._draft_source(s)
+        if self._costs.step_time(1) is not None:   # costs known: start from the prior (0: a probe at once)
+            n = len(self._running)
+            for name, dl in s.adapt.items():
+                dl.decide(choose_k(dl.alpha, dl.k_max, self._costs.step_time, n + 1,
+                                   lambda k, name=name: self._costs.draft_time(name, k), others_tokens=n))
 
     def _spec_ok(self, s: _Sequence) -> bool:
         """Drafts for this sequence: on, no grammar constraint (it must see every token), no

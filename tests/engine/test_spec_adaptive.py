@@ -228,8 +228,8 @@ class Recorded(DraftLength):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    import engine.engine as engine_mod
-    monkeypatch.setattr(engine_mod, "DraftLength", Recorded)
+    import engine.spec.engine_spec as spec_mod
+    monkeypatch.setattr(spec_mod, "DraftLength", Recorded)
     Recorded.log = []
     return Recorded.log
 
