@@ -263,6 +263,7 @@ class RunnerScheduler:
 
     def _runner_step(self, prev: _RunnerStep | None) -> None:
         t0 = time.monotonic()
+        self._draft_s = 0.0   # (drafting time of this step: not the model's, for the adaptive draft lengths)
         r, pc = self.runner, self.config.prefill_chunk
         while True:
             room = self._make_room(*self._plan_runner(prev), drain=prev is not None)
