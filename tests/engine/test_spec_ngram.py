@@ -89,12 +89,13 @@ def _chi2_p(a: collections.Counter, b: collections.Counter) -> float:
                                          torch.tensor(chi2 / 2, dtype=torch.float64)))
 
 
-def test_sampled_distribution_is_unchanged(tiny_llama):
-    n = 600
+def _first_tokens_by_seed(path, n: int, **cfg) -> dict:
+    """For spec off and ngram: the first 3 tokens sampled at temperature 0.8 for seeds 0..n-1 (counts), and
+    that drafts were proposed and both accepted and rejected (both branches of verification ran)."""
     samples = {}
     for spec in ("off", "ngram"):
-        eng = Engine(EngineConfig(model=str(tiny_llama), spec=spec, ctx_size=256, max_seqs=16, resident_tokens=0,
-                                  spec_max_drafts=3, max_queue=n + 16))
+        eng = Engine(EngineConfig(model=str(path), spec=spec, ctx_size=256, max_seqs=16, resident_tokens=0,
+                                  spec_max_drafts=3, max_queue=n + 16, **cfg))
         try:
             hs = [eng.submit(Request(prompt_ids=PROMPT, sampling=SamplingParams(
                 max_tokens=4, temperature=0.8, top_k=4, top_p=1.0, min_p=0.0, seed=seed, ignore_eos=True)))
@@ -102,10 +103,15 @@ def test_sampled_distribution_is_unchanged(tiny_llama):
             samples[spec] = collections.Counter(tuple(h.result()[1][:3]) for h in hs)
             if spec == "ngram":
                 t = eng.stats()["totals"]
-                # drafts were proposed and both accepted and rejected: both branches of the test ran
                 assert t["drafted_tokens"] > n // 2 and 0 < t["accepted_tokens"] < t["drafted_tokens"]
         finally:
             eng.shutdown()
+    return samples
+
+
+def test_sampled_distribution_is_unchanged(tiny_llama):
+    n = 600
+    samples = _first_tokens_by_seed(tiny_llama, n)
     p = _chi2_p(samples["off"], samples["ngram"])
     print(f"chi-square homogeneity of the first 3 tokens, {n} seeds per arm: p = {p:.3f}")
     assert p > 0.001, p   # a correct sampler fails this one time in a thousand
@@ -148,21 +154,7 @@ def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots):
 
 def test_gpu_path_sampled_distribution_is_unchanged(tiny_llama_slots):
     n = 400
-    samples = {}
-    for spec in ("off", "ngram"):
-        eng = Engine(EngineConfig(model=str(tiny_llama_slots), spec=spec, ctx_size=256, max_seqs=16,
-                                  resident_tokens=0, spec_max_drafts=3, max_queue=n + 16, static_slots=True,
-                                  prefill_chunk=16))
-        try:
-            hs = [eng.submit(Request(prompt_ids=PROMPT, sampling=SamplingParams(
-                max_tokens=4, temperature=0.8, top_k=4, top_p=1.0, min_p=0.0, seed=seed, ignore_eos=True)))
-                for seed in range(n)]
-            samples[spec] = collections.Counter(tuple(h.result()[1][:3]) for h in hs)
-            if spec == "ngram":
-                t = eng.stats()["totals"]
-                assert t["drafted_tokens"] > n // 2 and 0 < t["accepted_tokens"] < t["drafted_tokens"]
-        finally:
-            eng.shutdown()
+    samples = _first_tokens_by_seed(tiny_llama_slots, n, static_slots=True, prefill_chunk=16)
     p = _chi2_p(samples["off"], samples["ngram"])
     print(f"GPU path: chi-square homogeneity of the first 3 tokens, {n} seeds per arm: p = {p:.3f}")
     assert p > 0.001, p
