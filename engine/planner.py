@@ -137,11 +137,14 @@ def head_bytes(head_dim: int, kv_type: str) -> int:
 
 def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
     """Bytes of an [n, k] matrix of a quantized GGUF type in the GPU's packed layout (4-bit plane +
-    high plane, or an int8 plane; fp16 scale and min per group); None for types that are not packed."""
+    high plane, or an int8 plane; fp16 scale and min per group; rows padded to whole tiles); None for types
+    that are not packed."""
     lay = PACKED_LAYOUT.get(qtype_name)
     if lay is None:
         return None
     group, hi_bits = lay
+    tile = 128 if n >= 16384 else 64       # rows per tile (kernels/quant/packed.py default_tile_n): padded
+    n = -(-n // tile) * tile
     planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8
     return planes + 2 * 2 * n * (k // group)
 

@@ -113,12 +113,13 @@ def test_packed_layout_is_the_gpu_packers():
 
     from kernels.quant.packed import _PACKERS, pack_weight
     assert {qt.name: (g, hb) for qt, (_, g, hb) in _PACKERS.items()} == P.PACKED_LAYOUT
+    for n, k in ((8, 512), (16400, 256)):   # rows padded to a tile of 64, and of 128 for wide matrices
+        for qt in _PACKERS:
+            bs, ts = GGML_QUANT_SIZES[qt]
+            raw = np.zeros((n * k // bs, ts), dtype=np.uint8)      # zero blocks: valid for every type
+            p = pack_weight(torch.from_numpy(raw.reshape(-1)), qt, n, k)
+            assert P.packed_bytes(qt.name, n, k) == p.nbytes, qt.name
     n, k = 8, 512
-    for qt in _PACKERS:
-        bs, ts = GGML_QUANT_SIZES[qt]
-        raw = np.zeros((n * k // bs, ts), dtype=np.uint8)      # zero blocks: valid for every type
-        p = pack_weight(torch.from_numpy(raw.reshape(-1)), qt, n, k)
-        assert P.packed_bytes(qt.name, n, k) == p.nbytes, qt.name
     assert P.packed_bytes("F16", n, k) is None
 
 
