@@ -171,6 +171,7 @@ class SlotBatch:
         self.slot, self.start = slot, start
         self.rope: dict = {}
         self._pool: dict = {}
+        self.waves: list[torch.Tensor] | None = None   # decode rows of one slot (drafts): row sets in order
 
     def rows(self) -> torch.Tensor:
         """Each row's place in the pool's caches (the same for every layer: computed once per step)."""
@@ -283,6 +284,9 @@ class Runner:
         self._ckpt_conv: dict[int, torch.Tensor] = {}
         self._ckpt_ssm: dict[int, torch.Tensor] = {}
         self._ckpt_last: dict[int, tuple] = {}   # slot -> the last checkpoint it saved (its chain's end)
+        # a decode step with drafts (several rows of a slot): states before it and the delta-rule inputs
+        self._snapshots: dict[int, tuple] = {}
+        self._replay_inputs: dict[int, tuple] = {}
         self._ckpt_superseded: set[tuple] = set()   # checkpoints a later one of the same chain followed
         self.checkpoints_evicted = 0
 
@@ -793,8 +797,20 @@ class Runner:
         if b.decode:
             from kernels.gdn import gdn_decode
             slots = torch.where(b.slots == self.scratch, -1, b.slots)   # padding rows: no state update
-            return gdn_decode(qkv, L["conv"], cs, S, slots, g, beta, model.n_k_heads, model.d_state,
-                              self.spec.rms_eps)
+            if b.waves is None:
+                return gdn_decode(qkv, L["conv"], cs, S, slots, g, beta, model.n_k_heads, model.d_state,
+                                  self.spec.rms_eps)
+            # several rows of one slot (drafts): wave w holds every slot's w-th row, so each row's update
+            # starts from its slot's state after the rows before it, as in successive one-row steps
+            self._replay_inputs[il] = (qkv, g, beta, L["conv"], model)
+            o = None
+            for idx in b.waves:
+                ow = gdn_decode(qkv[idx], L["conv"], cs, S, slots[idx], g[idx], beta[idx], model.n_k_heads,
+                                model.d_state, self.spec.rms_eps)
+                if o is None:
+                    o = ow.new_empty((qkv.shape[0],) + tuple(ow.shape[1:]))
+                o[idx] = ow
+            return o
         state = (cs[b.slot], S[b.slot]) if b.start > 0 else None
         o, (c_new, S_new) = model.delta_net_rows(L, qkv, g, beta, state)
         cs[b.slot].copy_(c_new)
@@ -814,8 +830,60 @@ class Runner:
         m = self.model
         return m.lm_head(rms_norm(x, m.output_norm.dense, self.spec.rms_eps))
 
-    def _decode_eager(self, tokens, positions, slots) -> torch.Tensor:
-        return self._head(self._hidden(tokens, SlotBatch(self, positions, slots, decode=True)))
+    def _decode_eager(self, tokens, positions, slots, waves=None) -> torch.Tensor:
+        b = SlotBatch(self, positions, slots, decode=True)
+        b.waves = waves
+        return self._head(self._hidden(tokens, b))
+
+    def _draft_waves(self, slots: list[int], positions: list[int]) -> list[torch.Tensor] | None:
+        """Recurrent models, a step with several rows of one slot (a token and its drafts, at consecutive
+        positions): the rows of each wave (every slot's first row, then every second row, ..), and a snapshot
+        of those slots' recurrent states before the step, from which `cut_back` replays the rows it keeps.
+        None when every slot has one row (the usual step: graphs, no snapshot)."""
+        self._snapshots.clear()
+        self._replay_inputs.clear()
+        if len(set(slots)) == len(slots):
+            return None
+        waves, seen = [], {}
+        for r, sl in enumerate(slots):
+            w = seen.get(sl, 0)
+            seen[sl] = w + 1
+            if w == len(waves):
+                waves.append([])
+            waves[w].append(r)
+        for sl, count in seen.items():
+            if count > 1 and 0 <= sl < self.n_slots:
+                rows = [r for r, x in enumerate(slots) if x == sl]
+                self._snapshots[sl] = (positions[rows[0]], rows,
+                                       {il: t[sl].clone() for il, t in self.conv_state.items()},
+                                       {il: t[sl].clone() for il, t in self.ssm_state.items()})
+        return [torch.tensor(w, dtype=torch.long, device=self.device) for w in waves]
+
+    @torch.inference_mode()
+    def cut_back(self, slot: int, n: int) -> None:
+        """After a decode step that gave `slot` several rows (a token and its drafts): keep its first n
+        positions (the rows verification accepted). Its KV blocks after them go back to the pool; a
+        recurrent model's states are restored from the snapshot taken before the step and the kept rows'
+        updates replayed from the inputs the step recorded (the same kernel on the same inputs: the states
+        successive one-row steps would have left)."""
+        self.truncate(slot, n)
+        snap = self._snapshots.pop(slot, None)
+        if snap is None:
+            return
+        p0, rows, conv, ssm = snap
+        keep = n - p0
+        if keep >= len(rows):
+            return
+        from kernels.gdn import gdn_decode
+        for il in self.conv_state:
+            self.conv_state[il][slot].copy_(conv[il])
+            self.ssm_state[il][slot].copy_(ssm[il])
+        sl = torch.tensor([slot], dtype=torch.long, device=self.device)
+        for r in rows[:keep]:
+            for il, (qkv, g, beta, conv_w, model) in self._replay_inputs.items():
+                gdn_decode(qkv[r:r + 1], conv_w, self.conv_state[il], self.ssm_state[il], sl, g[r:r + 1],
+                           beta[r:r + 1], model.n_k_heads, model.d_state, self.spec.rms_eps)
+        self._live[slot] = n
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
@@ -869,11 +937,12 @@ class Runner:
         self._reserve_rows(slots, positions)
         self.sync_tables()
         self._decode_rows(slots, positions)
-        if not self.graphs_enabled or n > BUCKETS[-1]:
+        waves = self._draft_waves(slots, positions) if self.conv_state else None
+        if not self.graphs_enabled or n > BUCKETS[-1] or waves is not None:
             dev = self.device
             return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
                                       torch.as_tensor(positions, device=dev).long(),
-                                      torch.as_tensor(slots, device=dev).long())
+                                      torch.as_tensor(slots, device=dev).long(), waves)
         B = next(bk for bk in BUCKETS if bk >= n)
         graph, tok, pos, sl, out = self._graph(B)
         self.fill(B, slots, tokens, positions)

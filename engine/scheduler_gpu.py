@@ -75,6 +75,9 @@ class _RunnerStep:
 
 
 RUNNER_MAX_ROWS = 64   # rows of one decode step that still run as a CUDA graph (engine/runner.py BUCKETS)
+# recurrent models: sequences that draft in one step (each holds a copy of its recurrent states for the
+# step, Runner.cut_back: ~150 MB for a 27B; 10 % of the GPU memory is left out of the KV pool for such)
+RECURRENT_DRAFTERS = 4
 
 
 class RunnerScheduler:
@@ -141,16 +144,14 @@ class RunnerScheduler:
 
     def _runner_spec_kinds(self) -> set[str]:
         """The drafters the GPU path runs: n-gram drafts, verified as extra decode rows of their sequence
-        in the same step (its rows attend to the drafts before them; rejected rows are cut off), for models
-        without recurrent layers and K caches without key preconditioning. Otherwise none, with a warning
-        (qwen35 would need its recurrent states per draft row; MTP and DFlash, the target's hidden states)."""
+        in the same step (its rows attend to the drafts before them; rejected rows are cut off, recurrent
+        states rolled back: Runner.cut_back), for K caches without key preconditioning. Otherwise none, with
+        a warning (MTP and DFlash need the target's hidden states)."""
         kinds = self._spec_kinds
         why = None
         if not kinds:
             return set()
-        if self.spec.recurrent_layers:
-            why = "the recurrent states of qwen35-type models are not kept per draft row on this path yet"
-        elif self.runner.kprep:
+        if self.runner.kprep:
             why = f"the {self.config.cache_type_k} K cache's key preconditioning takes one row per sequence"
         elif "ngram" not in kinds:
             why = "MTP and DFlash drafts need the target's hidden states, which this path does not keep yet"
@@ -412,14 +413,16 @@ class RunnerScheduler:
             s.id in pend and (s.n_generated + 1 >= s.params.max_tokens or len(s.tokens) + 1 >= self.ctx_size))]
         rows = len(dec)
         budget -= rows
+        drafting = 0
         for s in dec:   # n-gram drafts (spec_active): rows after the sequence's own, while graphs have room
             s.drafts, s.draft_q, s.draft_src = [], None, ""
-            if s.drafter is not None:
+            if s.drafter is not None and (not self.spec.recurrent_layers or drafting < RECURRENT_DRAFTERS):
                 room = min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
                            s.params.max_tokens - s.n_generated - 1, RUNNER_MAX_ROWS - rows, max(0, budget))
                 s.drafts, s.draft_q, s.draft_src = self._take_drafts(s, room)
                 rows += len(s.drafts)
                 budget -= len(s.drafts)
+                drafting += bool(s.drafts)
         chunks = []
         for s in self._running:
             if s.n_computed < s.target:

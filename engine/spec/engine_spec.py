@@ -251,8 +251,8 @@ class SpeculationMixin:
         s.n_computed = start + 1 + n_acc          # the fed token and the accepted drafts have good KV
         if s.kv is not None:
             s.kv.keep_rows(start, 1 + n_acc)
-        else:                                     # GPU path: the rejected rows' blocks go back
-            self.runner.truncate(s.slot, s.n_computed)
+        else:                                     # GPU path: rejected rows' blocks go back, states roll back
+            self.runner.cut_back(s.slot, s.n_computed)
         for tok, lp in out:
             self._append_token(s, tok, lp)
             if not self._alive(s):                # finished (end of generation, stop string, limit)

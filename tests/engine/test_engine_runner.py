@@ -143,12 +143,12 @@ def test_parked_slot_serves_the_follow_up(tmp_path, arch):
         cold.shutdown()
 
 
-@pytest.mark.parametrize("arch,kt,why", [("qwen35", "f16", "recurrent states"),
+@pytest.mark.parametrize("arch,kt,why", [("qwen35", "turbo3", "key preconditioning"),
                                           ("llama", "turbo3", "key preconditioning")])
 def test_runner_path_says_when_it_decodes_without_drafts(tmp_path, caplog, arch, kt, why):
-    """The GPU path verifies n-gram drafts (tests/engine/test_spec_ngram.py) except for recurrent models and
-    preconditioned K caches: asking for them there logs why, stats() says speculation is inactive, and the
-    tokens are those of spec off."""
+    """The GPU path verifies n-gram drafts (tests/engine/test_spec_ngram.py) except with preconditioned K
+    caches: asking for them there logs why, stats() says speculation is inactive, and the tokens are those
+    of spec off."""
     from engine.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=3)

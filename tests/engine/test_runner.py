@@ -128,6 +128,43 @@ def test_draft_rows_of_one_slot_equal_successive_steps(tiny, kt, triton):
         model.close()
 
 
+def test_draft_rows_roll_back_recurrent_states(tiny):
+    """qwen35: a token and two drafts as three rows of one slot (waves of the delta-rule step), then cut
+    back to the first two rows (one draft accepted) or the first row (both rejected): the slot's states,
+    and the next step's logits, are those of a runner that only ever decoded those rows."""
+    model = open_model(tiny("qwen35"))
+    try:
+        V = model.spec.vocab_size
+        a = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
+        b = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
+        for r in (a, b):
+            r.prefill(0, prompt(10, 0, V))
+            r.prefill(1, prompt(7, 1, V))
+        joint = a.decode([0, 0, 1, 0], [5, 6, 9, 8], [10, 11, 7, 12]).clone()
+        alone = [b.decode([0], [5], [10])[0].clone(), b.decode([0], [6], [11])[0].clone()]
+        assert torch.equal(joint[0], alone[0]) and torch.equal(joint[1], alone[1])
+        a2 = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
+        a2.prefill(0, prompt(10, 0, V))
+        a2.decode([0, 0, 0], [5, 6, 8], [10, 11, 12])
+        a2.cut_back(0, 12)                                 # one draft accepted: b decoded the same two rows
+        for il in a2.conv_state:
+            assert torch.equal(a2.conv_state[il][0], b.conv_state[il][0])
+            assert torch.equal(a2.ssm_state[il][0], b.ssm_state[il][0])
+        a.cut_back(0, 11)                                  # keep the fed token only
+        b2 = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
+        b2.prefill(0, prompt(10, 0, V))
+        b2.decode([0], [5], [10])
+        for il in a.conv_state:
+            assert torch.equal(a.conv_state[il][0], b2.conv_state[il][0])
+            assert torch.equal(a.ssm_state[il][0], b2.ssm_state[il][0])
+        assert torch.equal(a.decode([0], [3], [11])[0], b2.decode([0], [3], [11])[0])
+        a.decode([0, 0], [4, 2], [12, 13])
+        a.cut_back(0, 14)                                  # every row kept: the states stay as the step left them
+        assert not a._snapshots
+    finally:
+        model.close()
+
+
 def test_perplexity_through_the_runner(tiny):
     """`hivejet perplexity --device` evaluates through Runner.prefill(all_logits=True): same log-probs."""
     import numpy as np
