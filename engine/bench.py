@@ -91,6 +91,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="decode: print the CUDA time per kernel of one step")
     p.add_argument("--device", default="cpu", help="spec, agents: the engine's device (cpu, cuda, auto)")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
+    p.add_argument("--verify-rows", action="store_true",
+                   help="spec: time steps verifying 0/4/8/16 drafts for 1 and 4 sequences (the GPU path's rows)")
     p.add_argument("--spec-drafter", default=None, metavar="PATH",
                    help="spec: a DFlash drafter (directory or GGUF) for the model: adds the dflash and dflash+ngram runs")
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16], help="agents: concurrent agents per run")

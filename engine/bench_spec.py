@@ -5,6 +5,10 @@ edit looks like); greedy decoding of n tokens with each drafting mode (off, ngra
 has the block; dflash and dflash+ngram when given a DFlash drafter): steps, accepted tokens per step,
 tok/s, and whether the output equals spec=off.
 
+Verify cost (--verify-rows, for the GPU machine): the time of one decode step that verifies k drafts for
+each of 1 and 4 sequences (1 + k rows per sequence, as the GPU path runs them: Runner.decode with rows of
+one slot, then Runner.cut_back), against a step of one row per sequence, at position 256.
+
 Modelled (with --rows-json, a `hivejet bench decode` result): a step verifying k drafts costs what a
 (k+1)-row step costs in that table, so speedup = tokens per step / (cost of k+1 rows / cost of 1 row),
 at the acceptance rates published for DFlash (Qwen3-8B, code, temperature 0: about 6.5 tokens per step
@@ -57,6 +61,48 @@ def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", 
     return rows
 
 
+def verify_costs(model: str, device: str = "cuda", drafts=(0, 4, 8, 16), seqs=(1, 4), pos: int = 256,
+                 reps: int = 10) -> list[dict]:
+    """ms of a decode step with 1 + k rows for each of `seqs` sequences at position `pos` (all drafts
+    rejected and cut back after every step, so each step starts from the same state), and its cost
+    against the k = 0 step of as many sequences. Recurrent models run these steps eagerly (waves)."""
+    import torch
+
+    from engine.models import open_model
+    from engine.runner import Runner
+    m = open_model(model)
+    try:
+        r = Runner(m, device=device, n_slots=max(seqs), max_ctx=pos + max(drafts) + 16)
+        for sl in range(max(seqs)):
+            r.prefill(sl, [1 + (7 * j) % 100 for j in range(pos)])
+        out = []
+        for n in seqs:
+            base = None
+            for k in drafts:
+                slots = [sl for sl in range(n) for _ in range(1 + k)]
+                positions = [pos + i for _ in range(n) for i in range(1 + k)]
+                toks = [2] * len(slots)
+
+                def step():
+                    r.decode(slots, toks, positions)
+                    for sl in range(n):
+                        r.cut_back(sl, pos)
+                step()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    step()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) / reps * 1e3
+                base = base or ms
+                out.append(dict(seqs=n, drafts=k, rows=len(slots), ms=ms, vs_no_drafts=ms / base))
+        return out
+    finally:
+        m.close()
+
+
 def modelled(rows_table: list[dict]) -> list[dict]:
     cost = {r["rows"]: r["ms"] / rows_table[0]["ms"] for r in rows_table}
 
@@ -79,6 +125,11 @@ def run(args) -> dict:
         res["measured"] = measure(args.model, args.n_gen, args.device, drafter=getattr(args, "spec_drafter", None))
     if args.rows_json:
         res["modelled"] = modelled(json.loads(Path(args.rows_json).read_text())["rows"])
+    if getattr(args, "verify_rows", False):
+        res["verify"] = verify_costs(args.model, args.device if args.device != "auto" else "cuda")
+        for r in res["verify"]:
+            print(f"verify: {r['seqs']} sequence(s) x {r['drafts']:2d} drafts = {r['rows']:3d} rows: "
+                  f"{r['ms']:8.2f} ms/step, {r['vs_no_drafts']:.2f}x the step without drafts")
     for r in res["measured"]:
         if "error" in r:
             print(f"{r['spec']:12s} not run: {r['error']}")

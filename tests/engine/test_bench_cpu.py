@@ -38,3 +38,17 @@ def test_bench_spec_measures_each_mode(tmp_path):
         assert r["tokens"] >= 1 and r["same_as_off"] is True
     assert rows["mtp"]["drafted"] > 0
     json.dumps(rows)
+
+
+def test_verify_costs_run_on_the_runner(tmp_path):
+    """`hivejet bench spec --verify-rows` on the CPU with tiny models (llama: rows of one slot; qwen35: the
+    delta-rule waves and cut_back): every configuration is timed, the k = 0 step is the base, and every
+    step starts from the same state (the drafts are cut back: the pool is as after the prompts)."""
+    from engine.bench_spec import verify_costs
+    from engine.synth import write_synthetic
+    for arch in ("llama", "qwen35"):
+        path = tmp_path / f"{arch}.gguf"
+        write_synthetic(path, arch, "tiny", seed=2)
+        res = verify_costs(str(path), device="cpu", drafts=(0, 4), seqs=(1, 2), pos=32, reps=2)
+        assert [(r["seqs"], r["drafts"], r["rows"]) for r in res] == [(1, 0, 1), (1, 4, 5), (2, 0, 2), (2, 4, 10)]
+        assert all(r["ms"] > 0 for r in res) and res[0]["vs_no_drafts"] == 1.0
