@@ -277,42 +277,10 @@ class RunnerScheduler:
         dec, chunks = room
         step = _RunnerStep()
         host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
-        spec = []   # (sequence, its first row's position, its rows' logits): verified after the step
-        if dec:
-            pos = [s.n_computed for s in dec]
-            if any(s.drafts for s in dec):   # drafts: rows p, p+1, .. of the same slot (overlap is off)
-                first = self._decode_inputs(dec, None)
-                slots, toks, poss, row0 = [], [], [], []
-                for s, p, t in zip(dec, pos, first):
-                    row0.append(len(slots))
-                    slots += [s.slot] * (1 + len(s.drafts))
-                    toks += [t] + s.drafts
-                    poss += range(p, p + 1 + len(s.drafts))
-                logits = r.decode(slots, toks, poss)
-            else:
-                row0 = list(range(len(dec)))
-                logits = r.decode([s.slot for s in dec], self._decode_inputs(dec, prev), pos)
-            for s, p in zip(dec, pos):
-                s.n_computed = p + 1 + len(s.drafts)   # with drafts: set again by _verify_drafts
-            on_dev = [self._device_row(s) for s in dec]
-            if all(on_dev) and len(row0) == logits.shape[0]:
-                step.choose(dec, logits, self.spec.vocab_size)
-            elif any(on_dev):
-                rows = [row0[i] for i, d in enumerate(on_dev) if d]
-                step.choose([dec[i] for i, d in enumerate(on_dev) if d], logits[rows], self.spec.vocab_size)
-            plain = [i for i, d in enumerate(on_dev) if not d and not dec[i].drafts]
-            if plain:
-                host += [dec[i] for i in plain]
-                host_lg.append(logits[[row0[i] for i in plain]].float())   # (a copy: the graph's output buffer is rewritten next step)
-            for i, s in enumerate(dec):
-                if s.drafts:
-                    spec.append((s, pos[i], logits[row0[i]:row0[i] + 1 + len(s.drafts)].float()))
-            step.decode = {s.id for s in step.seqs}
-            self._ahead = step
+        spec = self._launch_decode(dec, prev, step, host, host_lg) if dec else []
         self._complete_runner(prev)   # the previous step's tokens, while this step's decode runs
-        rows = len(dec)
+        rows = len(dec) + sum(len(s.drafts) for s in dec)
         firsts, first_lg = [], []
-        rows += sum(len(s.drafts) for s in dec)
         for s, lo, hi in chunks:
             out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc)
             s.n_computed = hi
@@ -345,6 +313,46 @@ class RunnerScheduler:
         self._last_step = {"rows": rows, "seqs": len(dec) + len(chunks),
                            "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
+
+    def _launch_decode(self, dec: list, prev: _RunnerStep | None, step: _RunnerStep, host: list,
+                       host_lg: list) -> list:
+        """Launch the step's decode call: every generating sequence's row, and after it the rows of its
+        drafts (positions p, p+1, .. of its slot; overlap is off then). Device-chosen rows go to `step`,
+        host-sampled rows to host / host_lg; returns (sequence, its first row's position, its rows' logits)
+        of the sequences with drafts, verified once the step's other work is done."""
+        r = self.runner
+        spec = []
+        pos = [s.n_computed for s in dec]
+        if any(s.drafts for s in dec):   # drafts: rows p, p+1, .. of the same slot (overlap is off)
+            first = self._decode_inputs(dec, None)
+            slots, toks, poss, row0 = [], [], [], []
+            for s, p, t in zip(dec, pos, first):
+                row0.append(len(slots))
+                slots += [s.slot] * (1 + len(s.drafts))
+                toks += [t] + s.drafts
+                poss += range(p, p + 1 + len(s.drafts))
+            logits = r.decode(slots, toks, poss)
+        else:
+            row0 = list(range(len(dec)))
+            logits = r.decode([s.slot for s in dec], self._decode_inputs(dec, prev), pos)
+        for s, p in zip(dec, pos):
+            s.n_computed = p + 1 + len(s.drafts)   # with drafts: set again by _verify_drafts
+        on_dev = [self._device_row(s) for s in dec]
+        if all(on_dev) and len(row0) == logits.shape[0]:
+            step.choose(dec, logits, self.spec.vocab_size)
+        elif any(on_dev):
+            rows = [row0[i] for i, d in enumerate(on_dev) if d]
+            step.choose([dec[i] for i, d in enumerate(on_dev) if d], logits[rows], self.spec.vocab_size)
+        plain = [i for i, d in enumerate(on_dev) if not d and not dec[i].drafts]
+        if plain:
+            host += [dec[i] for i in plain]
+            host_lg.append(logits[[row0[i] for i in plain]].float())   # (a copy: the graph's output buffer is rewritten next step)
+        for i, s in enumerate(dec):
+            if s.drafts:
+                spec.append((s, pos[i], logits[row0[i]:row0[i] + 1 + len(s.drafts)].float()))
+        step.decode = {s.id for s in step.seqs}
+        self._ahead = step
+        return spec
 
     def _device_row(self, s: _Sequence) -> bool:
         """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only;
