@@ -142,22 +142,28 @@ class RunnerScheduler:
         self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
         self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
 
+    def _segment_room(self, pos: int) -> int:
+        """Drafts a row at `pos` may take along when the K cache has key preconditioning: rows of one slot in
+        one step stay inside one segment that already has its center (a decode row at a segment's first
+        position makes the center from the keys before it, which a draft row's own step has not written
+        yet), so none when pos starts a segment, else up to its end. No limit otherwise."""
+        if not self.runner.kprep:
+            return RUNNER_MAX_ROWS
+        seg = self.runner.segment
+        return 0 if pos % seg == 0 else seg - 1 - pos % seg
+
     def _runner_spec_kinds(self) -> set[str]:
         """The drafters the GPU path runs: n-gram drafts, verified as extra decode rows of their sequence
         in the same step (its rows attend to the drafts before them; rejected rows are cut off, recurrent
-        states rolled back: Runner.cut_back), for K caches without key preconditioning. Otherwise none, with
-        a warning (MTP and DFlash need the target's hidden states)."""
+        states rolled back: Runner.cut_back; with key preconditioning, within one segment: _segment_room).
+        MTP and DFlash alone: none, with a warning (they need the target's hidden states)."""
         kinds = self._spec_kinds
-        why = None
         if not kinds:
             return set()
-        if self.runner.kprep:
-            why = f"the {self.config.cache_type_k} K cache's key preconditioning takes one row per sequence"
-        elif "ngram" not in kinds:
-            why = "MTP and DFlash drafts need the target's hidden states, which this path does not keep yet"
-        if why:
-            log.warning("speculative decoding (%s) runs on the CPU path only here: %s; the %s path decodes "
-                        "without drafts", self.config.spec, why, self.config.device)
+        if "ngram" not in kinds:
+            log.warning("speculative decoding (%s) runs on the CPU path only here: MTP and DFlash drafts need "
+                        "the target's hidden states, which the %s path does not keep yet; it decodes without "
+                        "drafts", self.config.spec, self.config.device)
             return set()
         if kinds - {"ngram"}:
             log.warning("speculative decoding: the %s path drafts with n-grams only (MTP and DFlash need the "
@@ -426,7 +432,8 @@ class RunnerScheduler:
             s.drafts, s.draft_q, s.draft_src = [], None, ""
             if s.drafter is not None and (not self.spec.recurrent_layers or drafting < RECURRENT_DRAFTERS):
                 room = min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
-                           s.params.max_tokens - s.n_generated - 1, RUNNER_MAX_ROWS - rows, max(0, budget))
+                           s.params.max_tokens - s.n_generated - 1, RUNNER_MAX_ROWS - rows, max(0, budget),
+                           self._segment_room(s.n_computed))
                 s.drafts, s.draft_q, s.draft_src = self._take_drafts(s, room)
                 rows += len(s.drafts)
                 budget -= len(s.drafts)

@@ -143,28 +143,28 @@ def test_parked_slot_serves_the_follow_up(tmp_path, arch):
         cold.shutdown()
 
 
-@pytest.mark.parametrize("arch,kt,why", [("qwen35", "turbo3", "key preconditioning"),
-                                          ("llama", "turbo3", "key preconditioning")])
-def test_runner_path_says_when_it_decodes_without_drafts(tmp_path, caplog, arch, kt, why):
-    """The GPU path verifies n-gram drafts (tests/engine/test_spec_ngram.py) except with preconditioned K
-    caches: asking for them there logs why, stats() says speculation is inactive, and the tokens are those
-    of spec off."""
+def test_runner_path_drafts_with_ngrams_only(tmp_path, caplog):
+    """The GPU path verifies n-gram drafts (tests/engine/test_spec_ngram.py), not MTP ones (they need the
+    target's hidden states): a chain drafts with n-grams there and says so, MTP alone decodes without
+    drafts and says why; the tokens are those of spec off either way."""
     from engine.synth import write_synthetic
-    path = tmp_path / f"{arch}.gguf"
-    write_synthetic(path, arch, "tiny", seed=3)
-    cfg = dict(model=str(path), ctx_size=128, max_seqs=2, prefill_chunk=16, static_slots=True,
-               cache_type_k=kt, cache_type_v=kt)
+    path = tmp_path / "mtp.gguf"
+    write_synthetic(path, "qwen35", "tiny", seed=3, mtp=True)
+    cfg = dict(model=str(path), ctx_size=128, max_seqs=2, prefill_chunk=16, static_slots=True)
     prompt = [1 + (5 * j) % 300 for j in range(20)] * 2
-    with caplog.at_level("WARNING", logger="hivejet.engine"):
-        spec = Engine(EngineConfig(**cfg, spec="ngram"))
     plain = Engine(EngineConfig(**cfg))
     try:
-        assert "CPU path only" in caplog.text and why in caplog.text
-        assert spec.stats()["spec"]["active"] is False and plain.stats()["spec"]["active"] is False
-        got = spec.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1]
-        assert got == plain.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1]
+        want = plain.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1]
+        for mode, active, said in (("mtp+ngram", True, "n-grams only"), ("mtp", False, "CPU path only")):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="hivejet.engine"):
+                eng = Engine(EngineConfig(**cfg, spec=mode))
+            try:
+                assert said in caplog.text and eng.stats()["spec"]["active"] is active
+                assert eng.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1] == want
+            finally:
+                eng.shutdown()
     finally:
-        spec.shutdown()
         plain.shutdown()
 
 

@@ -98,13 +98,16 @@ def test_row_does_not_depend_on_other_rows(tiny, arch):
         model.close()
 
 
-@pytest.mark.parametrize("kt,triton", [("f16", False), ("q8_0", False), ("f16", True)])
-def test_draft_rows_of_one_slot_equal_successive_steps(tiny, kt, triton):
+@pytest.mark.parametrize("kt,triton", [("f16", False), ("q8_0", False), ("f16", True), ("turbo3", False)])
+def test_draft_rows_of_one_slot_equal_successive_steps(tiny, kt, triton, monkeypatch):
     """A sequence's token and two drafts as three rows of one decode call (positions p, p+1, p+2 of the
     same slot, beside another slot's row) give the logits that three successive one-row steps give: what
     makes speculative decoding on the GPU path exact. Cutting the slot back (a rejected draft) frees the
     blocks it took. triton: the GPU path's kernels (split-K decode attention, packed matmuls) under
-    TRITON_INTERPRET=1."""
+    TRITON_INTERPRET=1. turbo3: key preconditioning with segments of 8, the rows inside segment 1 (its
+    center made by the prompt), as the scheduler keeps them (_segment_room)."""
+    monkeypatch.setattr(SequenceKV, "SEGMENT", 8)
+    monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 4)
     if triton:
         pytest.importorskip("triton")
         if torch.cuda.is_available():

@@ -133,11 +133,17 @@ def tiny_llama_slots(request, tmp_path_factory):
     return path
 
 
-def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots):
+@pytest.mark.parametrize("kt", ["f16", "turbo3"])
+def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots, kt, monkeypatch):
+    """turbo3: key preconditioning with segments of 16 positions (drafts stay inside one: _segment_room)."""
+    from engine.kv.sequence import SequenceKV
+    monkeypatch.setattr(SequenceKV, "SEGMENT", 16)
+    monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 8)
     out = {}
     for spec in ("off", "ngram"):
         eng = Engine(EngineConfig(model=str(tiny_llama_slots), spec=spec, ctx_size=256, resident_tokens=0,
-                                  static_slots=True, max_seqs=4, prefill_chunk=16))
+                                  static_slots=True, max_seqs=4, prefill_chunk=16, cache_type_k=kt,
+                                  cache_type_v=kt))
         try:
             assert eng.runner is not None and eng.stats()["spec"]["active"] is (spec == "ngram")
             hs = [eng.submit(Request(prompt_ids=PROMPT[i:], sampling=SamplingParams(max_tokens=30, temperature=0.0,
