@@ -75,8 +75,9 @@ def llama_server(llamacpp: str, model: str, agents: int, ctx: int) -> Server:
                                 "-np", str(agents), "-c", str(agents * ctx), "--port", str(port)], port)
 
 
-def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: time to first token, end time, tokens generated."""
+def complete(url: str, prompt: list[int], max_tokens: int, on_token=None) -> dict:
+    """One streamed completion: time to first token, end time, tokens generated, each token's arrival
+    time; `on_token()` is called as each one arrives."""
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -97,6 +98,8 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
                     n_chunks += 1
                     times.append(time.perf_counter())
                     first = first or times[-1]
+                    if on_token is not None:
+                        on_token()
     t_end = time.perf_counter()
     tokens = (usage or {}).get("completion_tokens") or n_chunks
     return dict(t0=t0, ttft=(first or t_end) - t0, t_first=first or t_end, t_end=t_end, tokens=tokens, times=times)
@@ -106,6 +109,11 @@ def _decode_rate(r: dict) -> float:
     return (r["tokens"] - 1) / max(r["t_end"] - r["t_first"], 1e-9) if r["tokens"] > 1 else 0.0
 
 
+def _rate(ts: list[float]) -> float:
+    """tok/s of tokens that arrived at times ts (0 for fewer than two)."""
+    return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else 0.0
+
+
 def _window_rates(rs: list[dict]) -> list[float]:
     """Each stream's tok/s while all of them were decoding (from the last one's first token to the first
     one's end); a stream's whole decode rate where they never all decoded at once."""
@@ -113,7 +121,7 @@ def _window_rates(rs: list[dict]) -> list[float]:
     out = []
     for r in rs:
         ts = [t for t in r["times"] if lo <= t <= hi]
-        out.append((len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 2 and ts[-1] > ts[0] else _decode_rate(r))
+        out.append(_rate(ts) if len(ts) > 2 and ts[-1] > ts[0] else _decode_rate(r))
     return out
 
 
@@ -172,28 +180,30 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
     _log(f"3. follow-up first token: {[round(x, 2) for x in res['follow_up_ttft']]} s")
     done(res)
     # three agents decode; a fourth sends a long prompt once they are going
-    started, first_token = threading.Event(), threading.Event()
-    holder, progress = {}, [0, 0, 0]
+    progress, ended, sent = [0, 0, 0], [False] * 3, {}
 
     def intruder():
         # once all three are decoding (8 tokens each), 2 s of their speed before the long prompt is sent
-        while not all(progress[i] >= 8 or holder.get(i) for i in range(3)):
+        while not all(progress[i] >= 8 or ended[i] for i in range(3)):
             time.sleep(0.05)
         time.sleep(2.0)
-        started.set()
-        holder["r"] = complete(url, _prompt(rng, long_prompt, vocab), 8)
-        first_token.set()
+        sent["t"] = time.perf_counter()
+        sent["r"] = complete(url, _prompt(rng, long_prompt, vocab), 8)
     th = threading.Thread(target=intruder)
     th.start()
+
     def follower(i, f):
         try:
-            return _stream_rates(url, f, gen * 8, started, first_token, progress, i)
+            return complete(url, f, gen * 8, on_token=lambda: progress.__setitem__(i, progress[i] + 1))
         finally:
-            holder[i] = True   # (a follower that ended early does not hold the intruder back)
+            ended[i] = True   # (a follower that ended early does not hold the intruder back)
     rs = _parallel([lambda i=i, f=f: follower(i, f) for i, f in enumerate(follow[:3])])
     th.join()
-    res["during_prefill"] = dict(long_prompt=long_prompt, before=[r[0] for r in rs], during=[r[1] for r in rs],
-                                 intruder_ttft=holder["r"]["ttft"])
+    t_sent, t_first = sent["t"], sent["r"]["t_first"]
+    res["during_prefill"] = dict(long_prompt=long_prompt,
+                                 before=[_rate([t for t in r["times"] if t < t_sent]) for r in rs],
+                                 during=[_rate([t for t in r["times"] if t_sent <= t < t_first]) for r in rs],
+                                 intruder_ttft=sent["r"]["ttft"])
     _log(f"4. {res['during_prefill']}")
     done(res)
     # agents with tool pauses
@@ -211,33 +221,6 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
     _log(f"5. {res['paused_agents']}")
     done(res)
     return res
-
-
-def _stream_rates(url: str, prompt: list[int], max_tokens: int, started: threading.Event,
-                  first_token: threading.Event, progress: list[int], i: int) -> tuple[float, float]:
-    """Decode tok/s of one streamed completion before another agent's long prompt was sent, and
-    while it was being read (until its first token)."""
-    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "ignore_eos": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    before, during = [], []
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            if not any(ch.get("text") for ch in json.loads(line[5:]).get("choices") or []):
-                continue
-            now = time.perf_counter()
-            progress[i] += 1
-            if not started.is_set():
-                before.append(now)
-            elif not first_token.is_set():
-                during.append(now)
-
-    def rate(ts):
-        return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else 0.0
-    return rate(before), rate(during)
 
 
 def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", servers=("hivejet", "llama.cpp"),
