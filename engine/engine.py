@@ -287,12 +287,12 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 pool.set_limit(max(256, budget // max(pool.bytes_per_token(), 1)))
                 self._pool_tokens = pool.max_tokens
         self._dflash = None           # engine/spec/dflash.py: the DFlash drafter (CPU path only)
-        self._costs = StepCosts()     # engine/spec/adaptive.py: measured step / drafting times (CPU path)
+        self._costs = StepCosts()     # engine/spec/adaptive.py: measured step / drafting times
         self._draft_s = 0.0           # avoidable drafting seconds of the current step
         if self.runner is None and "dflash" in self._spec_kinds:
             self._open_dflash(config.spec_drafter)
-        # the GPU path verifies n-gram drafts of models without recurrent layers (RunnerScheduler
-        # ._runner_spec_kinds); what it cannot do is said once, and stats() reports it too
+        # the GPU path verifies n-gram drafts only (RunnerScheduler._runner_spec_kinds); what it cannot do
+        # is said once, and stats() reports it too
         self.spec_active = self._spec_kinds if self.runner is None else self._runner_spec_kinds()
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)

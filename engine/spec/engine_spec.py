@@ -1,7 +1,8 @@
-"""The CPU path's speculative decoding for the Engine (a mixin of it): the DFlash drafter's loading,
-which drafter drafts and how many tokens (adaptive lengths), taking the drafts into a step, and verifying
-them after the forward. The drafters themselves live beside this module (ngram, mtp, dflash, adaptive,
-verify); the engine's loop and CPU step stay in engine/engine.py.
+"""Speculative decoding for the Engine (a mixin of it): the DFlash drafter's loading, which drafter drafts
+and how many tokens (adaptive lengths), taking the drafts into a step, and verifying them after the forward
+(both paths: the GPU path, engine/scheduler_gpu.py, takes n-gram drafts only). The drafters themselves live
+beside this module (ngram, mtp, dflash, adaptive, verify); the engine's loop and CPU step stay in
+engine/engine.py.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _acceptance_by_drafter(counts) -> dict:
 
 
 class SpeculationMixin:
-    """The Engine's speculative-decoding methods (CPU path); Engine inherits them."""
+    """The Engine's speculative-decoding methods; Engine inherits them."""
 
     def _open_dflash(self, drafter: str | None) -> None:
         """Load the DFlash drafter, check it fits the target, and have the target's forward keep the
