@@ -50,10 +50,9 @@ from engine.kv.sequence import SequenceKV
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
-from kernels.kvcodec import CACHE_TYPES, cache_type_name, get_codec
+from kernels.kvcodec import cache_type_name, get_codec
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-SLOT_CACHE_TYPES = CACHE_TYPES  # every KV cache type (kept for callers that check membership)
 
 
 def _attn_layers(spec) -> list[int]:
@@ -284,20 +283,11 @@ class Runner:
         self._ckpt_conv: dict[int, torch.Tensor] = {}
         self._ckpt_ssm: dict[int, torch.Tensor] = {}
         self._ckpt_last: dict[int, tuple] = {}   # slot -> the last checkpoint it saved (its chain's end)
+        self._ckpt_superseded: set[tuple] = set()   # checkpoints a later one of the same chain followed
+        self.checkpoints_evicted = 0
         # a decode step with drafts (several rows of a slot): states before it and the delta-rule inputs
         self._snapshots: dict[int, tuple] = {}
         self._replay_inputs: dict[int, tuple] = {}
-        self._ckpt_superseded: set[tuple] = set()   # checkpoints a later one of the same chain followed
-        self.checkpoints_evicted = 0
-
-    # the old single-type names (K's type)
-    @property
-    def codec(self):
-        return self.codec_k
-
-    @property
-    def cache_type(self) -> str:
-        return self.cache_type_k
 
     # ----- memory -----
     def kv_bytes(self) -> int:
@@ -802,7 +792,7 @@ class Runner:
                                   self.spec.rms_eps)
             # several rows of one slot (drafts): wave w holds every slot's w-th row, so each row's update
             # starts from its slot's state after the rows before it, as in successive one-row steps
-            self._replay_inputs[il] = (qkv, g, beta, L["conv"], model)
+            self._replay_inputs[il] = (qkv, g, beta, L["conv"])
             o = None
             for idx in b.waves:
                 ow = gdn_decode(qkv[idx], L["conv"], cs, S, slots[idx], g[idx], beta[idx], model.n_k_heads,
@@ -844,20 +834,30 @@ class Runner:
         self._replay_inputs.clear()
         if len(set(slots)) == len(slots):
             return None
-        waves, seen = [], {}
+        waves, by_slot = [], {}
         for r, sl in enumerate(slots):
-            w = seen.get(sl, 0)
-            seen[sl] = w + 1
-            if w == len(waves):
+            rows = by_slot.setdefault(sl, [])
+            if len(rows) == len(waves):
                 waves.append([])
-            waves[w].append(r)
-        for sl, count in seen.items():
-            if count > 1 and 0 <= sl < self.n_slots:
-                rows = [r for r, x in enumerate(slots) if x == sl]
+            waves[len(rows)].append(r)
+            rows.append(r)
+        for sl, rows in by_slot.items():
+            if len(rows) > 1 and 0 <= sl < self.n_slots:
                 self._snapshots[sl] = (positions[rows[0]], rows,
                                        {il: t[sl].clone() for il, t in self.conv_state.items()},
                                        {il: t[sl].clone() for il, t in self.ssm_state.items()})
         return [torch.tensor(w, dtype=torch.long, device=self.device) for w in waves]
+
+    def draft_room(self, pos: int) -> int:
+        """How many draft rows may follow a slot's row at `pos` in one decode step and still give the logits
+        of one-row steps. With key preconditioning, the rows must stay inside one segment that already has
+        its center (a row at a segment's first position makes the center from the keys before it, which the
+        rows of its own step have not written yet): none when pos starts a segment, else up to its end.
+        Otherwise as many as a graph bucket holds."""
+        if not self.kprep:
+            return BUCKETS[-1]
+        seg = self.segment
+        return 0 if pos % seg == 0 else seg - 1 - pos % seg
 
     @torch.inference_mode()
     def cut_back(self, slot: int, n: int) -> None:
@@ -879,10 +879,11 @@ class Runner:
             self.conv_state[il][slot].copy_(conv[il])
             self.ssm_state[il][slot].copy_(ssm[il])
         sl = torch.tensor([slot], dtype=torch.long, device=self.device)
+        m = self.model
         for r in rows[:keep]:
-            for il, (qkv, g, beta, conv_w, model) in self._replay_inputs.items():
+            for il, (qkv, g, beta, conv_w) in self._replay_inputs.items():
                 gdn_decode(qkv[r:r + 1], conv_w, self.conv_state[il], self.ssm_state[il], sl, g[r:r + 1],
-                           beta[r:r + 1], model.n_k_heads, model.d_state, self.spec.rms_eps)
+                           beta[r:r + 1], m.n_k_heads, m.d_state, self.spec.rms_eps)
         self._live[slot] = n
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.prefix import common_prefix
+from engine.runner import BUCKETS
 from engine.sample_device import check_chosen, choose_tokens, samples_on_device
 from engine.types import EngineError
 
@@ -73,8 +74,7 @@ class _RunnerStep:
         return self._host.tolist()
 
 
-
-RUNNER_MAX_ROWS = 64   # rows of one decode step that still run as a CUDA graph (engine/runner.py BUCKETS)
+RUNNER_MAX_ROWS = BUCKETS[-1]   # rows of one decode step that still run as a CUDA graph
 # recurrent models: sequences that draft in one step (each holds a copy of its recurrent states for the
 # step, Runner.cut_back: ~150 MB for a 27B; 10 % of the GPU memory is left out of the KV pool for such)
 RECURRENT_DRAFTERS = 4
@@ -130,7 +130,6 @@ class RunnerScheduler:
         if dev.type == "cuda":
             # every decode graph a step can need, now: captured lazily, the first step with 4 (16) agents
             # stalled 7 (12) s on the H200 while its kernels compiled and its graph was captured
-            from engine.runner import BUCKETS
             top = next((b for b in BUCKETS if b >= c.max_seqs), BUCKETS[-1])
             try:
                 self.runner.capture([b for b in BUCKETS if b <= top])
@@ -142,20 +141,10 @@ class RunnerScheduler:
         self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
         self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
 
-    def _segment_room(self, pos: int) -> int:
-        """Drafts a row at `pos` may take along when the K cache has key preconditioning: rows of one slot in
-        one step stay inside one segment that already has its center (a decode row at a segment's first
-        position makes the center from the keys before it, which a draft row's own step has not written
-        yet), so none when pos starts a segment, else up to its end. No limit otherwise."""
-        if not self.runner.kprep:
-            return RUNNER_MAX_ROWS
-        seg = self.runner.segment
-        return 0 if pos % seg == 0 else seg - 1 - pos % seg
-
     def _runner_spec_kinds(self) -> set[str]:
         """The drafters the GPU path runs: n-gram drafts, verified as extra decode rows of their sequence
         in the same step (its rows attend to the drafts before them; rejected rows are cut off, recurrent
-        states rolled back: Runner.cut_back; with key preconditioning, within one segment: _segment_room).
+        states rolled back: Runner.cut_back; with key preconditioning, within one segment: Runner.draft_room).
         MTP and DFlash alone: none, with a warning (they need the target's hidden states)."""
         kinds = self._spec_kinds
         if not kinds:
@@ -433,7 +422,7 @@ class RunnerScheduler:
             if s.drafter is not None and (not self.spec.recurrent_layers or drafting < RECURRENT_DRAFTERS):
                 room = min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
                            s.params.max_tokens - s.n_generated - 1, RUNNER_MAX_ROWS - rows, max(0, budget),
-                           self._segment_room(s.n_computed))
+                           self.runner.draft_room(s.n_computed))
                 s.drafts, s.draft_q, s.draft_src = self._take_drafts(s, room)
                 rows += len(s.drafts)
                 budget -= len(s.drafts)

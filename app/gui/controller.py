@@ -29,8 +29,8 @@ def choose_device(kv_cache: str, mmproj: str | None) -> tuple[str, str | None, s
     for now (the note says so); else the CPU with the vision projector. Returns (device, mmproj, note)."""
     import torch
 
-    from engine.runner import SLOT_CACHE_TYPES
-    if torch.cuda.is_available() and kv_cache in SLOT_CACHE_TYPES:
+    from kernels.kvcodec import CACHE_TYPES
+    if torch.cuda.is_available() and kv_cache in CACHE_TYPES:
         note = "image input is not on the GPU path yet, so this model runs on the GPU as text only" \
             if mmproj else ""
         return "cuda", None, note

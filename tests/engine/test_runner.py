@@ -105,7 +105,7 @@ def test_draft_rows_of_one_slot_equal_successive_steps(tiny, kt, triton, monkeyp
     makes speculative decoding on the GPU path exact. Cutting the slot back (a rejected draft) frees the
     blocks it took. triton: the GPU path's kernels (split-K decode attention, packed matmuls) under
     TRITON_INTERPRET=1. turbo3: key preconditioning with segments of 8, the rows inside segment 1 (its
-    center made by the prompt), as the scheduler keeps them (_segment_room)."""
+    center made by the prompt), as the scheduler keeps them (Runner.draft_room)."""
     monkeypatch.setattr(SequenceKV, "SEGMENT", 8)
     monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 4)
     if triton:

@@ -135,7 +135,7 @@ def tiny_llama_slots(request, tmp_path_factory):
 
 @pytest.mark.parametrize("kt", ["f16", "turbo3"])
 def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots, kt, monkeypatch):
-    """turbo3: key preconditioning with segments of 16 positions (drafts stay inside one: _segment_room)."""
+    """turbo3: key preconditioning with segments of 16 positions (drafts stay inside one: Runner.draft_room)."""
     from engine.kv.sequence import SequenceKV
     monkeypatch.setattr(SequenceKV, "SEGMENT", 16)
     monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 8)
