@@ -9,7 +9,8 @@ here do both), so the kernels never rotate.
 
 - `paged_decode_attention`: one query per sequence (decode), split-K over the context
   (flash-decoding): each program reduces one slice of the keys for all G heads of one KV head and
-  writes a partial (max, sum, acc); the partials are combined in a fixed order.
+  writes a partial (max, sum, acc); the partials are combined in a fixed order. How a row's keys are
+  split depends on its length alone (not on the other rows).
 - `paged_prefill_attention`: a chunk of queries per sequence (several sequences in one launch)
   against all earlier KV and causal inside the chunk.
 Both take a sliding window (keys with p - p' < window) and qwen35's output gate (out * sigmoid(gate)).
@@ -40,10 +41,25 @@ def _next_pow2(n: int) -> int:
 
 if triton is not None:
     @triton.jit
+    def _split_keys(n, NSPLIT, MIN_KEYS: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Keys per split-K program for a row with n keys: n spread over NSPLIT programs, at least
+        MIN_KEYS each (short rows use fewer programs), whole key tiles. Depends on the row alone, so
+        a row's result does not depend on the other rows of the step (batch invariance)."""
+        return tl.maximum(tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK_T) * BLOCK_T, MIN_KEYS)
+
+    @triton.jit
+    def _dot(a, b, DOT: tl.constexpr):
+        if DOT == "f16":      # tensor cores on fp16 inputs, fp32 accumulation (flash attention's usual)
+            return tl.dot(a.to(tl.float16), b.to(tl.float16))
+        else:
+            return tl.dot(a, b, input_precision=DOT)
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, cbk_ptr, cbv_ptr, acc_ptr, ml_ptr, sb_ptr,
                        scale, H, HKV, MAXB, RBK, RBV, NSPLIT, NSEG, WINDOW: tl.constexpr, SEG: tl.constexpr,
                        G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BS: tl.constexpr, BLOCK_T: tl.constexpr, CODEC_K: tl.constexpr, CODEC_V: tl.constexpr):
+                       BS: tl.constexpr, BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr,
+                       CODEC_K: tl.constexpr, CODEC_V: tl.constexpr, DOT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -51,43 +67,71 @@ if triton is not None:
         lo = 0
         if WINDOW > 0:
             lo = tl.maximum(L - WINDOW, 0)
-        per = tl.cdiv(tl.cdiv(L - lo, NSPLIT), BLOCK_T) * BLOCK_T
+        per = _split_keys(L - lo, NSPLIT, MIN_KEYS, BLOCK_T)
         s0 = lo + sp * per
-        s1 = tl.minimum(L, s0 + per)
-        g = tl.arange(0, G_PAD)
-        mg = g < G
-        qh = h * G + g
-        dk = tl.arange(0, DK)
+        if s0 < L:          # unused splits write nothing: _combine_kernel reads only the used ones
+            s1 = tl.minimum(L, s0 + per)
+            g = tl.arange(0, G_PAD)
+            mg = g < G
+            qh = h * G + g
+            dk = tl.arange(0, DK)
+            dv = tl.arange(0, DV)
+            q = tl.load(q_ptr + (b * H + qh)[:, None].to(tl.int64) * DK + dk[None, :], mask=mg[:, None], other=0.0)
+            m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+            l_i = tl.zeros((G_PAD,), tl.float32)
+            acc = tl.zeros((G_PAD, DV), tl.float32)
+            for t0 in range(s0, s1, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                mt = t < s1
+                blk = tl.load(bt_ptr + b * MAXB + t // BS, mask=mt, other=0)
+                blk = tl.maximum(blk, 0).to(tl.int64)
+                row = (blk * BS + t % BS) * HKV + h
+                kt = load_values(k_ptr, row * RBK, dk, mt, cbk_ptr, CODEC_K)            # [BLOCK_T, DK]
+                s = _dot(q, tl.trans(kt), DOT)                                        # [G_PAD, BLOCK_T]
+                if SEG > 0:   # the keys' per-segment centers: q . center of the key's segment
+                    s += tl.load(sb_ptr + (b * H + qh)[:, None].to(tl.int64) * NSEG + (t // SEG)[None, :],
+                                 mask=mg[:, None] & mt[None, :], other=0.0)
+                s = s * scale
+                s = tl.where(mt[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = load_values(v_ptr, row * RBV, dv, mt, cbv_ptr, CODEC_V)            # [BLOCK_T, DV]
+                acc = acc * alpha[:, None] + _dot(p, vt, DOT)
+                m_i = m_new
+            o = ((b * H + qh) * NSPLIT + sp).to(tl.int64)
+            tl.store(acc_ptr + o[:, None] * DV + dv[None, :], acc, mask=mg[:, None])
+            tl.store(ml_ptr + o * 2, m_i, mask=mg)
+            tl.store(ml_ptr + o * 2 + 1, l_i, mask=mg)
+
+    @triton.jit
+    def _combine_kernel(acc_ptr, ml_ptr, len_ptr, out_ptr, H, NSPLIT, WINDOW: tl.constexpr, DV: tl.constexpr,
+                        BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr):
+        """One query head of one row: its used splits' partial (max, sum, acc) merged in split order."""
+        b = tl.program_id(0)
+        qh = tl.program_id(1)
+        L = tl.load(len_ptr + b)
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(L - WINDOW, 0)
+        used = tl.cdiv(L - lo, _split_keys(L - lo, NSPLIT, MIN_KEYS, BLOCK_T))
         dv = tl.arange(0, DV)
-        q = tl.load(q_ptr + (b * H + qh)[:, None].to(tl.int64) * DK + dk[None, :], mask=mg[:, None], other=0.0)
-        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-        l_i = tl.zeros((G_PAD,), tl.float32)
-        acc = tl.zeros((G_PAD, DV), tl.float32)
-        for t0 in range(s0, s1, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            mt = t < s1
-            blk = tl.load(bt_ptr + b * MAXB + t // BS, mask=mt, other=0)
-            blk = tl.maximum(blk, 0).to(tl.int64)
-            row = (blk * BS + t % BS) * HKV + h
-            kt = load_values(k_ptr, row * RBK, dk, mt, cbk_ptr, CODEC_K)            # [BLOCK_T, DK]
-            s = tl.dot(q, tl.trans(kt), input_precision="ieee")                  # [G_PAD, BLOCK_T]
-            if SEG > 0:   # the keys' per-segment centers: q . center of the key's segment
-                s += tl.load(sb_ptr + (b * H + qh)[:, None].to(tl.int64) * NSEG + (t // SEG)[None, :],
-                             mask=mg[:, None] & mt[None, :], other=0.0)
-            s = s * scale
-            s = tl.where(mt[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = load_values(v_ptr, row * RBV, dv, mt, cbv_ptr, CODEC_V)            # [BLOCK_T, DV]
-            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-            m_i = m_new
-        o = ((b * H + qh) * NSPLIT + sp).to(tl.int64)
-        tl.store(acc_ptr + o[:, None] * DV + dv[None, :], acc, mask=mg[:, None])
-        tl.store(ml_ptr + o * 2, m_i, mask=mg)
-        tl.store(ml_ptr + o * 2 + 1, l_i, mask=mg)
+        m = -float("inf")
+        l_ = 0.0
+        acc = tl.zeros((DV,), tl.float32)
+        base = (b * H + qh).to(tl.int64) * NSPLIT
+        for sp in range(0, used):
+            ms = tl.load(ml_ptr + (base + sp) * 2)
+            ls = tl.load(ml_ptr + (base + sp) * 2 + 1)
+            m_new = tl.maximum(m, ms)
+            alpha = tl.exp(m - m_new)
+            beta = tl.exp(ms - m_new)
+            acc = acc * alpha + tl.load(acc_ptr + (base + sp) * DV + dv) * beta
+            l_ = l_ * alpha + ls * beta
+            m = m_new
+        tl.store(out_ptr + (b * H + qh).to(tl.int64) * DV + dv, acc / l_)
 
     @triton.jit
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, start_ptr, cbk_ptr, cbv_ptr, out_ptr, sb_ptr,
@@ -209,19 +253,32 @@ def _check(k_cache, v_cache, codec_k, codec_v, q_st_dim):
     return bs, hkv, dk, dv
 
 
+# the decode kernel's launch: keys per tile, warps, pipeline stages, fewest keys per split-K program;
+# and what engine/runner.py asks for on CUDA: the most split-K programs per row and KV head, the dots'
+# input precision
+DECODE_CONFIG = dict(block_t=16, num_warps=4, num_stages=1, min_keys=64, max_split=64, dot="f16")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
                            window: int = 0, gate: torch.Tensor | None = None, n_split: int | None = None,
-                           block_t: int = 32, seg_bias: torch.Tensor | None = None, seg_len: int = 0) -> torch.Tensor:
+                           block_t: int | None = None, seg_bias: torch.Tensor | None = None, seg_len: int = 0,
+                           precision: str = "ieee", min_keys: int | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at position seq_lens[b] - 1, its K/V already written);
     block_tables int [B, max_blocks] (-1: dropped); seq_lens int [B]; seg_bias [B, H, n_seg] and
-    seg_len: the key centers' score correction (SequenceKV.score_bias). Returns float32 [B, H, head_dim_v]."""
+    seg_len: the key centers' score correction (SequenceKV.score_bias). n_split: the most split-K
+    programs per row and KV head (a row uses fewer when it has under min_keys keys per split; keep it
+    fixed across steps: it sets how a row's keys are split). precision: the dots' inputs ("ieee": fp32,
+    "tf32", "f16": tensor cores). Returns float32 [B, H, head_dim_v]."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     B, H, _ = q.shape
     q_st = codec_k.to_stored(q).contiguous()
     bs, hkv, dk, dv = _check(k_cache, v_cache, codec_k, codec_v, q_st.shape[-1])
     G = H // hkv
+    cfg = DECODE_CONFIG
+    block_t = block_t or cfg["block_t"]
+    min_keys = -(-(min_keys or cfg["min_keys"]) // block_t) * block_t
     if n_split is None:
         longest = int(seq_lens.max()) if B else 0
         n_split = max(1, min(16, -(-longest // 512)))      # about 512+ keys per program
@@ -229,16 +286,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lens = seq_lens.to(torch.int32).to(q.device).contiguous()
     acc = torch.empty(B, H, n_split, dv, dtype=torch.float32, device=q.device)
     ml = torch.empty(B, H, n_split, 2, dtype=torch.float32, device=q.device)
+    out_st = torch.empty(B, H, dv, dtype=torch.float32, device=q.device)
     sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
-    _decode_kernel[(B, hkv, n_split)](
-        q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml, sb,
-        float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, nseg, WINDOW=int(window),
-        SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t,
-        CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id)
-    m, l_ = ml[..., 0], ml[..., 1]
-    mx = m.max(-1, keepdim=True).values
-    w = torch.exp(m - mx)                       # empty splits (m = -inf) weigh 0
-    out_st = (acc * w[..., None]).sum(2) / (l_ * w).sum(-1)[..., None]
+    if B:
+        _decode_kernel[(B, hkv, n_split)](
+            q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml, sb,
+            float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, nseg, WINDOW=int(window),
+            SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t, MIN_KEYS=min_keys,
+            CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _combine_kernel[(B, H)](acc, ml, lens, out_st, H, n_split, WINDOW=int(window), DV=dv, BLOCK_T=block_t,
+                                MIN_KEYS=min_keys)
     return _finish(out_st, codec_v, head_dim_v, gate)
 
 

@@ -152,7 +152,7 @@ def test_triton_kernels_read_the_pool(kt, vt, monkeypatch):
             assert (bt[0, :3] == -1).all()                      # blocks before the window were dropped
         bias, seg = kv.score_bias(il, q[39:])
         dec = paged_decode_attention(kv.prep_query(il, q[39:]), g.k[il], g.v[il], bt, torch.tensor([40]),
-                                     pool.codec_k, pool.codec_v, 0.125, 64, window=W, n_split=2, block_t=16,
+                                     pool.codec_k, pool.codec_v, 0.125, 64, window=W, n_split=2, block_t=16, min_keys=16,
                                      seg_bias=bias, seg_len=seg)
         assert torch.allclose(dec, last, atol=1e-4)
         bias, seg = kv.score_bias(il, q[35:])

@@ -95,7 +95,8 @@ def test_decode_matches_plain_softmax(pair, bs, heads):
     c = _cache(pair, bs, heads)
     q = torch.randn(len(LENS), H, d, generator=torch.Generator().manual_seed(1))
     scale = d ** -0.5
-    out = paged_decode_attention(q, c.k, c.v, c.tables, torch.tensor(LENS), c.ck, c.cv, scale, d, n_split=2, block_t=16)
+    out = paged_decode_attention(q, c.k, c.v, c.tables, torch.tensor(LENS), c.ck, c.cv, scale, d, n_split=2,
+                                 block_t=16, min_keys=16)
     for b, n in enumerate(LENS):
         _close(out[b], plain_attention(q[b], c.K[b], c.V[b], n - 1, scale))
 
@@ -146,7 +147,7 @@ def test_sliding_window_with_dropped_blocks(pair):
                                   scale, d, window=W, block_m=16, block_t=16)
     ref = ref_paged_attention(q, c.k, c.v, c.tables[0], 35, c.ck, c.cv, scale, d, window=W)
     dec = paged_decode_attention(q[-1:], c.k, c.v, c.tables, torch.tensor([45]), c.ck, c.cv, scale, d,
-                                 window=W, n_split=2, block_t=16)
+                                 window=W, n_split=2, block_t=16, min_keys=16)
     for i in range(10):
         want = plain_attention(q[i], c.K[0], c.V[0], 35 + i, scale, window=W)
         _close(pre[i], want)
@@ -172,11 +173,37 @@ def test_split_k_gives_the_same_result():
     c = Cache("turbo4", "turbo4", 16, hkv, d, [150, 3], seed=8)
     q = torch.randn(2, H, d, generator=torch.Generator().manual_seed(7))
     lens = torch.tensor([150, 3])
-    outs = [paged_decode_attention(q, c.k, c.v, c.tables, lens, c.ck, c.cv, 0.09, d, n_split=s, block_t=32)
-            for s in (1, 3, 7)]
+    outs = [paged_decode_attention(q, c.k, c.v, c.tables, lens, c.ck, c.cv, 0.09, d, n_split=s, block_t=32,
+                                   min_keys=32) for s in (1, 3, 7)]
     for o in outs[1:]:
         _close(o, outs[0], 1e-5)
     _close(outs[0][0], plain_attention(q[0], c.K[0], c.V[0], 149, 0.09))
+
+
+def test_decode_splits_depend_on_the_row_alone():
+    """A row's result is bit-identical whether it runs alone or beside a longer row (the longer
+    row uses more split-K programs; the short row's split stays as it was)."""
+    H, hkv, d = 4, 2, 64
+    c = Cache("f16", "q8_0", 16, hkv, d, [40, 300], seed=9)
+    q = torch.randn(2, H, d, generator=torch.Generator().manual_seed(3))
+    both = paged_decode_attention(q, c.k, c.v, c.tables, torch.tensor([40, 300]), c.ck, c.cv, 0.1, d, n_split=8,
+                                  block_t=16, min_keys=16)
+    alone = paged_decode_attention(q[:1], c.k, c.v, c.tables[:1], torch.tensor([40]), c.ck, c.cv, 0.1, d,
+                                   n_split=8, block_t=16, min_keys=16)
+    assert torch.equal(both[0], alone[0])
+    _close(both[1], plain_attention(q[1], c.K[1], c.V[1], 299, 0.1))
+
+
+@pytest.mark.parametrize("precision", ["tf32", "f16"])
+def test_decode_precision_option(precision):
+    """The decode kernel's tensor-core dots (what the runner uses on CUDA) stay within fp16 rounding of
+    the plain softmax."""
+    H, hkv, d = 8, 2, 128
+    c = Cache("f16", "f16", 16, hkv, d, [200], seed=10)
+    q = torch.randn(1, H, d, generator=torch.Generator().manual_seed(4))
+    out = paged_decode_attention(q, c.k, c.v, c.tables, torch.tensor([200]), c.ck, c.cv, 0.09, d, n_split=4,
+                                 block_t=32, min_keys=32, precision=precision)
+    _close(out[0], plain_attention(q[0], c.K[0], c.V[0], 199, 0.09), 5e-3)
 
 
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}-d{h[2]}")
