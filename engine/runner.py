@@ -49,6 +49,8 @@ from engine.kv.pool import PoolFullError, rope_key_pairs
 from engine.kv.sequence import SequenceKV
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
+from kernels.attention.flash import flash_chunk_attention, flash_fits
+from kernels.attention.paged import DECODE_CONFIG
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
 from kernels.kvcodec import cache_type_name, get_codec
 
@@ -120,6 +122,7 @@ def prefix_digests(tokens, chunk: int, upto: int) -> list[bytes]:
 
 
 @dataclass
+
 class PrefixMatch:
     """What Runner.find_prefix found: copy slot `src`'s first n positions; recurrent models take their
     states after n positions from `state`, a slot whose states are at n (int) or a checkpoint key."""
@@ -193,10 +196,11 @@ class SlotBatch:
 
 class Runner:
     """cache_type sets K and V; cache_type_k / cache_type_v set each (f16 when neither is given).
-    prefill_dot: the input precision of the Triton prefill attention's dot products on CUDA
-    ("tf32": tensor cores, ~fp16's 10-bit mantissa, what the f16 cache's fused attention uses too;
-    "ieee": full fp32, several times slower at long context). triton: use the Triton kernels (default:
-    on CUDA; on the CPU they run in Triton's interpreter, which is how tests check them without a GPU).
+    prefill_dot: the input precision of the Triton prefill attention's dot products on CUDA ("tf32":
+    tensor cores, 10-bit mantissa, what the f16 cache's fused attention uses too; "ieee": full fp32,
+    several times slower at long context); decode takes kernels/attention/paged.py's DECODE_CONFIG.
+    triton: use the Triton kernels (default: on CUDA; on the CPU they run in Triton's interpreter, which
+    is how tests check them without a GPU).
     n_blocks: the shared KV pool's size in blocks of `block_size` tokens (default: n_slots * max_ctx
     tokens); max_ctx: the most positions one slot may reach (at most the pool)."""
 
@@ -269,7 +273,13 @@ class Runner:
                                                  dtype=torch.float32, device=dev)
         # split-K of decode attention: fixed per runner (a row's reduction order must not depend on
         # others), about 512 keys per program at full context so one long sequence fills the GPU
-        self.n_split = n_split or max(1, min(64, -(-self.max_ctx // 512)))
+        # split-K programs per decode row and KV head at most (a row uses one per min_keys keys up to
+        # this many; fixed for the runner's life, as it decides how each row's keys are split)
+        cfg = DECODE_CONFIG
+        self.n_split = n_split or max(1, min(cfg["max_split"], -(-self.max_ctx // cfg["min_keys"])))
+        # an f32 cache asks for full precision; tensor cores otherwise (the interpreter computes in fp32)
+        f32 = "f32" in (self.codec_k.name, self.codec_v.name)
+        self._decode_dot = cfg["dot"] if self.device.type == "cuda" and not f32 else "ieee"
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
@@ -626,7 +636,8 @@ class Runner:
             if tk:
                 from kernels.attention.paged import paged_decode_attention
                 return paged_decode_attention(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
-                                              n_split=self.n_split, seg_bias=bias, seg_len=seg_len)
+                                              n_split=self.n_split, seg_bias=bias, seg_len=seg_len,
+                                              precision=self._decode_dot)
             return ref_paged_decode(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
                                     seg_bias=bias, seg_len=seg_len)
         bt = self.block_table[b.slot]
@@ -771,6 +782,8 @@ class Runner:
         blocks = self.block_table[b.slot, :-(-end // self.block_size)].long()
         K = kc.index_select(0, blocks).view(-1, s.n_head_kv, kc.shape[-1])[:end].view(dt)
         V = vc.index_select(0, blocks).view(-1, s.n_head_kv, vc.shape[-1])[:end].view(dt)
+        if flash_fits(q, K, V):
+            return flash_chunk_attention(q.to(dt), K, V, scale, window).float()
         G = s.n_head // s.n_head_kv
         qpos = torch.arange(b.start, end, device=q.device)[:, None]
         kpos = torch.arange(end, device=q.device)[None, :]
