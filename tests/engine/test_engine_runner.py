@@ -373,8 +373,25 @@ def test_cuda_overlapped_steps_give_the_outputs_of_plain_steps(tmp_path, arch):
             eng.shutdown()
     assert out["overlap"] == out["plain"]
     greedy = [i for i, sp in enumerate(reqs) if sp.greedy]
-    for other in ("host", "cpu"):
-        assert [out["overlap"][i] for i in greedy] == [out[other][i] for i in greedy]
+    assert [out["overlap"][i] for i in greedy] == [out["host"][i] for i in greedy]
+    # against the CPU path: the same ids up to the first near tie of the CPU's logits (the GPU's fp16
+    # activations move a random tiny model's logits by up to ~1e-2 of the largest; seed 17's qwen35 has a
+    # top-2 gap of 0.0017 at its first token); rows with penalties are left out (the gap is not theirs)
+    from engine.models import open_model
+    from tests.engine.test_runner import reference_greedy
+    model = open_model(path)
+    try:
+        for i in greedy:
+            if reqs[i].repetition_penalty != 1.0:
+                continue
+            ids, cpu_ids = out["overlap"][i][1], out["cpu"][i][1]
+            _, logits = reference_greedy(model, prompts[i], len(cpu_ids))
+            gaps = [float(lg.float().topk(2).values.diff().abs()) for lg in logits[:len(cpu_ids)]]
+            scale = max(float(lg.float().abs().max()) for lg in logits)
+            clear = next((t for t, g in enumerate(gaps) if g < 2e-2 * scale), len(gaps))
+            assert ids[:clear] == cpu_ids[:clear], (i, clear)
+    finally:
+        model.close()
 
 
 def test_recurrent_conversation_ended_by_a_stop_string_parks_its_last_token(tmp_path):
