@@ -80,6 +80,7 @@ from pathlib import Path
 
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.gguf.spec import spec_from_gguf
+from kernels.packed_layout import packed_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -100,12 +101,6 @@ ROTATED_TYPES = ("turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")   # h
 ROTATION_GROUP = 128
 KEY_SEGMENT = 256            # positions per key center (engine/kv/sequence.py: SequenceKV.SEGMENT)
 SLOT_BLOCK_TOKENS = 16       # the runner's block size (its scratch slot holds one block)
-# GGUF type name -> (values per group, extra high bits) of kernels/quant/packed.py's layout
-# (tests check it against packed._PACKERS)
-PACKED_LAYOUT: dict[str, tuple[int, int]] = {
-    "Q4_0": (32, 0), "Q4_1": (32, 0), "Q5_0": (32, 1), "Q5_1": (32, 1), "Q8_0": (32, 8), "Q2_K": (16, 0),
-    "Q3_K": (16, 0), "Q4_K": (32, 0), "Q5_K": (32, 1), "Q6_K": (16, 2), "IQ4_NL": (32, 8), "IQ4_XS": (32, 8),
-}
 CONTEXTS = (8192, 16384, 32768, 65536, 131072, 204800, 262144)
 KV_BLOCK_TOKENS = 256
 
@@ -133,20 +128,6 @@ def head_bytes(head_dim: int, kv_type: str) -> int:
     vals, nbytes = _kv_type(kv_type)
     d = -(-head_dim // ROTATION_GROUP) * ROTATION_GROUP if kv_type in ROTATED_TYPES else head_dim
     return math.ceil(d / vals) * nbytes
-
-
-def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
-    """Bytes of an [n, k] matrix of a quantized GGUF type in the GPU's packed layout (4-bit plane +
-    high plane, or an int8 plane; fp16 scale and min per group; rows padded to whole tiles); None for types
-    that are not packed."""
-    lay = PACKED_LAYOUT.get(qtype_name)
-    if lay is None:
-        return None
-    group, hi_bits = lay
-    tile = 128 if n >= 16384 else 64       # rows per tile (kernels/quant/packed.py default_tile_n): padded
-    n = -(-n // tile) * tile
-    planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8
-    return planes + 2 * 2 * n * (k // group)
 
 
 def device_weight_bytes(tensors) -> tuple[int, int]:

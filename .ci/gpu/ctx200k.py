@@ -210,7 +210,7 @@ def run_ctx200k(budget: float) -> dict:
     return res
 
 
-def run_depth(steps: int) -> dict:
+def run_depth(steps: int, profile: bool = False) -> dict:
     from engine.models import open_model
     from engine.runner import Runner
     DEPTHS = (23_000, 131_072)
@@ -239,6 +239,9 @@ def run_depth(steps: int) -> dict:
             secs, _ = decode_loop(runner, 1, d, steps)
             r = {"cache_type": kt, "depth": d, "tok_s": steps / secs, "ms_per_token": 1e3 * secs / steps,
                  "kv_gb_read_per_token": runner.kv_bytes() / max(runner.max_ctx, 1) * d / 1e9}
+            if profile and d == DEPTHS[0]:   # CUDA time per kernel of one eager step at this depth
+                from engine.bench_decode import _profile_step
+                r["profile"] = _profile_step(runner, 1, d)
             res["results"].append(r)
             log(f"{kt:>10} depth {d:>7}: {r['tok_s']:6.2f} tok/s ({r['ms_per_token']:.2f} ms/token; "
                 f"setup {setup:.0f} s)")
@@ -253,11 +256,12 @@ def main() -> int:
     ap.add_argument("mode", choices=["ctx200k", "depth"])
     ap.add_argument("--budget", type=float, default=420.0, help="ctx200k: seconds of prefill before filling the rest")
     ap.add_argument("--steps", type=int, default=64, help="depth: decode steps timed per depth")
+    ap.add_argument("--profile", action="store_true", help="depth: CUDA time per kernel of a step at 23K")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
-    res = run_ctx200k(args.budget) if args.mode == "ctx200k" else run_depth(args.steps)
+    res = run_ctx200k(args.budget) if args.mode == "ctx200k" else run_depth(args.steps, args.profile)
     print(json.dumps({k: v for k, v in res.items() if k not in ("prefill_progress", "decoded")}, indent=1))
     return 0
 

@@ -80,6 +80,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from kernels.packed_layout import default_tile_k, default_tile_n
 from kernels.quant.ref import (
     _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, weight_rows,
 )
@@ -298,19 +299,6 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
             put(minv, r0, m.reshape(rr, k // group).to(torch.float16))
     return PackedWeight(planes=planes, scale=scale, minv=minv, n=n, k=k, group=group,
                         hi_bits=hi_bits, qtype=qt, tile_n=tn, tile_k=tk)
-
-
-def default_tile_n(n: int) -> int:
-    """128 rows per tile for wide matrices (n >= 16384), else 64 (measured on the H200)."""
-    return 128 if n >= 16384 else 64
-
-
-def default_tile_k(k: int) -> int:
-    """256 values per tile along K, or the largest power of two >= 32 that divides K."""
-    for tk in (256, 128, 64, 32):
-        if k % tk == 0:
-            return tk
-    raise ValueError(f"K = {k} is not a multiple of 32")
 
 
 def row_major(p: PackedWeight, t: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:

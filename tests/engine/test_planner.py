@@ -9,6 +9,7 @@ import pytest
 from engine import planner as P
 from engine.gguf.reader import GGUFError, GGUFFile
 from engine.synth import write_synthetic
+from kernels.packed_layout import PACKED_LAYOUT, packed_bytes
 
 
 @pytest.fixture(scope="module")
@@ -106,21 +107,21 @@ def test_cli(q27, capsys):
 
 
 def test_packed_layout_is_the_gpu_packers():
-    """packed_bytes, the planner's copy of kernels/quant/packed.py's layout, is what pack_weight makes."""
+    """packed_bytes (kernels/packed_layout.py, torch-free, for the planner) is what pack_weight makes."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES
 
     from kernels.quant.packed import _PACKERS, pack_weight
-    assert {qt.name: (g, hb) for qt, (_, g, hb) in _PACKERS.items()} == P.PACKED_LAYOUT
+    assert {qt.name: (g, hb) for qt, (_, g, hb) in _PACKERS.items()} == PACKED_LAYOUT
     for n, k in ((8, 512), (16400, 256)):   # rows padded to a tile of 64, and of 128 for wide matrices
         for qt in _PACKERS:
             bs, ts = GGML_QUANT_SIZES[qt]
             raw = np.zeros((n * k // bs, ts), dtype=np.uint8)      # zero blocks: valid for every type
             p = pack_weight(torch.from_numpy(raw.reshape(-1)), qt, n, k)
-            assert P.packed_bytes(qt.name, n, k) == p.nbytes, qt.name
+            assert packed_bytes(qt.name, n, k) == p.nbytes, qt.name
     n, k = 8, 512
-    assert P.packed_bytes("F16", n, k) is None
+    assert packed_bytes("F16", n, k) is None
 
 
 def test_head_bytes_are_the_codecs():
@@ -147,7 +148,7 @@ def test_device_weight_bytes_are_what_the_model_puts_on_the_gpu(tmp_path, arch, 
         for w in m.w._cache.values():
             if w.dense is not None:
                 total += w.dense.numel() * 4
-            elif w.qtype.name in P.PACKED_LAYOUT:
+            elif w.qtype.name in PACKED_LAYOUT:
                 total += pack_weight(w.raw, w.qtype, w.n_out, w.n_in).nbytes
             else:
                 total += w.raw.numel()
