@@ -49,12 +49,14 @@ from engine.kv.pool import PoolFullError, rope_key_pairs
 from engine.kv.sequence import SequenceKV
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
-from kernels.attention.flash import flash_chunk_attention, flash_fits
+from kernels.attention.flash import (attention_lse, flash_chunk_attention, flash_fits, flash_lse_works,
+                                     merge_attention)
 from kernels.attention.paged import DECODE_CONFIG
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
 from kernels.kvcodec import cache_type_name, get_codec
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
 
 
 def _attn_layers(spec) -> list[int]:
@@ -231,6 +233,12 @@ class Runner:
         self.scratch = n_slots  # the padding rows' slot
         self.scratch_block = self.n_blocks   # its private block, after the pool's
         self.prefill_dot = prefill_dot
+        # prompt chunks over compressed caches: decoded pieces through FlashAttention (_prefill_decoded)
+        # where torch has it for these head sizes, else the paged Triton kernel
+        self.decoded_prefill = (self.device.type == "cuda" and s.head_dim == s.head_dim_v
+                                and s.head_dim % 8 == 0 and s.head_dim <= 256
+                                and torch.cuda.get_device_capability(self.device)[0] >= 8
+                                and flash_lse_works(self.device))
         self.triton = self.device.type == "cuda" if triton is None else triton
         self._impl = "triton" if self.triton else "auto"
         dev = self.device
@@ -618,6 +626,7 @@ class Runner:
         kc, vc = self.k[il], self.v[il]
         ck, cv = self.codec_k, self.codec_v
         kp = self.kprep.get(il)
+        q_orig = q
         bias, seg_len = None, 0
         if kp is not None:
             if b.decode:
@@ -643,6 +652,8 @@ class Runner:
         bt = self.block_table[b.slot]
         if q.is_cuda and ck.name in ("f16", "bf16") and cv.name == ck.name:
             return self._prefill_sdpa(b, kc, vc, q, scale, window)
+        if self.decoded_prefill and not window and "f32" not in (ck.name, cv.name):   # (f32: full precision)
+            return self._prefill_decoded(b, kc, vc, q_orig, scale, kp)
         if tk:
             from kernels.attention.paged import paged_prefill_attention
             n = q.shape[0]
@@ -794,6 +805,33 @@ class Runner:
             q.to(dt).transpose(0, 1)[None], K.repeat_interleave(G, 1).transpose(0, 1)[None],
             V.repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1).float()
+
+    def _prefill_decoded(self, b: SlotBatch, kc, vc, q, scale, kp: _KeyPrep | None):
+        """A prompt chunk over a compressed cache: the slot's K/V decoded to fp16 one piece of
+        DECODED_PIECE keys at a time (original domain; keys un-preconditioned: stored * w + their
+        segment's center), each piece through FlashAttention with its log-sum-exp (the last piece, which
+        holds the chunk, causal), the pieces merged. Each stored value is decoded once per chunk, where
+        the paged kernel decodes it again for every tile of queries. q: the chunk's queries as the model
+        made them (not preconditioned)."""
+        s, T = self.spec, q.shape[0]
+        end = b.start + T
+        piece = max(DECODED_PIECE, T)             # (so that only the last piece holds the chunk's own keys)
+        hkv = kc.shape[2]
+        dt = torch.float16 if q.is_cuda else torch.float32   # (FlashAttention takes fp16; the CPU's math f32)
+        qh = q.to(dt)
+        acc = None                                # (out, lse) of the pieces so far
+        hi = end
+        while hi > 0:
+            lo = max(0, hi - piece)
+            pos = torch.arange(lo, hi, device=q.device)
+            rows = self._rows(torch.full_like(pos, b.slot), pos)
+            K = self.codec_k.decode(kc.view(-1, hkv, kc.shape[-1])[rows], s.head_dim, self._impl)
+            if kp is not None:
+                K = K * kp.w[b.slot] + kp.centers[b.slot, pos // self.segment]
+            V = self.codec_v.decode(vc.view(-1, hkv, vc.shape[-1])[rows], s.head_dim_v, self._impl)
+            acc = merge_attention(acc, attention_lse(qh, K.to(dt), V.to(dt), scale, causal=hi == end))
+            hi = lo
+        return acc[0]
 
     def _delta_net(self, b: SlotBatch, il, model, L, qkv, g, beta):
         cs, S = self.conv_state[il], self.ssm_state[il]

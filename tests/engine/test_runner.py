@@ -236,6 +236,35 @@ def assert_close_logits(got, want, tol):
         assert err <= tol, f"step {i}: max |logit difference| {err:.2e} of the largest logit"
 
 
+DECODED_CASES = [("qwen35", "turbo3_tcq", "turbo4"), ("llama", "q8_0", "q8_0"), ("gemma3", "turbo3", "turbo3"),
+                 ("llama", "turbo2", "f16")]
+
+
+@pytest.mark.parametrize("arch,kt,vt", DECODED_CASES, ids=[f"{a}-{k}-{v}" for a, k, v in DECODED_CASES])
+def test_decoded_prefill_matches_paged_attention(tiny, short_segments, monkeypatch, arch, kt, vt):
+    """Prompt chunks over a compressed cache the way CUDA runs them (Runner._prefill_decoded: the slot's
+    K/V decoded a piece of keys at a time, keys un-preconditioned, attention with log-sum-exp per piece,
+    the pieces merged; here the torch math stands in for FlashAttention) give the paged attention's
+    logits: pieces of 16 keys, so a 45-token prompt in chunks of 16 merges up to three pieces; the
+    preconditioned rotated keys (centers of segments of SEG keys) and gemma3's sliding-window layers
+    (left to the paged path) included."""
+    import engine.runner as R
+    monkeypatch.setattr(R, "DECODED_PIECE", 16)
+    model = open_model(tiny(arch))
+    try:
+        p = prompt(45, 1, model.spec.vocab_size)
+        got = []
+        for decoded in (False, True):
+            runner = Runner(model, device="cpu", n_slots=2, max_ctx=96, cache_type_k=kt, cache_type_v=vt)
+            runner.decoded_prefill = decoded
+            got.append(runner.prefill(0, p, chunk=16, all_logits=True).float())
+        err = (got[0] - got[1]).abs().max() / got[0].abs().max()
+        assert err < 2e-3, float(err)
+        assert int(got[0][-1].argmax()) == int(got[1][-1].argmax())
+    finally:
+        model.close()
+
+
 @pytest.mark.parametrize("arch,kt,vt", TYPE_CASES, ids=[f"{a}-{k}-{v}" for a, k, v in TYPE_CASES])
 def test_every_cache_type_matches_cpu_path(tiny, short_segments, arch, kt, vt):
     """The runner's slots make the same quantization decisions as the CPU path: same segment centers

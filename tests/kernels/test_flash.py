@@ -48,3 +48,36 @@ def test_flash_chunk_matches_masked_softmax(T, end, H, hkv, d, window):
     ref = _reference(q, k, v, scale, window)
     assert out.shape == ref.shape
     assert (out - ref).abs().max() < 2e-3
+
+
+def test_pieces_merged_by_lse_equal_one_attention():
+    """attention_lse over key pieces, merged, equals the attention over all keys (causal in the last piece,
+    which holds the queries' own positions)."""
+    from kernels.attention.flash import attention_lse, merge_attention
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 6, 32, generator=g)
+    k = torch.randn(40, 2, 32, generator=g)
+    v = torch.randn(40, 2, 32, generator=g)
+    want = _reference(q, k, v, 0.2, 0)
+    acc = None
+    for lo, hi in ((24, 40), (10, 24), (0, 10)):
+        acc = merge_attention(acc, attention_lse(q, k[lo:hi], v[lo:hi], 0.2, causal=hi == 40))
+    assert (acc[0] - want).abs().max() < 1e-5
+    whole = attention_lse(q, k, v, 0.2, causal=True)
+    assert (acc[1] - whole[1]).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+def test_flash_lse_matches_the_math():
+    """FlashAttention's log-sum-exp is what attention_lse promises (the runner checks it once per device
+    and falls back to the paged kernel otherwise): here it must hold on the machine's torch."""
+    from kernels.attention.flash import _flash_lse, attention_lse_reference, flash_lse_works
+    assert flash_lse_works(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for T, L, causal in ((512, 8192, True), (300, 8192, False), (1, 700, True)):
+        q = torch.randn(T, 24, 256, device="cuda", generator=g, dtype=torch.float16)
+        k = torch.randn(L, 4, 256, device="cuda", generator=g, dtype=torch.float16)
+        v = torch.randn(L, 4, 256, device="cuda", generator=g, dtype=torch.float16)
+        o, lse = _flash_lse(q, k, v, 0.0625, causal)
+        ro, rl = attention_lse_reference(q, k, v, 0.0625, causal)
+        assert (o - ro).abs().max() < 2e-3 and (lse - rl).abs().max() < 2e-3
