@@ -9,10 +9,10 @@ A `Runner` owns, for up to `n_slots` sequences, everything a step touches:
   max_blocks], so the CUDA graphs read the current table without being captured again. A slot
   may reach `max_ctx` positions (up to the whole pool). Slots with a common prefix reference the same
   blocks (copy_prefix); a shared block is copied before it is written (copy-on-write).
-- for rotated K types (turbo*), each slot's key preconditioning per attention layer, as
-  engine/kv/sequence.py does it on the CPU path: channel smoothing weights w [Hkv, D] made from the
-  slot's first chunk, a center per SEGMENT (256) positions [n_seg, Hkv, D], and how many segments
-  have a center. The codec stores (k - c_seg) / w; the query is multiplied by w and the score of a
+- for rotated K types (turbo*), each slot's key preconditioning per attention layer
+  (engine/runner_keyprep.py), as engine/kv/sequence.py does it on the CPU path: channel smoothing
+  weights w [Hkv, D] made from the slot's first chunk, a center per SEGMENT (256) positions [n_seg,
+  Hkv, D], and how many segments have a center. The codec stores (k - c_seg) / w; the query is multiplied by w and the score of a
   key of segment s gets q . c_s added (`seg_bias` of the attention kernels), so q . k is unchanged.
 - qwen35's Gated DeltaNet states per slot: conv windows [slots, K-1, conv_dim] and S [slots, Hv, D, D].
 One extra scratch slot takes the padding rows of a bucket: its table points only at one private
@@ -42,21 +42,19 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import PoolFullError, rope_key_pairs
 from engine.kv.sequence import SequenceKV
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
-from kernels.attention.flash import (attention_lse, flash_chunk_attention, flash_fits, flash_lse_works,
-                                     merge_attention)
+from engine.runner_attention import AttentionMixin
+from engine.runner_keyprep import KeyPrep, KeyPrepMixin
+from kernels.attention.flash import flash_lse_works
 from kernels.attention.paged import DECODE_CONFIG
-from kernels.attention.ref import ref_paged_attention, ref_paged_decode
 from kernels.kvcodec import cache_type_name, get_codec
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
 
 
 def _attn_layers(spec) -> list[int]:
@@ -133,35 +131,6 @@ class PrefixMatch:
     state: object = None
 
 
-def _sum_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, n, ...] summed over dim 1 by halving (elementwise adds in a fixed order): unlike a torch
-    reduction, whose kernel and order depend on the tensor's shape, a row's sum does not depend on B."""
-    n = x.shape[1]
-    p2 = 1 << max(0, (n - 1).bit_length())
-    if p2 != n:
-        x = torch.cat([x, x.new_zeros((x.shape[0], p2 - n) + x.shape[2:])], 1)
-    while x.shape[1] > 1:
-        h = x.shape[1] // 2
-        x = x[:, :h] + x[:, h:]
-    return x[:, 0]
-
-
-class _KeyPrep:
-    """One attention layer's key preconditioning for every slot, in static device buffers (the
-    runner's form of SequenceKV.kprep): w [slots, Hkv, D] (ones: no smoothing), centers [slots,
-    n_seg, Hkv, D], ncent [slots] (segments 0..ncent-1 have a center; a segment's center, once made,
-    stays until the slot restarts at position 0, like a SequenceKV's)."""
-
-    def __init__(self, n_slots: int, n_seg: int, hkv: int, d: int, partner, device):
-        self.w = torch.ones(n_slots, hkv, d, dtype=torch.float32, device=device)
-        self.centers = torch.zeros(n_slots, n_seg, hkv, d, dtype=torch.float32, device=device)
-        self.ncent = torch.zeros(n_slots, dtype=torch.long, device=device)
-        self.partner = None if partner is None else torch.tensor(partner, dtype=torch.long, device=device)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.w, self.centers, self.ncent]
-
-
 class SlotBatch:
     """Stands in for engine.models.common.Batch in a runner step: rows live in runner slots.
     decode: row r is slot slots[r]'s next token at positions[r]. prefill: all rows are one slot's
@@ -196,7 +165,7 @@ class SlotBatch:
         return self.runner._delta_net(self, il, model, L, qkv, g, beta)
 
 
-class Runner:
+class Runner(AttentionMixin, KeyPrepMixin):
     """cache_type sets K and V; cache_type_k / cache_type_v set each (f16 when neither is given).
     prefill_dot: the input precision of the Triton prefill attention's dot products on CUDA ("tf32":
     tensor cores, 10-bit mantissa, what the f16 cache's fused attention uses too; "ieee": full fp32,
@@ -263,12 +232,12 @@ class Runner:
         self.segment, self.seg_min_keys, self.prep_min_tokens = S.SEGMENT, S.SEG_MIN_KEYS, S.PREP_MIN_TOKENS
         self.smooth_clamp = S.SMOOTH_CLAMP
         self.n_seg = max(1, -(-self.max_ctx // self.segment))
-        self.kprep: dict[int, _KeyPrep] = {}
+        self.kprep: dict[int, KeyPrep] = {}
         if self.codec_k.rotated and S.PRECONDITION_KEYS:
             for il in self.k:
                 r = model.kv_rope(il)
                 partner = rope_key_pairs(s.head_dim, *r, horizon=s.context_length) if r is not None else None
-                self.kprep[il] = _KeyPrep(total_slots, self.n_seg, s.n_head_kv, s.head_dim, partner, dev)
+                self.kprep[il] = KeyPrep(total_slots, self.n_seg, s.n_head_kv, s.head_dim, partner, dev)
             self._seg_offsets = torch.arange(-self.segment, 0, device=dev)
         # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
         # recurrent states untouched, kernels/gdn)
@@ -621,218 +590,6 @@ class Runner:
         self._live[dst] = match.n
 
     # ----- the pieces the model calls back into -----
-    def _attend(self, b: SlotBatch, il, q, k, v, scale, window):
-        s = self.spec
-        kc, vc = self.k[il], self.v[il]
-        ck, cv = self.codec_k, self.codec_v
-        kp = self.kprep.get(il)
-        q_orig = q
-        bias, seg_len = None, 0
-        if kp is not None:
-            if b.decode:
-                self._decode_centers(kp, kc, b, window)
-            else:
-                self._prefill_kprep(kp, kc, b, q, k, window)
-            k, q, bias = self._precondition(kp, b, q, k)
-            seg_len = self.segment
-        flat = b.rows()                                                # each row's place in the pool
-        kc.view(-1, s.n_head_kv, kc.shape[-1]).index_copy_(0, flat, ck.encode(k, self._impl))
-        vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, cv.encode(v, self._impl))
-        tk = self.triton
-        if b.decode:
-            bt = b.tables()
-            lens = (b.positions + 1).to(torch.int32)
-            if tk:
-                from kernels.attention.paged import paged_decode_attention
-                return paged_decode_attention(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
-                                              n_split=self.n_split, seg_bias=bias, seg_len=seg_len,
-                                              precision=self._decode_dot)
-            return ref_paged_decode(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
-                                    seg_bias=bias, seg_len=seg_len)
-        bt = self.block_table[b.slot]
-        if q.is_cuda and ck.name in ("f16", "bf16") and cv.name == ck.name:
-            return self._prefill_sdpa(b, kc, vc, q, scale, window)
-        if self.decoded_prefill and not window and "f32" not in (ck.name, cv.name):   # (f32: full precision)
-            return self._prefill_decoded(b, kc, vc, q_orig, scale, kp)
-        if tk:
-            from kernels.attention.paged import paged_prefill_attention
-            n = q.shape[0]
-            cu = torch.tensor([0, n], dtype=torch.int32)
-            starts = torch.tensor([b.start], dtype=torch.int32)
-            return paged_prefill_attention(q, kc, vc, bt[None], cu, starts, ck, cv, scale, s.head_dim_v, window,
-                                           seg_bias=bias, seg_len=seg_len, precision=self.prefill_dot, longest=n)
-        return ref_paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window,
-                                   seg_bias=bias, seg_len=seg_len)
-
-    def _precondition(self, kp: _KeyPrep, b: SlotBatch, q, k):
-        """The rows' keys as stored ((k - c) / w), the queries as the stored keys need them (q * w), and
-        the score correction q . c_s for every segment s of the row's slot (SequenceKV._prep_keys,
-        prep_query, score_bias)."""
-        slots, pos = b.slots.long(), b.positions.long()
-        n, H, D = q.shape
-        hkv = k.shape[1]
-        G = H // hkv
-        w = kp.w.index_select(0, slots)                                     # [n, Hkv, D]
-        k_st = (k.float() - kp.centers[slots, pos // self.segment]) / w
-        q_st = q.float() * w.repeat_interleave(G, dim=1)
-        qg = q.float()[..., :D].reshape(n, hkv, G, D)
-        if b.decode:   # every segment of the slot: a fixed shape for the graphs (unused ones are masked)
-            if self.triton and D >= 16 and not D & (D - 1):   # (the kernel's tl.dot needs a power of two)
-                from kernels.attention.paged import segment_bias
-                bias = segment_bias(q, kp.centers, slots)
-            else:
-                cs = kp.centers.index_select(0, slots)                      # [n, n_seg, Hkv, D]
-                bias = torch.einsum("nkgd,nskd->nkgs", qg, cs).reshape(n, H, self.n_seg)
-        else:
-            n_seg = -(-(b.start + n) // self.segment)
-            bias = torch.einsum("nkgd,skd->nkgs", qg, kp.centers[b.slot, :n_seg]).reshape(n, H, n_seg)
-        return k_st, q_st, bias
-
-    def _first_kept(self, start, window):
-        """The first position SequenceKV still holds when a chunk starts at `start` (a sliding-window
-        layer drops whole blocks before the first query's window); int or tensor."""
-        if not window:
-            return 0
-        bs = self.block_size
-        if isinstance(start, torch.Tensor):
-            return (start - window + 1).clamp_min(0) // bs * bs
-        return max(0, start - window + 1) // bs * bs
-
-    def _decode_centers(self, kp: _KeyPrep, kc, b: SlotBatch, window) -> None:
-        """A decode row at the first position of a segment that has no center yet makes it, as
-        SequenceKV does for a chunk that brings fewer than SEG_MIN_KEYS keys of the segment: the mean
-        of the stored keys of the previous SEGMENT positions (decoded, un-preconditioned); segment 0
-        gets zeros. Computed for every row and kept only where needed (torch.where): no host decision,
-        so the step stays one CUDA graph. Costs one pass over SEGMENT stored keys per row and layer."""
-        SEG = self.segment
-        slots, pos = b.slots.long(), b.positions.long()
-        hkv, rb = kc.shape[2], kc.shape[3]
-        D = kp.w.shape[-1]
-        seg = pos // SEG
-        prev = pos[:, None] + self._seg_offsets[None]                       # [B, SEG] positions before
-        valid = prev >= 0
-        if window:
-            valid &= prev >= self._first_kept(pos, window)[:, None]
-        prev = prev.clamp_min(0)
-        rows = kc.view(-1, hkv, rb)[self._rows(slots[:, None], prev)]     # [B, SEG, Hkv, rb]
-        K = self.codec_k.decode(rows, D, self._impl)                        # [B, SEG, Hkv, D]
-        K = K * kp.w.index_select(0, slots)[:, None] + kp.centers[slots[:, None], prev // SEG]
-        if window:
-            cnt = valid.sum(1)
-            cand = _sum_rows(K * valid[..., None, None]) / cnt.clamp_min(1)[:, None, None]
-            last = kp.centers[slots, (seg - 1).clamp_min(0)]                # no key left: the previous center
-            cand = torch.where((cnt == 0)[:, None, None], last, cand)
-        else:
-            cand = _sum_rows(K) / SEG
-        cand = torch.where((seg == 0)[:, None, None], torch.zeros_like(cand), cand)
-        new = seg >= kp.ncent.index_select(0, slots)
-        kp.centers[slots, seg] = torch.where(new[:, None, None], cand, kp.centers[slots, seg])
-        kp.ncent[slots] = torch.maximum(kp.ncent.index_select(0, slots), seg + 1)
-
-    def _prefill_kprep(self, kp: _KeyPrep, kc, b: SlotBatch, q, k, window) -> None:
-        """A prefill chunk's segment centers and, for the slot's first chunk, its smoothing weights:
-        SequenceKV._add_centers and _first_kprep over the slot's buffers. Which segments already have a
-        center is known on the device only (ncent), so the choice is a torch.where."""
-        SEG = self.segment
-        slot, start, n = b.slot, b.start, k.shape[0]
-        end = start + n
-        kf = k.float()
-        for s in range(start // SEG, (end - 1) // SEG + 1):
-            lo, hi = max(s * SEG, start), min((s + 1) * SEG, end)
-            own = kf[lo - start:hi - start]
-            if own.shape[0] >= (self.prep_min_tokens if s == 0 else self.seg_min_keys):
-                cand = own.mean(0)
-            elif s == 0:
-                cand = torch.zeros_like(kf[0])
-            else:
-                cand = self._recent_key_mean(kp, kc, slot, s * SEG, start, kf, window)
-            kp.centers[slot, s] = torch.where(kp.ncent[slot] > s, kp.centers[slot, s], cand)
-        kp.ncent[slot] = torch.clamp_min(kp.ncent[slot], (end - 1) // SEG + 1)
-        if start == 0 and n >= self.prep_min_tokens:
-            self._smoothing_weights(kp, slot, q, kf - kp.centers[slot, b.positions.long() // SEG])
-
-    def _recent_key_mean(self, kp: _KeyPrep, kc, slot: int, pos: int, start: int, kf, window) -> torch.Tensor:
-        """Mean of the keys at positions pos - SEGMENT .. pos: the stored ones (decoded and
-        un-preconditioned) and this chunk's (SequenceKV._recent_key_mean)."""
-        lo = max(0, pos - self.segment)
-        hkv, rb = kc.shape[2], kc.shape[3]
-        parts = []
-        lo2 = max(lo, self._first_kept(start, window))
-        if lo2 < start:
-            stored = torch.arange(lo2, start, device=kf.device)
-            dec = self.codec_k.decode(kc.view(-1, hkv, rb)[self._rows(slot, stored)], kf.shape[-1], self._impl)
-            seg = stored // self.segment
-            parts.append(dec * kp.w[slot] + kp.centers[slot, seg])
-        if pos > start:
-            parts.append(kf[max(0, lo - start):pos - start])
-        if sum(p.shape[0] for p in parts) == 0:
-            return kp.centers[slot, pos // self.segment - 1].clone()
-        return torch.cat(parts).mean(0)
-
-    def _smoothing_weights(self, kp: _KeyPrep, slot: int, q, kc) -> None:
-        """w per channel = sqrt(rms(k - c) / rms(q)) over the first chunk, RoPE pairs pooled, within
-        1/SMOOTH_CLAMP..SMOOTH_CLAMP of its geometric mean (SequenceKV._first_kprep)."""
-        hkv, d = kc.shape[1], kc.shape[2]
-        qg = q.float()[..., :d].reshape(q.shape[0], hkv, -1, d)
-        ek = kc.pow(2).mean(0)
-        eq = qg.pow(2).mean((0, 2))
-        if kp.partner is not None:
-            ek = (ek + ek[:, kp.partner]) / 2
-            eq = (eq + eq[:, kp.partner]) / 2
-        w = (ek.sqrt().clamp_min(1e-12) / eq.sqrt().clamp_min(1e-12)).sqrt()
-        gm = w.log().mean(-1, keepdim=True).exp()
-        kp.w[slot] = (w / gm).clamp(1 / self.smooth_clamp, self.smooth_clamp)
-
-    def _prefill_sdpa(self, b: SlotBatch, kc, vc, q, scale, window):
-        """A chunk's queries over its slot's float KV with torch's fused attention (cuDNN / memory-efficient
-        kernels). The slot's blocks are gathered into one contiguous copy first (one layer's context at a
-        time: 94 MB for 23K tokens of the 27B in f16, less than the GQA expansion below)."""
-        s, T = self.spec, q.shape[0]
-        end = b.start + T
-        dt = self.codec_k.dtype
-        blocks = self.block_table[b.slot, :-(-end // self.block_size)].long()
-        K = kc.index_select(0, blocks).view(-1, s.n_head_kv, kc.shape[-1])[:end].view(dt)
-        V = vc.index_select(0, blocks).view(-1, s.n_head_kv, vc.shape[-1])[:end].view(dt)
-        if flash_fits(q, K, V):
-            return flash_chunk_attention(q.to(dt), K, V, scale, window).float()
-        G = s.n_head // s.n_head_kv
-        qpos = torch.arange(b.start, end, device=q.device)[:, None]
-        kpos = torch.arange(end, device=q.device)[None, :]
-        mask = kpos <= qpos
-        if window:
-            mask &= qpos - kpos < window
-        out = F.scaled_dot_product_attention(
-            q.to(dt).transpose(0, 1)[None], K.repeat_interleave(G, 1).transpose(0, 1)[None],
-            V.repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=mask, scale=scale)
-        return out[0].transpose(0, 1).float()
-
-    def _prefill_decoded(self, b: SlotBatch, kc, vc, q, scale, kp: _KeyPrep | None):
-        """A prompt chunk over a compressed cache: the slot's K/V decoded to fp16 one piece of
-        DECODED_PIECE keys at a time (original domain; keys un-preconditioned: stored * w + their
-        segment's center), each piece through FlashAttention with its log-sum-exp (the last piece, which
-        holds the chunk, causal), the pieces merged. Each stored value is decoded once per chunk, where
-        the paged kernel decodes it again for every tile of queries. q: the chunk's queries as the model
-        made them (not preconditioned)."""
-        s, T = self.spec, q.shape[0]
-        end = b.start + T
-        piece = max(DECODED_PIECE, T)             # (so that only the last piece holds the chunk's own keys)
-        hkv = kc.shape[2]
-        dt = torch.float16 if q.is_cuda else torch.float32   # (FlashAttention takes fp16; the CPU's math f32)
-        qh = q.to(dt)
-        acc = None                                # (out, lse) of the pieces so far
-        hi = end
-        while hi > 0:
-            lo = max(0, hi - piece)
-            pos = torch.arange(lo, hi, device=q.device)
-            rows = self._rows(torch.full_like(pos, b.slot), pos)
-            K = self.codec_k.decode(kc.view(-1, hkv, kc.shape[-1])[rows], s.head_dim, self._impl)
-            if kp is not None:
-                K = K * kp.w[b.slot] + kp.centers[b.slot, pos // self.segment]
-            V = self.codec_v.decode(vc.view(-1, hkv, vc.shape[-1])[rows], s.head_dim_v, self._impl)
-            acc = merge_attention(acc, attention_lse(qh, K.to(dt), V.to(dt), scale, causal=hi == end))
-            hi = lo
-        return acc[0]
-
     def _delta_net(self, b: SlotBatch, il, model, L, qkv, g, beta):
         cs, S = self.conv_state[il], self.ssm_state[il]
         if b.decode:

@@ -248,8 +248,8 @@ def test_decoded_prefill_matches_paged_attention(tiny, short_segments, monkeypat
     logits: pieces of 16 keys, so a 45-token prompt in chunks of 16 merges up to three pieces; the
     preconditioned rotated keys (centers of segments of SEG keys) and gemma3's sliding-window layers
     (left to the paged path) included."""
-    import engine.runner as R
-    monkeypatch.setattr(R, "DECODED_PIECE", 16)
+    import engine.runner_attention as A
+    monkeypatch.setattr(A, "DECODED_PIECE", 16)
     model = open_model(tiny(arch))
     try:
         p = prompt(45, 1, model.spec.vocab_size)

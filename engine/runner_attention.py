@@ -1,0 +1,117 @@
+"""Attention on the GPU path: how the Runner's rows attend over the paged KV pool (engine/runner.py).
+Decode rows: the paged Triton kernel (kernels/attention/paged.py) for every cache type, or its torch
+reference. Prompt chunks: FlashAttention over the slot's gathered K/V for float caches, over K/V decoded in
+pieces for compressed ones (CUDA), else the paged prefill kernel / its reference. The rows' new K/V are
+encoded into the pool first (and, for rotated K types, preconditioned: engine/runner_keyprep.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.flash import attention_lse, flash_chunk_attention, flash_fits, merge_attention
+from kernels.attention.ref import ref_paged_attention, ref_paged_decode
+
+if TYPE_CHECKING:
+    from engine.runner import SlotBatch
+    from engine.runner_keyprep import KeyPrep
+
+DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
+
+
+class AttentionMixin:
+    """Runner methods: one attention layer for a SlotBatch (decode rows or one slot's prompt chunk)."""
+
+    def _attend(self, b: SlotBatch, il, q, k, v, scale, window):
+        s = self.spec
+        kc, vc = self.k[il], self.v[il]
+        ck, cv = self.codec_k, self.codec_v
+        kp = self.kprep.get(il)
+        q_orig = q
+        bias, seg_len = None, 0
+        if kp is not None:
+            if b.decode:
+                self._decode_centers(kp, kc, b, window)
+            else:
+                self._prefill_kprep(kp, kc, b, q, k, window)
+            k, q, bias = self._precondition(kp, b, q, k)
+            seg_len = self.segment
+        flat = b.rows()                                                # each row's place in the pool
+        kc.view(-1, s.n_head_kv, kc.shape[-1]).index_copy_(0, flat, ck.encode(k, self._impl))
+        vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, cv.encode(v, self._impl))
+        tk = self.triton
+        if b.decode:
+            bt = b.tables()
+            lens = (b.positions + 1).to(torch.int32)
+            if tk:
+                from kernels.attention.paged import paged_decode_attention
+                return paged_decode_attention(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
+                                              n_split=self.n_split, seg_bias=bias, seg_len=seg_len,
+                                              precision=self._decode_dot)
+            return ref_paged_decode(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
+                                    seg_bias=bias, seg_len=seg_len)
+        bt = self.block_table[b.slot]
+        if q.is_cuda and ck.name in ("f16", "bf16") and cv.name == ck.name:
+            return self._prefill_sdpa(b, kc, vc, q, scale, window)
+        if self.decoded_prefill and not window and "f32" not in (ck.name, cv.name):   # (f32: full precision)
+            return self._prefill_decoded(b, kc, vc, q_orig, scale, kp)
+        if tk:
+            from kernels.attention.paged import paged_prefill_attention
+            n = q.shape[0]
+            cu = torch.tensor([0, n], dtype=torch.int32)
+            starts = torch.tensor([b.start], dtype=torch.int32)
+            return paged_prefill_attention(q, kc, vc, bt[None], cu, starts, ck, cv, scale, s.head_dim_v, window,
+                                           seg_bias=bias, seg_len=seg_len, precision=self.prefill_dot, longest=n)
+        return ref_paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window,
+                                   seg_bias=bias, seg_len=seg_len)
+
+    def _prefill_sdpa(self, b: SlotBatch, kc, vc, q, scale, window):
+        """A chunk's queries over its slot's float KV with torch's fused attention (cuDNN / memory-efficient
+        kernels). The slot's blocks are gathered into one contiguous copy first (one layer's context at a
+        time: 94 MB for 23K tokens of the 27B in f16, less than the GQA expansion below)."""
+        s, T = self.spec, q.shape[0]
+        end = b.start + T
+        dt = self.codec_k.dtype
+        blocks = self.block_table[b.slot, :-(-end // self.block_size)].long()
+        K = kc.index_select(0, blocks).view(-1, s.n_head_kv, kc.shape[-1])[:end].view(dt)
+        V = vc.index_select(0, blocks).view(-1, s.n_head_kv, vc.shape[-1])[:end].view(dt)
+        if flash_fits(q, K, V):
+            return flash_chunk_attention(q.to(dt), K, V, scale, window).float()
+        G = s.n_head // s.n_head_kv
+        qpos = torch.arange(b.start, end, device=q.device)[:, None]
+        kpos = torch.arange(end, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window:
+            mask &= qpos - kpos < window
+        out = F.scaled_dot_product_attention(
+            q.to(dt).transpose(0, 1)[None], K.repeat_interleave(G, 1).transpose(0, 1)[None],
+            V.repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1).float()
+
+    def _prefill_decoded(self, b: SlotBatch, kc, vc, q, scale, kp: KeyPrep | None):
+        """A prompt chunk over a compressed cache: the slot's K/V decoded to fp16 one piece of
+        DECODED_PIECE keys at a time (original domain; keys un-preconditioned: stored * w + their
+        segment's center), each piece through FlashAttention with its log-sum-exp (the last piece, which
+        holds the chunk, causal), the pieces merged. Each stored value is decoded once per chunk, where
+        the paged kernel decodes it again for every tile of queries. q: the chunk's queries as the model
+        made them (not preconditioned)."""
+        s, T = self.spec, q.shape[0]
+        end = b.start + T
+        piece = max(DECODED_PIECE, T)             # (so that only the last piece holds the chunk's own keys)
+        hkv = kc.shape[2]
+        dt = torch.float16 if q.is_cuda else torch.float32   # (FlashAttention takes fp16; the CPU's math f32)
+        qh = q.to(dt)
+        acc = None                                # (out, lse) of the pieces so far
+        hi = end
+        while hi > 0:
+            lo = max(0, hi - piece)
+            pos = torch.arange(lo, hi, device=q.device)
+            rows = self._rows(torch.full_like(pos, b.slot), pos)
+            K = self.codec_k.decode(kc.view(-1, hkv, kc.shape[-1])[rows], s.head_dim, self._impl)
+            if kp is not None:
+                K = K * kp.w[b.slot] + kp.centers[b.slot, pos // self.segment]
+            V = self.codec_v.decode(vc.view(-1, hkv, vc.shape[-1])[rows], s.head_dim_v, self._impl)
+            acc = merge_attention(acc, attention_lse(qh, K.to(dt), V.to(dt), scale, causal=hi == end))
+            hi = lo
+        return acc[0]
