@@ -41,11 +41,17 @@ def _next_pow2(n: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _split_keys(n, NSPLIT, MIN_KEYS: tl.constexpr, BLOCK_T: tl.constexpr):
-        """Keys per split-K program for a row with n keys: n spread over NSPLIT programs, at least
-        MIN_KEYS each (short rows use fewer programs), whole key tiles. Depends on the row alone, so
-        a row's result does not depend on the other rows of the step (batch invariance)."""
-        return tl.maximum(tl.cdiv(tl.cdiv(n, NSPLIT), BLOCK_T) * BLOCK_T, MIN_KEYS)
+    def _row_split(len_ptr, b, NSPLIT, WINDOW: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Row b's keys (L: its length, lo: its first visible key) and the keys per split-K program: the
+        lo..L keys spread over NSPLIT programs, at least MIN_KEYS each (short rows use fewer programs),
+        whole key tiles. Depends on the row alone, so a row's result does not depend on the other rows
+        of the step (batch invariance)."""
+        L = tl.load(len_ptr + b)
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(L - WINDOW, 0)
+        per = tl.maximum(tl.cdiv(tl.cdiv(L - lo, NSPLIT), BLOCK_T) * BLOCK_T, MIN_KEYS)
+        return L, lo, per
 
     @triton.jit
     def _dot(a, b, DOT: tl.constexpr):
@@ -63,11 +69,7 @@ if triton is not None:
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
-        L = tl.load(len_ptr + b)
-        lo = 0
-        if WINDOW > 0:
-            lo = tl.maximum(L - WINDOW, 0)
-        per = _split_keys(L - lo, NSPLIT, MIN_KEYS, BLOCK_T)
+        L, lo, per = _row_split(len_ptr, b, NSPLIT, WINDOW, MIN_KEYS, BLOCK_T)
         s0 = lo + sp * per
         if s0 < L:          # unused splits write nothing: _combine_kernel reads only the used ones
             s1 = tl.minimum(L, s0 + per)
@@ -112,11 +114,8 @@ if triton is not None:
         """One query head of one row: its used splits' partial (max, sum, acc) merged in split order."""
         b = tl.program_id(0)
         qh = tl.program_id(1)
-        L = tl.load(len_ptr + b)
-        lo = 0
-        if WINDOW > 0:
-            lo = tl.maximum(L - WINDOW, 0)
-        used = tl.cdiv(L - lo, _split_keys(L - lo, NSPLIT, MIN_KEYS, BLOCK_T))
+        L, lo, per = _row_split(len_ptr, b, NSPLIT, WINDOW, MIN_KEYS, BLOCK_T)
+        used = tl.cdiv(L - lo, per)
         dv = tl.arange(0, DV)
         m = -float("inf")
         l_ = 0.0
