@@ -61,10 +61,10 @@ class EngineConfig:
     cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
     cache_type_v: str = "f16"
     mmproj: str | None = None       # vision projector GGUF (image input); "auto": the mmproj beside the model
-    spec: str = "off"               # speculative decoding (CPU path): "off", "ngram" (prompt lookup),
-                                    # "mtp" (Qwen3.5/3.6's own MTP block, when the GGUF has it), "dflash"
-                                    # (a DFlash drafter, spec_drafter), or the chains "mtp+ngram" and
-                                    # "dflash+ngram" (SPEC_MODES)
+    spec: str = "off"               # speculative decoding (the GPU path drafts with ngram only): "off", "ngram"
+                                    # (prompt lookup), "mtp" (Qwen3.5/3.6's own MTP block, when the GGUF has it),
+                                    # "dflash" (a DFlash drafter, spec_drafter), or the chains "mtp+ngram"
+                                    # and "dflash+ngram" (SPEC_MODES)
     spec_drafter: str | None = None  # the DFlash drafter: a directory (config.json + model.safetensors, as
                                     # z-lab publishes them) or its GGUF port
     spec_max_drafts: int = 8        # draft rows per sequence and step at most (adapted per sequence)
