@@ -12,8 +12,9 @@ A `Runner` owns, for up to `n_slots` sequences, everything a step touches:
 - for rotated K types (turbo*), each slot's key preconditioning per attention layer
   (engine/runner_keyprep.py), as engine/kv/sequence.py does it on the CPU path: channel smoothing
   weights w [Hkv, D] made from the slot's first chunk, a center per SEGMENT (256) positions [n_seg,
-  Hkv, D], and how many segments have a center. The codec stores (k - c_seg) / w; the query is multiplied by w and the score of a
-  key of segment s gets q . c_s added (`seg_bias` of the attention kernels), so q . k is unchanged.
+  Hkv, D], and how many segments have a center. The codec stores (k - c_seg) / w; the query is
+  multiplied by w and the score of a key of segment s gets q . c_s added (`seg_bias` of the attention
+  kernels), so q . k is unchanged.
 - qwen35's Gated DeltaNet states per slot: conv windows [slots, K-1, conv_dim] and S [slots, Hv, D, D].
 One extra scratch slot takes the padding rows of a bucket: its table points only at one private
 block outside the pool (padding rows write and read position 0 only), so they never touch a
