@@ -76,7 +76,7 @@ def verify_costs(model: str, device: str = "cuda", drafts=(0, 4, 8, 16), seqs=(1
                  reps: int = 10) -> list[dict]:
     """ms of a decode step with 1 + k rows for each of `seqs` sequences at position `pos` (all drafts
     rejected and cut back after every step, so each step starts from the same state), and its cost
-    against the k = 0 step of as many sequences. Recurrent models run these steps eagerly (waves)."""
+    against the k = 0 step of as many sequences. Recurrent models run the delta-rule step in waves."""
     import torch
 
     from engine.models import open_model

@@ -145,7 +145,7 @@ class SlotBatch:
         self.slot, self.start = slot, start
         self.rope: dict = {}
         self._pool: dict = {}
-        self.waves: list[torch.Tensor] | None = None   # decode rows of one slot (drafts): row sets in order
+        self.waves: torch.Tensor | None = None   # drafts: [W, rows] each row's slot in its wave, else -1
 
     def rows(self) -> torch.Tensor:
         """Each row's place in the pool's caches (the same for every layer: computed once per step)."""
@@ -259,7 +259,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         f32 = "f32" in (self.codec_k.name, self.codec_v.name)
         self._decode_dot = cfg["dot"] if self.device.type == "cuda" and not f32 else "ieee"
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple, tuple] = {}          # (rows bucket, waves) -> decode graph
         self._graph_pool = None
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on
         # and the digests of that prefix at each multiple of it (exact_length), and the position its
@@ -276,6 +276,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # a decode step with drafts (several rows of a slot): states before it and the delta-rule inputs
         self._snapshots: dict[int, tuple] = {}
         self._replay_inputs: dict[int, tuple] = {}
+        self._replay_bufs: dict[int, tuple] = {}         # drafting steps' delta-rule inputs (_keep_replay_inputs)
+        self._graph_waves: dict[tuple, torch.Tensor] = {}
+        self._graph_replay: dict[tuple, dict] = {}
 
     # ----- memory -----
     def kv_bytes(self) -> int:
@@ -599,16 +602,17 @@ class Runner(AttentionMixin, KeyPrepMixin):
             if b.waves is None:
                 return gdn_decode(qkv, L["conv"], cs, S, slots, g, beta, model.n_k_heads, model.d_state,
                                   self.spec.rms_eps)
-            # several rows of one slot (drafts): wave w holds every slot's w-th row, so each row's update
-            # starts from its slot's state after the rows before it, as in successive one-row steps
-            self._replay_inputs[il] = (qkv, g, beta, L["conv"])
+            # several rows of one slot (drafts): wave w updates every slot's w-th row (the other rows run
+            # with slot -1: no state update, output unused), so each row's update starts from its slot's
+            # state after the rows before it, as in successive one-row steps. Every wave has all the rows:
+            # fixed shapes, so such steps are CUDA graphs too. The inputs are kept for cut_back's replay.
+            self._keep_replay_inputs(il, qkv, g, beta, L["conv"])
             o = None
-            for idx in b.waves:
-                ow = gdn_decode(qkv[idx], L["conv"], cs, S, slots[idx], g[idx], beta[idx], model.n_k_heads,
-                                model.d_state, self.spec.rms_eps)
-                if o is None:
-                    o = ow.new_empty((qkv.shape[0],) + tuple(ow.shape[1:]))
-                o[idx] = ow
+            for w in range(b.waves.shape[0]):
+                ow = gdn_decode(qkv, L["conv"], cs, S, b.waves[w], g, beta, model.n_k_heads, model.d_state,
+                                self.spec.rms_eps)
+                act = (b.waves[w] >= 0).view((-1,) + (1,) * (ow.dim() - 1))
+                o = ow if o is None else torch.where(act, ow, o)
             return o
         state = (cs[b.slot], S[b.slot]) if b.start > 0 else None
         o, (c_new, S_new) = model.delta_net_rows(L, qkv, g, beta, state)
@@ -634,11 +638,11 @@ class Runner(AttentionMixin, KeyPrepMixin):
         b.waves = waves
         return self._head(self._hidden(tokens, b))
 
-    def _draft_waves(self, slots: list[int], positions: list[int]) -> list[torch.Tensor] | None:
+    def _draft_waves(self, slots: list[int], positions: list[int]) -> list[list[int]] | None:
         """Recurrent models, a step with several rows of one slot (a token and its drafts, at consecutive
-        positions): the rows of each wave (every slot's first row, then every second row, ..), and a snapshot
-        of those slots' recurrent states before the step, from which `cut_back` replays the rows it keeps.
-        None when every slot has one row (the usual step: graphs, no snapshot)."""
+        positions): per wave (every slot's first row, then every second row, ..) each row's slot when the
+        row is in that wave, else -1; and a snapshot of those slots' recurrent states before the step, from
+        which `cut_back` replays the rows it keeps. None when every slot has one row (the usual step)."""
         self._snapshots.clear()
         self._replay_inputs.clear()
         if len(set(slots)) == len(slots):
@@ -647,15 +651,29 @@ class Runner(AttentionMixin, KeyPrepMixin):
         for r, sl in enumerate(slots):
             rows = by_slot.setdefault(sl, [])
             if len(rows) == len(waves):
-                waves.append([])
-            waves[len(rows)].append(r)
+                waves.append([-1] * len(slots))
+            if 0 <= sl < self.n_slots:      # (padding rows: in no wave)
+                waves[len(rows)][r] = sl
             rows.append(r)
         for sl, rows in by_slot.items():
             if len(rows) > 1 and 0 <= sl < self.n_slots:
                 self._snapshots[sl] = (positions[rows[0]], rows,
                                        {il: t[sl].clone() for il, t in self.conv_state.items()},
                                        {il: t[sl].clone() for il, t in self.ssm_state.items()})
-        return [torch.tensor(w, dtype=torch.long, device=self.device) for w in waves]
+        return waves
+
+    def _keep_replay_inputs(self, il: int, qkv, g, beta, conv_w) -> None:
+        """A drafting step's Gated DeltaNet inputs of layer il, copied into buffers the runner owns (so
+        they outlive a graph replay's next use of its memory) for cut_back."""
+        buf = self._replay_bufs.get(il)
+        if buf is None or buf[0].shape[0] < qkv.shape[0]:
+            n = max(BUCKETS[-1], qkv.shape[0])
+            buf = self._replay_bufs[il] = tuple(torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype,
+                                                            device=t.device) for t in (qkv, g, beta))
+        n = qkv.shape[0]
+        for dst, src in zip(buf, (qkv, g, beta)):
+            dst[:n].copy_(src)
+        self._replay_inputs[il] = buf + (conv_w,)
 
     def draft_room(self, pos: int) -> int:
         """How many draft rows may follow a slot's row at `pos` in one decode step and still give the logits
@@ -748,15 +766,19 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.sync_tables()
         self._decode_rows(slots, positions)
         waves = self._draft_waves(slots, positions) if self.conv_state else None
-        if not self.graphs_enabled or n > BUCKETS[-1] or waves is not None:
+        if not self.graphs_enabled or n > BUCKETS[-1]:
             dev = self.device
+            wv = None if waves is None else torch.tensor(waves, dtype=torch.long, device=dev)
             return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
                                       torch.as_tensor(positions, device=dev).long(),
-                                      torch.as_tensor(slots, device=dev).long(), waves)
+                                      torch.as_tensor(slots, device=dev).long(), wv)
         B = next(bk for bk in BUCKETS if bk >= n)
-        graph, tok, pos, sl, out = self._graph(B)
-        self.fill(B, slots, tokens, positions)
+        W = 0 if waves is None else 1 << (len(waves) - 1).bit_length()   # (waves padded to a power of two)
+        graph, tok, pos, sl, out = self._graph(B, W)
+        self.fill(B, slots, tokens, positions, waves)
         graph.replay()
+        if waves is not None:
+            self._replay_inputs.update(self._graph_replay[(B, W)])
         return out[:n]
 
     def _reserve_rows(self, slots: list[int], positions: list[int]) -> None:
@@ -782,9 +804,11 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 self._rewrite(slot, p)
                 self._live[slot] = p + 1 if self._live[slot] == p else -1
 
-    def fill(self, B: int, slots, tokens, positions) -> None:
-        """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot)."""
-        _, tok, pos, sl, _ = self._graphs[B]
+    def fill(self, B: int, slots, tokens, positions, waves: list[list[int]] | None = None) -> None:
+        """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot; waves
+        past the step's own and padding rows are in no wave)."""
+        W = 0 if waves is None else 1 << (len(waves) - 1).bit_length()
+        _, tok, pos, sl, _ = self._graphs[(B, W)]
         n = len(slots)
         tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)
         pos[:n].copy_(torch.as_tensor(positions), non_blocking=True)
@@ -793,27 +817,39 @@ class Runner(AttentionMixin, KeyPrepMixin):
             tok[n:].zero_()
             pos[n:].zero_()
             sl[n:].fill_(self.scratch)
+        if waves is not None:
+            wv = self._graph_waves[(B, W)]
+            wv.fill_(-1)
+            wv[:len(waves), :n].copy_(torch.tensor(waves, dtype=torch.long), non_blocking=True)
 
-    def _graph(self, B: int) -> tuple:
-        g = self._graphs.get(B)
+    def _graph(self, B: int, W: int = 0) -> tuple:
+        """Bucket B's decode graph (graph, tokens, positions, slots, logits); W > 0: the one for steps
+        with draft rows of recurrent models, W waves (its wave table in _graph_waves), captured at
+        first use."""
+        g = self._graphs.get((B, W))
         if g is not None:
             return g
         dev = self.device
         tok = torch.zeros(B, dtype=torch.long, device=dev)
         pos = torch.zeros(B, dtype=torch.long, device=dev)
         sl = torch.full((B,), self.scratch, dtype=torch.long, device=dev)
+        wv = torch.full((W, B), -1, dtype=torch.long, device=dev) if W else None
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
             for _ in range(2):
-                self._decode_eager(tok, pos, sl)
+                self._decode_eager(tok, pos, sl, wv)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        self._replay_inputs.clear()
         with torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
-            out = self._decode_eager(tok, pos, sl)
-        g = self._graphs[B] = (graph, tok, pos, sl, out)
+            out = self._decode_eager(tok, pos, sl, wv)
+        if W:
+            self._graph_waves[(B, W)] = wv
+            self._graph_replay[(B, W)] = dict(self._replay_inputs)   # (the runner's buffers, filled by replays)
+        g = self._graphs[(B, W)] = (graph, tok, pos, sl, out)
         return g
 
     def capture(self, buckets=BUCKETS) -> None:

@@ -131,22 +131,24 @@ def test_draft_rows_of_one_slot_equal_successive_steps(tiny, kt, triton, monkeyp
         model.close()
 
 
-def test_draft_rows_roll_back_recurrent_states(tiny):
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_draft_rows_roll_back_recurrent_states(tiny, triton):
     """qwen35: a token and two drafts as three rows of one slot (waves of the delta-rule step), then cut
     back to the first two rows (one draft accepted) or the first row (both rejected): the slot's states,
-    and the next step's logits, are those of a runner that only ever decoded those rows."""
+    and the next step's logits, are those of a runner that only ever decoded those rows. Torch's and
+    the Triton (interpreter) delta-rule step."""
     model = open_model(tiny("qwen35"))
     try:
         V = model.spec.vocab_size
-        a = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
-        b = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
+        a = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4, triton=triton)
+        b = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4, triton=triton)
         for r in (a, b):
             r.prefill(0, prompt(10, 0, V))
             r.prefill(1, prompt(7, 1, V))
         joint = a.decode([0, 0, 1, 0], [5, 6, 9, 8], [10, 11, 7, 12]).clone()
         alone = [b.decode([0], [5], [10])[0].clone(), b.decode([0], [6], [11])[0].clone()]
         assert torch.equal(joint[0], alone[0]) and torch.equal(joint[1], alone[1])
-        a2 = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
+        a2 = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4, triton=triton)
         a2.prefill(0, prompt(10, 0, V))
         a2.decode([0, 0, 0], [5, 6, 8], [10, 11, 12])
         a2.cut_back(0, 12)                                 # one draft accepted: b decoded the same two rows
@@ -154,7 +156,7 @@ def test_draft_rows_roll_back_recurrent_states(tiny):
             assert torch.equal(a2.conv_state[il][0], b.conv_state[il][0])
             assert torch.equal(a2.ssm_state[il][0], b.ssm_state[il][0])
         a.cut_back(0, 11)                                  # keep the fed token only
-        b2 = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4)
+        b2 = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4, triton=triton)
         b2.prefill(0, prompt(10, 0, V))
         b2.decode([0], [5], [10])
         for il in a.conv_state:
@@ -164,6 +166,40 @@ def test_draft_rows_roll_back_recurrent_states(tiny):
         a.decode([0, 0], [4, 2], [12, 13])
         a.cut_back(0, 14)                                  # every row kept: the states stay as the step left them
         assert not a._snapshots
+    finally:
+        model.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_draft_steps_as_graphs_equal_eager_steps(tiny):
+    """qwen35 on CUDA: steps with draft rows run as CUDA graphs (bucket x waves); their logits and, after
+    cut_back, the slots' states equal the eager steps' (graphs off), over several steps with different
+    wave counts (2, 3 and 5 rows of one slot: 2, 4 and 8 waves padded)."""
+    model = open_model(tiny("qwen35"))
+    try:
+        V = model.spec.vocab_size
+        runs = []
+        for graphs in (True, False):
+            r = Runner(model, device="cuda", n_slots=3, max_ctx=96, block_size=16, graphs=graphs)
+            r.prefill(0, prompt(20, 0, V))
+            r.prefill(1, prompt(13, 1, V))
+            out, pos = [], {0: 20, 1: 13}
+            for k in (1, 2, 4):           # drafts of slot 0 this step; slot 1 one row
+                rows = [0] * (1 + k) + [1]
+                toks = [(7 * j + k) % 50 + 1 for j in range(len(rows))]
+                poss = [pos[0] + j for j in range(1 + k)] + [pos[1]]
+                out.append(r.decode(rows, toks, poss).clone().cpu())
+                r.cut_back(0, pos[0] + 1 + k // 2)     # keep the token and half the drafts
+                pos[0] += 1 + k // 2
+                pos[1] += 1
+            states = {il: (r.conv_state[il][:2].cpu(), r.ssm_state[il][:2].cpu()) for il in r.conv_state}
+            runs.append((out, states))
+        (og, sg), (oe, se) = runs
+        for a, b in zip(og, oe):
+            assert torch.equal(a, b)
+        for il in sg:
+            assert torch.equal(sg[il][0], se[il][0]) and torch.equal(sg[il][1], se[il][1])
     finally:
         model.close()
 
