@@ -53,7 +53,10 @@ Every number comes from the GGUF header (nothing is loaded):
     kernel), and for rotated K types the chunk's score-correction table ``step_tokens * n_head *
     ctx / 256 * 4`` bytes;
   - logits: ``max_seqs * 4 rows * vocab * 4`` bytes (each sequence's decode token plus up to three
-    draft tokens get logits).
+    draft tokens get logits);
+  - a prompt chunk's attention (`prompt_attention_bytes`): f16/bf16 caches gather one layer's K and V
+    of the whole context (``ctx * (k + v values) * 2`` bytes), compressed ones decode pieces of 8192
+    keys (``min(ctx, 8192) * (k + v values) * 14`` bytes).
 
   ``Plan.allocated`` is the total without the CUDA context and the graph pool: what
   `torch.cuda.max_memory_allocated` should show after a long prefill and decode (.ci/gpu/ctx200k.py
@@ -101,6 +104,7 @@ ROTATED_TYPES = ("turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")   # h
 ROTATION_GROUP = 128
 KEY_SEGMENT = 256            # positions per key center (engine/kv/sequence.py: SequenceKV.SEGMENT)
 SLOT_BLOCK_TOKENS = 16       # the runner's block size (its scratch slot holds one block)
+DECODED_PIECE_TOKENS = 8192     # engine/runner_attention.py DECODED_PIECE (tests check they agree)
 CONTEXTS = (8192, 16384, 32768, 65536, 131072, 204800, 262144)
 KV_BLOCK_TOKENS = 256
 
@@ -316,7 +320,7 @@ def prep_bytes(facts: ModelFacts, ctx: int, kv_type: str) -> int:
 
 
 def activation_bytes(facts: ModelFacts, ctx: int = 0, kv_type: str = "f16", max_seqs: int = 1,
-                     step_tokens: int = STEP_TOKENS) -> int:
+                     step_tokens: int = STEP_TOKENS, kv_type_v: str | None = None) -> int:
     """What a prompt chunk (and the logits) allocate at most on top of weights and states: see the
     module docstring."""
     q_dim = facts.n_head * facts.head_dim
@@ -325,7 +329,24 @@ def activation_bytes(facts: ModelFacts, ctx: int = 0, kv_type: str = "f16", max_
     if kv_type in ROTATED_TYPES and facts.attn_layers:
         act += step_tokens * facts.n_head * max(1, -(-ctx // KEY_SEGMENT)) * 4   # score corrections
     logits = max(1, max_seqs) * LOGIT_ROWS_PER_SEQ * facts.vocab_size * 4
-    return act + facts.prefill_dequant_bytes + logits
+    return act + facts.prefill_dequant_bytes + logits + prompt_attention_bytes(facts, ctx, kv_type, kv_type_v)
+
+
+def prompt_attention_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | None = None) -> int:
+    """What a prompt chunk's attention over `ctx` positions holds at once on the GPU path
+    (engine/runner_attention.py): f16/bf16 K and V gathered into one contiguous copy of one layer's
+    context; the compressed types decoded a piece of DECODED_PIECE_TOKENS keys at a time (float32
+    decode, its rotation back, the un-preconditioned keys, and their fp16 copy: 14 bytes a value);
+    f32 caches are read in place."""
+    if not facts.attn_layers or not ctx:
+        return 0
+    k_vals, v_vals, _ = facts.attn_layers[0]
+    types = {kv_type, kv_type_v or kv_type}
+    if types <= {"f16", "bf16"}:
+        return ctx * (k_vals + v_vals) * 2
+    if "f32" in types:
+        return 0
+    return min(ctx, DECODED_PIECE_TOKENS) * (k_vals + v_vals) * 14
 
 
 def workspace_bytes(facts: ModelFacts, max_seqs: int = 1, step_tokens: int = STEP_TOKENS, ctx: int = 0,

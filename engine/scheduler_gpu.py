@@ -85,11 +85,12 @@ class RunnerScheduler:
 
     def _open_runner(self) -> None:
         """Put the model on the device with one slot per concurrent sequence and ONE KV pool they share:
-        ctx_pool_tokens, else on a GPU as much as fits in 90 % of the memory left after the weights and
-        the fixed per-slot state (too little for 256 tokens is an error), else (static slots on the CPU)
-        max_seqs x the context. One sequence may use up to min(its context, the pool). Recurrent models
-        also get state checkpoints for prefix sharing (state_checkpoints; by default as many as fit in
-        2 % of the KV cache, which the fit leaves room for)."""
+        ctx_pool_tokens, else on a GPU as much as fits in the memory left after the weights, the fixed
+        per-slot state and a step's workspace (_step_workspace, at least 10 % of the free memory; too
+        little for 256 tokens is an error), else (static slots on the CPU) max_seqs x the context. One
+        sequence may use up to min(its context, the pool). Recurrent models also get state checkpoints
+        for prefix sharing (state_checkpoints; by default as many as fit in 2 % of the KV cache, which
+        the fit leaves room for)."""
         from engine.runner import Runner, state_checkpoint_bytes
         c = self.config
         dev = torch.device(c.device)
@@ -107,7 +108,8 @@ class RunnerScheduler:
             elif dev.type == "cuda":
                 self.model.to_device(dev)
                 free, _ = torch.cuda.mem_get_info(dev)
-                pool = self._fit_pool(int(0.9 * free), want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
+                budget = free - max(int(0.1 * free), self._step_workspace(want))
+                pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
                 if pool < 256:
                     raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
                                       f"the weights, for {c.max_seqs} sequences' state and a pool of 256 tokens")
@@ -158,6 +160,21 @@ class RunnerScheduler:
             log.warning("speculative decoding: the %s path drafts with n-grams only (MTP and DFlash need the "
                         "target's hidden states, which it does not keep yet)", self.config.device)
         return {"ngram"}
+
+    def _step_workspace(self, ctx: int) -> int:
+        """What a step allocates beyond the pool and the slots' state (engine/planner.py activation_bytes:
+        a prompt chunk's activations, its dequantized matrix, its attention over `ctx` positions, the
+        logits), left out of the pool when it is more than the usual 10 % of the free memory."""
+        from engine import planner as P
+        from engine.gguf.reader import GGUFError
+        from kernels.kvcodec import cache_type_name
+        c = self.config
+        try:
+            facts = P.model_facts(c.model, mmproj=None)
+        except (GGUFError, OSError, ValueError, KeyError):   # (a header the planner cannot read: the 10 %)
+            return 0
+        kt, vt = cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k)
+        return P.activation_bytes(facts, ctx, kt, c.max_seqs, c.prefill_chunk, vt)
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state

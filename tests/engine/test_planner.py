@@ -171,3 +171,17 @@ def test_cli_one_plan(q27, capsys):
     assert p.kv == 16 * 4 * 2 * 2 * 52 * (200032 + 16)
     assert p.prep == 2 * 16 * (4 * 4 * 256 * (1 + 782) + 8)       # the slot and the scratch slot
     assert P.plan(f, 200032, "turbo3_tcq", kv_type_v="f16").kv > p.kv
+
+
+def test_prompt_attention_workspace_matches_the_runner():
+    """The planner's prompt-attention allowance uses the runner's piece size, and counts what each cache
+    type's path holds: a gathered f16 context, 8192-key decoded pieces, nothing for f32."""
+    from engine.runner_attention import DECODED_PIECE
+    assert P.DECODED_PIECE_TOKENS == DECODED_PIECE
+    f = P.ModelFacts(path="x", name="x", arch="llama", weight_bytes=0, file_bytes=0, context_length=1 << 17,
+                     n_embd=64, n_ff=128, vocab_size=100, n_head=4, head_dim=16, attn_layers=[(32, 32, 0)] * 2)
+    assert P.prompt_attention_bytes(f, 100_000, "f16") == 100_000 * 64 * 2
+    assert P.prompt_attention_bytes(f, 100_000, "turbo3_tcq") == 8192 * 64 * 14
+    assert P.prompt_attention_bytes(f, 1000, "q8_0") == 1000 * 64 * 14
+    assert P.prompt_attention_bytes(f, 100_000, "f32") == 0
+    assert P.activation_bytes(f, 100_000, "f16") - P.activation_bytes(f, 0, "f16") == 100_000 * 64 * 2
