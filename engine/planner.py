@@ -243,38 +243,44 @@ def model_facts(path: str | os.PathLike, mmproj: str | os.PathLike | None = "aut
 def _model_facts(path: str | os.PathLike) -> ModelFacts:
     f = GGUFFile(path)
     try:
-        spec = spec_from_gguf(f)
-        md = f.metadata
-        weight_bytes = sum(t.n_bytes for t in f.tensors.values())
-        k_vals = spec.n_head_kv * spec.head_dim
-        v_vals = spec.n_head_kv * spec.head_dim_v
-        attn = []
-        for il in range(spec.n_layer):
-            if spec.is_recurrent(il):
-                continue
-            window = spec.sliding_window if spec.is_swa(il) else 0
-            attn.append((k_vals, v_vals, window))
-        for _ in range(spec.n_layer_nextn):  # MTP blocks attend with their own KV
-            attn.append((k_vals, v_vals, 0))
-        n_rec = sum(1 for il in range(spec.n_layer) if spec.is_recurrent(il))
-        rec_per_layer = 0
-        if n_rec:
-            conv_dim = 2 * spec.ssm_n_group * spec.ssm_d_state + spec.ssm_d_inner
-            head_v = spec.ssm_d_inner // spec.ssm_dt_rank
-            conv = (spec.ssm_d_conv - 1) * conv_dim
-            state = spec.ssm_dt_rank * spec.ssm_d_state * head_v
-            rec_per_layer = 4 * (conv + state)
-        dev_bytes, dequant = device_weight_bytes(f.tensors.values())
-        return ModelFacts(
-            path=str(path), name=str(md.get("general.name") or Path(path).stem), arch=spec.arch,
-            weight_bytes=weight_bytes, file_bytes=Path(path).stat().st_size, context_length=spec.context_length,
-            n_embd=spec.n_embd, n_ff=spec.n_ff, vocab_size=spec.vocab_size, n_head=spec.n_head,
-            head_dim=spec.head_dim, attn_layers=attn, n_recurrent_layers=n_rec,
-            recurrent_bytes_per_layer=rec_per_layer, quant=file_type_name(md), n_head_kv=spec.n_head_kv,
-            head_dim_v=spec.head_dim_v, n_layer_nextn=spec.n_layer_nextn, device_weight_bytes=dev_bytes,
-            prefill_dequant_bytes=dequant)
+        return facts_from_file(f)
     finally:
         f.close()
+
+
+def facts_from_file(f: GGUFFile) -> ModelFacts:
+    """ModelFacts of an open GGUF file (an engine's model has its header read already)."""
+    path = f.path
+    spec = spec_from_gguf(f)
+    md = f.metadata
+    weight_bytes = sum(t.n_bytes for t in f.tensors.values())
+    k_vals = spec.n_head_kv * spec.head_dim
+    v_vals = spec.n_head_kv * spec.head_dim_v
+    attn = []
+    for il in range(spec.n_layer):
+        if spec.is_recurrent(il):
+            continue
+        window = spec.sliding_window if spec.is_swa(il) else 0
+        attn.append((k_vals, v_vals, window))
+    for _ in range(spec.n_layer_nextn):  # MTP blocks attend with their own KV
+        attn.append((k_vals, v_vals, 0))
+    n_rec = sum(1 for il in range(spec.n_layer) if spec.is_recurrent(il))
+    rec_per_layer = 0
+    if n_rec:
+        conv_dim = 2 * spec.ssm_n_group * spec.ssm_d_state + spec.ssm_d_inner
+        head_v = spec.ssm_d_inner // spec.ssm_dt_rank
+        conv = (spec.ssm_d_conv - 1) * conv_dim
+        state = spec.ssm_dt_rank * spec.ssm_d_state * head_v
+        rec_per_layer = 4 * (conv + state)
+    dev_bytes, dequant = device_weight_bytes(f.tensors.values())
+    return ModelFacts(
+        path=str(path), name=str(md.get("general.name") or Path(path).stem), arch=spec.arch,
+        weight_bytes=weight_bytes, file_bytes=Path(path).stat().st_size, context_length=spec.context_length,
+        n_embd=spec.n_embd, n_ff=spec.n_ff, vocab_size=spec.vocab_size, n_head=spec.n_head,
+        head_dim=spec.head_dim, attn_layers=attn, n_recurrent_layers=n_rec,
+        recurrent_bytes_per_layer=rec_per_layer, quant=file_type_name(md), n_head_kv=spec.n_head_kv,
+        head_dim_v=spec.head_dim_v, n_layer_nextn=spec.n_layer_nextn, device_weight_bytes=dev_bytes,
+        prefill_dequant_bytes=dequant)
 
 
 def _token_bytes(facts: ModelFacts, kv_type: str, kv_type_v: str | None) -> int:

@@ -51,11 +51,16 @@ from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
 from engine.runner_attention import AttentionMixin
 from engine.runner_keyprep import KeyPrep, KeyPrepMixin
-from kernels.attention.flash import flash_lse_works
+from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import DECODE_CONFIG
 from kernels.kvcodec import cache_type_name, get_codec
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _wave_bucket(waves: list | None) -> int:
+    """The decode graph's wave count for a step's waves: 0 without drafts, else a power of two."""
+    return 0 if waves is None else 1 << (len(waves) - 1).bit_length()
 
 
 def _attn_layers(spec) -> list[int]:
@@ -123,7 +128,6 @@ def prefix_digests(tokens, chunk: int, upto: int) -> list[bytes]:
 
 
 @dataclass
-
 class PrefixMatch:
     """What Runner.find_prefix found: copy slot `src`'s first n positions; recurrent models take their
     states after n positions from `state`, a slot whose states are at n (int) or a checkpoint key."""
@@ -205,9 +209,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.prefill_dot = prefill_dot
         # prompt chunks over compressed caches: decoded pieces through FlashAttention (_prefill_decoded)
         # where torch has it for these head sizes, else the paged Triton kernel
-        self.decoded_prefill = (self.device.type == "cuda" and s.head_dim == s.head_dim_v
-                                and s.head_dim % 8 == 0 and s.head_dim <= 256
-                                and torch.cuda.get_device_capability(self.device)[0] >= 8
+        self.decoded_prefill = (s.head_dim == s.head_dim_v and flash_supported(self.device, s.head_dim)
                                 and flash_lse_works(self.device))
         self.triton = self.device.type == "cuda" if triton is None else triton
         self._impl = "triton" if self.triton else "auto"
@@ -410,6 +412,12 @@ class Runner(AttentionMixin, KeyPrepMixin):
         the device block table (device ops only: fine inside a CUDA graph)."""
         bs = self.block_size
         return self.block_table[slots, pos // bs].long() * bs + pos % bs
+
+    def _read_rows(self, cache: torch.Tensor, codec, d: int, slots, pos: torch.Tensor) -> torch.Tensor:
+        """The values stored at (slot, position) pairs of one layer's cache, decoded: [..., Hkv, d] in the
+        original domain (slots: an int or a tensor broadcastable with pos)."""
+        hkv, rb = cache.shape[2], cache.shape[3]
+        return codec.decode(cache.view(-1, hkv, rb)[self._rows(slots, pos)], d, self._impl)
 
     # ----- prefix sharing between slots -----
     # A slot's first positions can be given to another slot (copy_prefix) so that the other computes only the
@@ -773,7 +781,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
                                       torch.as_tensor(positions, device=dev).long(),
                                       torch.as_tensor(slots, device=dev).long(), wv)
         B = next(bk for bk in BUCKETS if bk >= n)
-        W = 0 if waves is None else 1 << (len(waves) - 1).bit_length()   # (waves padded to a power of two)
+        W = _wave_bucket(waves)
         graph, tok, pos, sl, out = self._graph(B, W)
         self.fill(B, slots, tokens, positions, waves)
         graph.replay()
@@ -807,7 +815,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def fill(self, B: int, slots, tokens, positions, waves: list[list[int]] | None = None) -> None:
         """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot; waves
         past the step's own and padding rows are in no wave)."""
-        W = 0 if waves is None else 1 << (len(waves) - 1).bit_length()
+        W = _wave_bucket(waves)
         _, tok, pos, sl, _ = self._graphs[(B, W)]
         n = len(slots)
         tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)

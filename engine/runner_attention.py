@@ -99,7 +99,6 @@ class AttentionMixin:
         s, T = self.spec, q.shape[0]
         end = b.start + T
         piece = max(DECODED_PIECE, T)             # (so that only the last piece holds the chunk's own keys)
-        hkv = kc.shape[2]
         dt = torch.float16 if q.is_cuda else torch.float32   # (FlashAttention takes fp16; the CPU's math f32)
         qh = q.to(dt)
         acc = None                                # (out, lse) of the pieces so far
@@ -107,11 +106,8 @@ class AttentionMixin:
         while hi > 0:
             lo = max(0, hi - piece)
             pos = torch.arange(lo, hi, device=q.device)
-            rows = self._rows(torch.full_like(pos, b.slot), pos)
-            K = self.codec_k.decode(kc.view(-1, hkv, kc.shape[-1])[rows], s.head_dim, self._impl)
-            if kp is not None:
-                K = K * kp.w[b.slot] + kp.centers[b.slot, pos // self.segment]
-            V = self.codec_v.decode(vc.view(-1, hkv, vc.shape[-1])[rows], s.head_dim_v, self._impl)
+            K = self._stored_keys(kp, kc, b.slot, pos)
+            V = self._read_rows(vc, self.codec_v, s.head_dim_v, b.slot, pos)
             acc = merge_attention(acc, attention_lse(qh, K.to(dt), V.to(dt), scale, causal=hi == end))
             hi = lo
         return acc[0]

@@ -89,17 +89,13 @@ class KeyPrepMixin:
         so the step stays one CUDA graph. Costs one pass over SEGMENT stored keys per row and layer."""
         SEG = self.segment
         slots, pos = b.slots.long(), b.positions.long()
-        hkv, rb = kc.shape[2], kc.shape[3]
-        D = kp.w.shape[-1]
         seg = pos // SEG
         prev = pos[:, None] + self._seg_offsets[None]                       # [B, SEG] positions before
         valid = prev >= 0
         if window:
             valid &= prev >= self._first_kept(pos, window)[:, None]
         prev = prev.clamp_min(0)
-        rows = kc.view(-1, hkv, rb)[self._rows(slots[:, None], prev)]     # [B, SEG, Hkv, rb]
-        K = self.codec_k.decode(rows, D, self._impl)                        # [B, SEG, Hkv, D]
-        K = K * kp.w.index_select(0, slots)[:, None] + kp.centers[slots[:, None], prev // SEG]
+        K = self._stored_keys(kp, kc, slots[:, None], prev)                 # [B, SEG, Hkv, D]
         if window:
             cnt = valid.sum(1)
             cand = _sum_rows(K * valid[..., None, None]) / cnt.clamp_min(1)[:, None, None]
@@ -138,19 +134,23 @@ class KeyPrepMixin:
         """Mean of the keys at positions pos - SEGMENT .. pos: the stored ones (decoded and
         un-preconditioned) and this chunk's (SequenceKV._recent_key_mean)."""
         lo = max(0, pos - self.segment)
-        hkv, rb = kc.shape[2], kc.shape[3]
         parts = []
         lo2 = max(lo, self._first_kept(start, window))
         if lo2 < start:
-            stored = torch.arange(lo2, start, device=kf.device)
-            dec = self.codec_k.decode(kc.view(-1, hkv, rb)[self._rows(slot, stored)], kf.shape[-1], self._impl)
-            seg = stored // self.segment
-            parts.append(dec * kp.w[slot] + kp.centers[slot, seg])
+            parts.append(self._stored_keys(kp, kc, slot, torch.arange(lo2, start, device=kf.device)))
         if pos > start:
             parts.append(kf[max(0, lo - start):pos - start])
         if sum(p.shape[0] for p in parts) == 0:
             return kp.centers[slot, pos // self.segment - 1].clone()
         return torch.cat(parts).mean(0)
+
+    def _stored_keys(self, kp: KeyPrep | None, kc, slots, pos: torch.Tensor) -> torch.Tensor:
+        """The keys stored at (slot, position) pairs, decoded and un-preconditioned (stored (k - c) / w
+        times w plus the center of the position's segment): [..., Hkv, D]."""
+        K = self._read_rows(kc, self.codec_k, self.spec.head_dim, slots, pos)
+        if kp is None:
+            return K
+        return K * kp.w[slots] + kp.centers[slots, pos // self.segment]
 
     def _smoothing_weights(self, kp: KeyPrep, slot: int, q, kc) -> None:
         """w per channel = sqrt(rms(k - c) / rms(q)) over the first chunk, RoPE pairs pooled, within

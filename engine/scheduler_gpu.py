@@ -166,13 +166,9 @@ class RunnerScheduler:
         a prompt chunk's activations, its dequantized matrix, its attention over `ctx` positions, the
         logits), left out of the pool when it is more than the usual 10 % of the free memory."""
         from engine import planner as P
-        from engine.gguf.reader import GGUFError
         from kernels.kvcodec import cache_type_name
         c = self.config
-        try:
-            facts = P.model_facts(c.model, mmproj=None)
-        except (GGUFError, OSError, ValueError, KeyError):   # (a header the planner cannot read: the 10 %)
-            return 0
+        facts = P.facts_from_file(self.model.file)
         kt, vt = cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k)
         return P.activation_bytes(facts, ctx, kt, c.max_seqs, c.prefill_chunk, vt)
 

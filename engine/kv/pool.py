@@ -66,8 +66,11 @@ class LayerGroup:
         self.v: dict[int, torch.Tensor] = {}
         self.fixed = n_blocks is not None
         self.limit: int | None = None   # growing pools stop here (KVPool.set_limit); then PoolFullError
-        self.capacity = n_blocks or 0
-        self.blocks = BlockAllocator(self.capacity)
+        self.blocks = BlockAllocator(n_blocks or 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.blocks.n_blocks
 
     @property
     def refcount(self) -> list[int]:
@@ -94,7 +97,6 @@ class LayerGroup:
                 grown[: self.capacity] = t
                 store[layer] = grown
         self.blocks.grow(new_cap)
-        self.capacity = new_cap
 
     # ----- blocks -----
     def alloc(self, n: int) -> list[int]:

@@ -12,27 +12,35 @@ from __future__ import annotations
 import torch
 
 
+def flash_supported(device: torch.device, head_dim: int) -> bool:
+    """Whether the kernel runs there for this head size: CUDA sm80+, a multiple of 8 up to 256."""
+    return (device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 256
+            and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
 def flash_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors: CUDA sm80+, fp16/bf16 K/V, one head size for q, K and
-    V that is a multiple of 8 up to 256, query heads a multiple of K/V heads."""
+    """Whether the kernel takes these tensors: flash_supported, fp16/bf16 K/V, one head size for q, K
+    and V, query heads a multiple of K/V heads."""
     d = q.shape[-1]
-    if not (q.is_cuda and k.dtype in (torch.float16, torch.bfloat16) and k.shape[-1] == v.shape[-1] == d):
+    if k.dtype not in (torch.float16, torch.bfloat16) or not k.shape[-1] == v.shape[-1] == d:
         return False
-    if d % 8 or d > 256 or q.shape[-2] % k.shape[-2]:
-        return False
-    return torch.cuda.get_device_capability(q.device)[0] >= 8
+    return q.shape[-2] % k.shape[-2] == 0 and flash_supported(q.device, d)
+
+
+def _flash(q, k, v, scale, causal, window=0):
+    """torch's FlashAttention-2 on one sequence: (out [T, H, D] in K's dtype, lse [H, T] float32)."""
+    left = window - 1 if window else None
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), None, None, q.shape[0], k.shape[0],
+        0.0, causal, False, scale=scale, window_size_left=left, window_size_right=0 if window else None)[:2]
+    return out[0], lse[0]
 
 
 def flash_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                           window: int = 0) -> torch.Tensor:
     """q [T, H, D] in K's dtype, k / v [end, Hkv, D] (every key up to the chunk's last position);
     returns [T, H, D] in K's dtype."""
-    T, end = q.shape[0], k.shape[0]
-    left = window - 1 if window else None
-    out = torch.ops.aten._flash_attention_forward(
-        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), None, None, T, end, 0.0, True,
-        False, scale=scale, window_size_left=left, window_size_right=0 if window else None)[0]
-    return out[0]
+    return _flash(q, k, v, scale, True, window)[0]
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -46,11 +54,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def _flash_lse(q, k, v, scale, causal):
-    T, L = q.shape[0], k.shape[0]
-    out, lse = torch.ops.aten._flash_attention_forward(
-        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), None, None, T, L, 0.0, causal,
-        False, scale=scale)[:2]
-    return out[0].float(), lse[0].transpose(0, 1).float()
+    out, lse = _flash(q, k, v, scale, causal)
+    return out.float(), lse.transpose(0, 1).float()
 
 
 def attention_lse_reference(q, k, v, scale, causal):
