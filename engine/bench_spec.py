@@ -51,9 +51,7 @@ def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", 
             secs = time.perf_counter() - t0
             tot = eng.stats()["totals"]
         finally:
-            eng.shutdown()
-            eng = None
-            _free_device_memory()   # (the next mode's engine sizes its KV pool to the free memory)
+            eng.shutdown()   # (frees its device memory: the next mode's engine sizes its KV pool to what is free)
         if base is None:
             base = ids
         steps = tot["steps"]
@@ -61,15 +59,6 @@ def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", 
                          tokens_per_step=len(ids) / steps, drafted=tot.get("drafted_tokens", 0),
                          accepted=tot.get("accepted_tokens", 0), same_as_off=ids == base))
     return rows
-
-
-def _free_device_memory() -> None:
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def verify_costs(model: str, device: str = "cuda", drafts=(0, 4, 8, 16), seqs=(1, 4), pos: int = 256,

@@ -501,6 +501,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
         self._inbox.put(None)
         self._thread.join(timeout)
         self._resident.clear()
+        if self.runner is not None and not self._thread.is_alive():   # (a step still running uses them)
+            self.model.release_device()    # the device memory back at once (runner.close empties torch's
+            self.runner.close()            # cache): a next engine sizes its KV pool to what is free
         self.model.close()
         if self.vision is not None:
             self.vision.close()

@@ -338,6 +338,16 @@ class Runner(AttentionMixin, KeyPrepMixin):
         cow = sum(1 for i in range(start // bs, min(top, len(have))) if self.pool.shared(have[i]))
         return max(0, top - len(have)) + cow
 
+    def close(self) -> None:
+        """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
+        buffers) and hand it back to the driver; the runner is unusable after this."""
+        for d in (self._graphs, self._graph_waves, self._graph_replay, self._replay_bufs, self._replay_inputs,
+                  self._snapshots, self.k, self.v, self.kprep, self.conv_state, self.ssm_state, self._ckpt_conv,
+                  self._ckpt_ssm):
+            d.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def release(self, slot: int) -> None:
         """Give back all of slot's blocks (a dropped or evicted conversation, or a restart)."""
         self.truncate(slot, 0)

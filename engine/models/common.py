@@ -380,6 +380,11 @@ class DecoderModel:
                 rope.to_device(device)
         self.device = device
 
+    def release_device(self) -> None:
+        """Drop the weights' packed device copies (the model must not run on the device after this)."""
+        for w in self.w._cache.values() if self.w is not None else ():
+            w.gpu = None
+
     def close(self) -> None:
         self.w = None
         self.file.close()
