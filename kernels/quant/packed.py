@@ -414,78 +414,6 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16)
 
     @triton.jit
-    def _nibbles_f16(b, ASM: tl.constexpr):
-        """uint8 bytes -> (low nibbles, high nibbles) as exact fp16 0..15. ASM (CUDA only): 4 bytes per
-        inline-PTX call, two values per lop3 (0x6400 | q is the fp16 1024 + q), one f16x2 subtraction."""
-        if ASM:
-            return tl.inline_asm_elementwise(
-                """{
-                .reg .b32 t0, t1, u0, u1, k;
-                mov.b32 k, 0x64006400;
-                prmt.b32 t0, $4, 0, 0x4140;
-                prmt.b32 t1, $4, 0, 0x4342;
-                shr.b32 u0, t0, 4;
-                shr.b32 u1, t1, 4;
-                lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA;
-                sub.f16x2 $0, $0, k;
-                sub.f16x2 $1, $1, k;
-                sub.f16x2 $2, $2, k;
-                sub.f16x2 $3, $3, k;
-                }""",
-                "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        return _as_f16(b & 0x0F, False), _as_f16(b >> 4, False)
-
-    @triton.jit
-    def _nibble_mm_kernel(x_ptr, lo_ptr, s_ptr, m_ptr, part_ptr, M, N, stride_xm, TILES,
-                          KT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr = False,
-                          ASM: tl.constexpr = False):
-        """_packed_mm_kernel for the 4-bit plane alone (no high plane), without interleaving the two
-        nibbles of a byte back into value order: the low nibbles (the even values of the tile) meet the
-        even columns of x in one dot, the high nibbles the odd columns in another."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        HALF: tl.constexpr = BLOCK_K // 2
-        G: tl.constexpr = BLOCK_K // GROUP
-        if SWAP_AB:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(0, TILES):
-            kt = pid_k * TILES + t
-            tile = pid_n.to(tl.int64) * KT + kt
-            offs_k = kt * BLOCK_K + 2 * tl.arange(0, HALF)
-            xp = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-            x_even = tl.load(xp, mask=mask_m[:, None], other=0.0).to(tl.float16)
-            x_odd = tl.load(xp + 1, mask=mask_m[:, None], other=0.0).to(tl.float16)
-            b = tl.load(lo_ptr + tile * (BLOCK_N * HALF) + tl.arange(0, BLOCK_N)[:, None] * HALF
-                        + tl.arange(0, HALF)[None, :])
-            sp = tile * (BLOCK_N * G) + tl.arange(0, BLOCK_N)[:, None] * G + tl.arange(0, G)[None, :]
-            s = tl.load(s_ptr + sp)[:, :, None]
-            mneg = -tl.load(m_ptr + sp)[:, :, None]
-            q_lo, q_hi = _nibbles_f16(b, ASM)
-            w_lo = tl.reshape(tl.fma(tl.reshape(q_lo, (BLOCK_N, G, GROUP // 2)), s, mneg), (BLOCK_N, HALF))
-            w_hi = tl.reshape(tl.fma(tl.reshape(q_hi, (BLOCK_N, G, GROUP // 2)), s, mneg), (BLOCK_N, HALF))
-            if SWAP_AB:
-                acc += tl.dot(w_lo, tl.trans(x_even))
-                acc += tl.dot(w_hi, tl.trans(x_odd))
-            else:
-                acc += tl.dot(x_even, tl.trans(w_lo))
-                acc += tl.dot(x_odd, tl.trans(w_hi))
-        if SWAP_AB:
-            acc = tl.trans(acc)
-        out = (part_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N
-               + cols[None, :])
-        tl.store(out, acc.to(part_ptr.dtype.element_ty), mask=mask_m[:, None] & (cols[None, :] < N))
-
-    @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, part_ptr, M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -572,10 +500,6 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int) -> dict:
     if prefill:
         return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
     # (SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the 27B: not used)
-    if NIBBLE_CONFIG is not None and p.hi_bits == 0:
-        c = dict(NIBBLE_CONFIG)
-        split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, c.pop("waves", 4))
-        return dict(block_m=16, nibbles=True, split_k=split, **c)
     hi = p.hi_bits in (1, 2)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, 4)
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
@@ -583,8 +507,7 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int) -> dict:
 
 def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = torch.float32, *,
                   block_m: int = 16, split_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
-                  nibbles: bool = False, asm: bool = False) -> torch.Tensor:
+                  num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True) -> torch.Tensor:
     """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed.
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
@@ -620,18 +543,11 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     lo = p.planes[0]
     hi = p.planes[1] if p.hi_bits in (1, 2) else lo
     grid = (-(-M // block_m), bands, split_k)
-    if nibbles and p.hi_bits == 0:
-        _nibble_mm_kernel[grid](
-            x2, lo, p.scale, p.minv, part, M, N, x2.stride(0), kt // split_k,
-            KT=kt, GROUP=p.group, BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
-            SWAP_AB=swap_ab, ASM=asm and x2.is_cuda,
-            **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
-    else:
-        _packed_mm_kernel[grid](
-            x2, lo, hi, p.scale, p.minv, part, M, N, x2.stride(0), kt // split_k,
-            KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
-            SWAP_AB=swap_ab, FAST_CVT=fast_cvt,
-            **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
+    _packed_mm_kernel[grid](
+        x2, lo, hi, p.scale, p.minv, part, M, N, x2.stride(0), kt // split_k,
+        KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
+        SWAP_AB=swap_ab, FAST_CVT=fast_cvt,
+        **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
     if split_k == 1:
         return part.view(*lead, N)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
@@ -695,5 +611,4 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0) -> torch.Te
 
 
 _CONFIGS: dict = {}
-NIBBLE_CONFIG: dict | None = None   # decode settings of _nibble_mm_kernel for the 4-bit-plane types (None: off)
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
