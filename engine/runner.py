@@ -242,6 +242,11 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 partner = rope_key_pairs(s.head_dim, *r, horizon=s.context_length) if r is not None else None
                 self.kprep[il] = KeyPrep(total_slots, self.n_seg, s.n_head_kv, s.head_dim, partner, dev)
             self._seg_offsets = torch.arange(-self.segment, 0, device=dev)
+        # the host's copy of KeyPrep.ncent (the same for every layer): a decode step makes centers only
+        # when one of its rows is in a segment without one (_decode_centers costs a pass over SEGMENT
+        # stored keys per row and layer: ~3 ms of a 27B step at 23K on the H200)
+        self._ncent = [0] * total_slots
+        self._make_centers = True
         # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
         # recurrent states untouched, kernels/gdn)
         self.conv_state, self.ssm_state = {}, {}
@@ -309,6 +314,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         for kp in self.kprep.values():
             kp.w[slot] = 1.0
             kp.ncent[slot] = 0
+        if self.kprep:
+            self._ncent[slot] = 0
         self._live[slot] = 0
 
     # ----- the shared block pool -----
@@ -565,6 +572,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 kp.centers[dst, :n_seg].copy_(kp.centers[src, :n_seg])
             kp.centers[dst, n_seg:].zero_()
             kp.ncent[dst] = kp.ncent[src].clamp_max(n_seg)
+        if self.kprep:
+            self._ncent[dst] = min(self._ncent[src], n_seg)
         c, digests = self._grid[src]
         self._grid[dst] = (c, digests[:min(n // c, len(digests) - 1) + 1]) if c else (0, [b""])
         if src != dst or self._live[src] != n:
@@ -784,20 +793,39 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.sync_tables()
         self._decode_rows(slots, positions)
         waves = self._draft_waves(slots, positions) if self.conv_state else None
+        centers = self._needs_centers(slots, positions)
         if not self.graphs_enabled or n > BUCKETS[-1]:
             dev = self.device
             wv = None if waves is None else torch.tensor(waves, dtype=torch.long, device=dev)
-            return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
-                                      torch.as_tensor(positions, device=dev).long(),
-                                      torch.as_tensor(slots, device=dev).long(), wv)
+            self._make_centers = centers
+            try:
+                return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
+                                          torch.as_tensor(positions, device=dev).long(),
+                                          torch.as_tensor(slots, device=dev).long(), wv)
+            finally:
+                self._make_centers = True
         B = next(bk for bk in BUCKETS if bk >= n)
-        W = _wave_bucket(waves)
-        graph, tok, pos, sl, out = self._graph(B, W)
-        self.fill(B, slots, tokens, positions, waves)
+        key = (B, _wave_bucket(waves), centers)
+        graph, tok, pos, sl, out = self._graph(*key)
+        self.fill(B, slots, tokens, positions, waves, centers)
         graph.replay()
         if waves is not None:
-            self._replay_inputs.update(self._graph_replay[(B, W)])
+            self._replay_inputs.update(self._graph_replay[key])
         return out[:n]
+
+    def _needs_centers(self, slots: list[int], positions: list[int]) -> bool:
+        """Whether a decode step has a row in a segment whose key center is not made yet (then the step
+        makes it, _decode_centers); the host's copy of ncent follows what the step does on the device."""
+        if not self.kprep:
+            return False
+        need = False
+        for s, p in zip(slots, positions):
+            if 0 <= s < self.n_slots:
+                seg = p // self.segment
+                if seg >= self._ncent[s]:
+                    need = True
+                    self._ncent[s] = seg + 1
+        return need
 
     def _reserve_rows(self, slots: list[int], positions: list[int]) -> None:
         """The blocks a decode step's rows write into: all of them, or none and PoolFullError."""
@@ -822,11 +850,12 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 self._rewrite(slot, p)
                 self._live[slot] = p + 1 if self._live[slot] == p else -1
 
-    def fill(self, B: int, slots, tokens, positions, waves: list[list[int]] | None = None) -> None:
+    def fill(self, B: int, slots, tokens, positions, waves: list[list[int]] | None = None,
+             centers: bool = False) -> None:
         """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot; waves
         past the step's own and padding rows are in no wave)."""
-        W = _wave_bucket(waves)
-        _, tok, pos, sl, _ = self._graphs[(B, W)]
+        key = (B, _wave_bucket(waves), centers)
+        _, tok, pos, sl, _ = self._graphs[key]
         n = len(slots)
         tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)
         pos[:n].copy_(torch.as_tensor(positions), non_blocking=True)
@@ -836,15 +865,17 @@ class Runner(AttentionMixin, KeyPrepMixin):
             pos[n:].zero_()
             sl[n:].fill_(self.scratch)
         if waves is not None:
-            wv = self._graph_waves[(B, W)]
+            wv = self._graph_waves[key]
             wv.fill_(-1)
             wv[:len(waves), :n].copy_(torch.tensor(waves, dtype=torch.long), non_blocking=True)
 
-    def _graph(self, B: int, W: int = 0) -> tuple:
+    def _graph(self, B: int, W: int = 0, centers: bool = False) -> tuple:
         """Bucket B's decode graph (graph, tokens, positions, slots, logits); W > 0: the one for steps
-        with draft rows of recurrent models, W waves (its wave table in _graph_waves), captured at
-        first use."""
-        g = self._graphs.get((B, W))
+        with draft rows of recurrent models, W waves (its wave table in _graph_waves); centers: the one
+        for steps that make a key center (rotated K types, a row at a new segment). Captured at first
+        use."""
+        key = (B, W, centers)
+        g = self._graphs.get(key)
         if g is not None:
             return g
         dev = self.device
@@ -854,20 +885,24 @@ class Runner(AttentionMixin, KeyPrepMixin):
         wv = torch.full((W, B), -1, dtype=torch.long, device=dev) if W else None
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
-            for _ in range(2):
-                self._decode_eager(tok, pos, sl, wv)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        self._replay_inputs.clear()
-        with torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
-            out = self._decode_eager(tok, pos, sl, wv)
+        self._make_centers = centers
+        try:
+            with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
+                for _ in range(2):
+                    self._decode_eager(tok, pos, sl, wv)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            self._replay_inputs.clear()
+            with torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
+                out = self._decode_eager(tok, pos, sl, wv)
+        finally:
+            self._make_centers = True
         if W:
-            self._graph_waves[(B, W)] = wv
-            self._graph_replay[(B, W)] = dict(self._replay_inputs)   # (the runner's buffers, filled by replays)
-        g = self._graphs[(B, W)] = (graph, tok, pos, sl, out)
+            self._graph_waves[key] = wv
+            self._graph_replay[key] = dict(self._replay_inputs)   # (the runner's buffers, filled by replays)
+        g = self._graphs[key] = (graph, tok, pos, sl, out)
         return g
 
     def capture(self, buckets=BUCKETS) -> None:

@@ -32,7 +32,8 @@ class AttentionMixin:
         bias, seg_len = None, 0
         if kp is not None:
             if b.decode:
-                self._decode_centers(kp, kc, b, window)
+                if self._make_centers:
+                    self._decode_centers(kp, kc, b, window)
             else:
                 self._prefill_kprep(kp, kc, b, q, k, window)
             k, q, bias = self._precondition(kp, b, q, k)

@@ -127,6 +127,7 @@ class KeyPrepMixin:
                 cand = self._recent_key_mean(kp, kc, slot, s * SEG, start, kf, window)
             kp.centers[slot, s] = torch.where(kp.ncent[slot] > s, kp.centers[slot, s], cand)
         kp.ncent[slot] = torch.clamp_min(kp.ncent[slot], (end - 1) // SEG + 1)
+        self._ncent[slot] = max(self._ncent[slot], (end - 1) // SEG + 1)
         if start == 0 and n >= self.prep_min_tokens:
             self._smoothing_weights(kp, slot, q, kf - kp.centers[slot, b.positions.long() // SEG])
 

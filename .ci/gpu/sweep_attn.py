@@ -3,7 +3,7 @@ and the dots' precision) on the 27B's attention shape (24 query heads, 4 KV head
 blocks of 16), one and four sequences at depth 23,000 and one at 131,072, cache types f16, q8_0,
 turbo4, turbo3_tcq. K/V are random bytes kept small (no NaNs); the speed does not depend on them.
 Prints each case's time and K/V bandwidth for the current config and the best found; writes
-$OUT/sweep_attn.json.    python3 -u .ci/gpu/sweep_attn.py [seconds]"""
+$OUT/sweep_attn.json.    [SWEEP_TYPES=turbo3_tcq,..] python3 -u .ci/gpu/sweep_attn.py [seconds]"""
 import itertools
 import json
 import os
@@ -18,7 +18,7 @@ from kernels.kvcodec import get_codec
 
 BUDGET = float(sys.argv[1]) if len(sys.argv) > 1 else 240
 H, HKV, D, BS = 24, 4, 256, 16
-TYPES = ("f16", "q8_0", "turbo4", "turbo3_tcq")
+TYPES = tuple(os.environ.get("SWEEP_TYPES", "f16,q8_0,turbo4,turbo3_tcq").split(","))
 CASES = [(1, 23000), (4, 23000), (1, 131072)]
 BASE = dict(paged.DECODE_CONFIG)
 

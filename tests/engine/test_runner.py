@@ -356,16 +356,52 @@ def test_rows_of_one_step_each_match_cpu_path(tiny, short_segments, arch, kt, vt
         model.close()
 
 
-def _slot_state(runner) -> list[torch.Tensor]:
-    """Copies of what a decode step changes besides KV (which it rewrites with the same bytes)."""
+def test_decode_steps_make_centers_only_when_a_row_needs_one(tiny, short_segments, monkeypatch):
+    """The host's copy of which segments have key centers follows the device's through prefill, decode,
+    a prefix copy and a reset; a decode step runs _decode_centers only when one of its rows is in a
+    segment without a center (a row at a segment's first position)."""
+    model = open_model(tiny("llama"))
+    try:
+        V = model.spec.vocab_size
+        runner = Runner(model, device="cpu", n_slots=3, max_ctx=96, cache_type_k="turbo3", cache_type_v="q8_0")
+        calls = []
+        real = Runner._decode_centers
+        monkeypatch.setattr(Runner, "_decode_centers", lambda self, *a: (calls.append(1), real(self, *a)))
+
+        def same():
+            for kp in runner.kprep.values():
+                assert kp.ncent.tolist()[:3] == runner._ncent[:3]
+        runner_greedy(runner, [prompt(45, 1, V), prompt(37, 2, V)], 1)      # steps at 45 and 37
+        same()
+        assert not calls                       # segments of SEG positions: 45 and 37 are inside made ones
+        runner.decode([0, 1], [1, 2], [46, 38])
+        runner.decode([0, 1], [1, 2], [47, 39])
+        assert not calls
+        runner.decode([0, 1], [1, 2], [48, 40])                              # slot 1 at segment 1's start
+        same()
+        assert len(calls) == len(runner.kprep)
+        runner.copy_prefix(1, 2, 30)
+        same()
+        runner.reset(0)
+        same()
+        assert runner._ncent[0] == 0
+    finally:
+        model.close()
+
+
+def _slot_state(runner) -> tuple[list, list[int]]:
+    """Copies of what a decode step changes besides KV (which it rewrites with the same bytes), and
+    the host's copy of which segments have key centers."""
     ts = list(runner.conv_state.values()) + list(runner.ssm_state.values())
     ts += [t for kp in runner.kprep.values() for t in kp.tensors()]
-    return [(t, t.clone()) for t in ts]
+    return [(t, t.clone()) for t in ts], list(runner._ncent)
 
 
 def _restore(runner, state) -> None:
-    for t, saved in state:
+    tensors, ncent = state
+    for t, saved in tensors:
         t.copy_(saved)
+    runner._ncent[:] = ncent
 
 
 @pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo4", "turbo2"), ("qwen35", "q8_0", "turbo3"),
