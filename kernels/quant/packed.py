@@ -73,6 +73,7 @@ nothing reads tensor values on the host, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -353,13 +354,19 @@ def packed_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _load_fields(ptr, tile, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _load_fields(ptr, tile, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TMA: tl.constexpr = False):
         """Tile `tile` of a plane of BITS-bit fields (8 // BITS per byte, least significant first),
-        as uint8 [BLOCK_N, BLOCK_K]: one contiguous run of BLOCK_N * BLOCK_K * BITS / 8 bytes."""
+        as uint8 [BLOCK_N, BLOCK_K]: one contiguous run of BLOCK_N * BLOCK_K * BITS / 8 bytes. TMA: ptr
+        is a tensor descriptor of the plane as [tiles * BLOCK_N, bytes per tile row] (a Hopper bulk copy
+        into shared memory instead of per-thread loads)."""
         PER: tl.constexpr = 8 // BITS
-        offs = tile * (BLOCK_N * BLOCK_K // PER) + tl.arange(0, BLOCK_N)[:, None] * (BLOCK_K // PER) \
-            + tl.arange(0, BLOCK_K // PER)[None, :]
-        b = tl.load(ptr + offs)
+        if TMA:
+            b = ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
+        else:
+            offs = tile * (BLOCK_N * BLOCK_K // PER) + tl.arange(0, BLOCK_N)[:, None] * (BLOCK_K // PER) \
+                + tl.arange(0, BLOCK_K // PER)[None, :]
+            b = tl.load(ptr + offs)
         # tl.join (new last axis of 2) rather than shifting by a broadcast arange: ptxas needs
         # about half the registers (sm_90: 140 vs 255 + spills at 4 warps for the 4-bit plane)
         # join(a, b)[..., i, j] = (a, b)[j][..., i]: nested joins take the fields in bit-reversed
@@ -387,37 +394,46 @@ if triton is not None:
 
     @triton.jit
     def _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, tile, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_CVT: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_CVT: tl.constexpr,
+                      TMA: tl.constexpr = False):
         """Tile `tile` (= row band * K tiles + K tile) as fp16 [BLOCK_N, BLOCK_K]: scale * q - minv.
         FAST_CVT: q through _as_f16 and one fp16 fma (the exact value rounded once); else float32 math
         rounded to fp16 (the same value except where float32 itself rounded, which needs |minv| and
         |scale * q| 2^13 apart)."""
         if HI_BITS == 8:
-            qi = _load_fields(lo_ptr, tile, 8, BLOCK_N, BLOCK_K)
+            qi = _load_fields(lo_ptr, tile, 8, BLOCK_N, BLOCK_K, TMA)
         else:
-            qi = _load_fields(lo_ptr, tile, 4, BLOCK_N, BLOCK_K)
+            qi = _load_fields(lo_ptr, tile, 4, BLOCK_N, BLOCK_K, TMA)
             if HI_BITS > 0:
-                qi = qi | (_load_fields(hi_ptr, tile, HI_BITS, BLOCK_N, BLOCK_K) << 4)
+                qi = qi | (_load_fields(hi_ptr, tile, HI_BITS, BLOCK_N, BLOCK_K, TMA) << 4)
         G: tl.constexpr = BLOCK_K // GROUP
-        sp = tile * (BLOCK_N * G) + tl.arange(0, BLOCK_N)[:, None] * G + tl.arange(0, G)[None, :]
-        s = tl.load(s_ptr + sp)
+        if TMA:
+            s = s_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
+            if HI_BITS != 8:
+                mv = m_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
+        else:
+            sp = tile * (BLOCK_N * G) + tl.arange(0, BLOCK_N)[:, None] * G + tl.arange(0, G)[None, :]
+            s = tl.load(s_ptr + sp)
+            if HI_BITS != 8:
+                mv = tl.load(m_ptr + sp)
         if FAST_CVT:
             q = tl.reshape(_as_f16(qi, HI_BITS == 8), (BLOCK_N, G, GROUP))
             if HI_BITS != 8:   # the int8 types have minv == 0
-                w = tl.fma(q, s[:, :, None], -tl.load(m_ptr + sp)[:, :, None])
+                w = tl.fma(q, s[:, :, None], -mv[:, :, None])
             else:
                 w = q * s[:, :, None]
         else:
             w = tl.reshape(qi.to(tl.float32), (BLOCK_N, G, GROUP)) * s.to(tl.float32)[:, :, None]
             if HI_BITS != 8:
-                w = w - tl.load(m_ptr + sp).to(tl.float32)[:, :, None]
+                w = w - mv.to(tl.float32)[:, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16)
 
     @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, part_ptr, M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True):
+                          SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
+                          TMA: tl.constexpr = False):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile."""
         # m-blocks vary fastest, so the programs that share a weight tile run back to back and
@@ -440,7 +456,7 @@ if triton is not None:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
                         other=0.0).to(tl.float16)
             w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, pid_n.to(tl.int64) * KT + kt,
-                                HI_BITS, GROUP, BLOCK_N, BLOCK_K, FAST_CVT)
+                                HI_BITS, GROUP, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
             if SWAP_AB:
                 acc += tl.dot(w16, tl.trans(x))
             else:
@@ -490,25 +506,36 @@ def _split_for(n_tiles: int, steps: int, n_sm: int, waves: int) -> int:
     return max(steps, 1)
 
 
-def tuned_config(p: PackedWeight, prefill: bool, n_sm: int) -> dict:
+def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -> dict:
     """Launch settings from the weight's shape only (never from M: batch invariance), measured on the
     H200 (.ci/gpu/diag_tiled.py, docs/PERFORMANCE.md). The tile is the weight's (tile_n x tile_k).
     decode rows (M <= 64): memory-bound; 4 warps (8 with a high plane: registers), 4 pipeline stages
     (3 with a high plane: shared memory) and split-K to about 4 programs per SM: 1.3-1.46 TB/s on Q4_K
     17408x5120 and 5120x17408 at M = 1 and 16, vs 1.0-1.07 with row-major tiles.
+    tma (a GPU with TMA, sm_90+): the 4-bit types and those with a high plane take their tiles by tensor
+    descriptors with TMA_CONFIG's settings (measured end to end on the 27B: a 1-row step 18.2 instead of
+    19.0 ms, docs/PERFORMANCE.md); the int8-plane types keep per-thread loads (not measured).
     prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split."""
     if prefill:
         return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
     # (SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the 27B: not used)
     hi = p.hi_bits in (1, 2)
+    by_tma = (TMA_CONFIG or {}).get("hi" if hi else "plain" if p.hi_bits == 0 else "int8") if tma else None
+    if by_tma:
+        c = dict(by_tma)
+        split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, c.pop("waves", 4))
+        return dict(block_m=16, tma=True, split_k=split, **c)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, 4)
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
 
 
 def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = torch.float32, *,
                   block_m: int = 16, split_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True) -> torch.Tensor:
+                  num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
+                  tma: bool = False) -> torch.Tensor:
     """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed.
+    tma: the weight's tiles come by TMA (tensor descriptors; CUDA sm_90+, or Triton's interpreter), the
+    same values as per-thread loads, so the same result.
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
     of x, tile_n outputs, K slice); split_k (a divisor of the K tiles, else the next one up) from the
@@ -540,13 +567,18 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
                        device=x.device)
     if num_warps is None:
         num_warps = 8 if p.hi_bits in (1, 2) else 4
-    lo = p.planes[0]
-    hi = p.planes[1] if p.hi_bits in (1, 2) else lo
+    descs = _descriptors(p) if tma and (x2.is_cuda or _INTERPRETER) else None
+    if descs:
+        lo, hi, sc, mn = descs
+    else:
+        tma = False
+        lo, sc, mn = p.planes[0], p.scale, p.minv
+        hi = p.planes[1] if p.hi_bits in (1, 2) else lo
     grid = (-(-M // block_m), bands, split_k)
     _packed_mm_kernel[grid](
-        x2, lo, hi, p.scale, p.minv, part, M, N, x2.stride(0), kt // split_k,
+        x2, lo, hi, sc, mn, part, M, N, x2.stride(0), kt // split_k,
         KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
-        SWAP_AB=swap_ab, FAST_CVT=fast_cvt,
+        SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma,
         **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
     if split_k == 1:
         return part.view(*lead, N)
@@ -554,6 +586,26 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     block = 1024
     _sum_parts_kernel[(-(-(M * N) // block),)](part, out, M * N, SPLIT=split_k, BLOCK=block)
     return out.view(*lead, N)
+
+
+def _descriptors(p: PackedWeight) -> tuple | None:
+    """Tensor descriptors (Hopper TMA) of p's planes, scale and minv, each viewed as [tiles * tile_n,
+    bytes or groups per tile row], one tile's rows per block; made once per weight and kept on it (their
+    base addresses never change, so CUDA graphs may hold them). None when a tile row of one of them is
+    under 16 bytes or over 256 values (what a TMA box allows)."""
+    d = p.__dict__.get("_tma")
+    if d is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        ts = (*p.planes, p.scale, p.minv)
+        if any(t.shape[-1] * t.element_size() < 16 or t.shape[-1] > 256 for t in ts):
+            d = ()
+        else:
+            descs = [TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [p.tile_n, t.shape[-1]]) for t in ts]
+            lo, rest = descs[0], descs[1:]
+            hi = rest.pop(0) if p.hi_bits in (1, 2) else lo
+            d = (lo, hi, *rest)
+        p.__dict__["_tma"] = d
+    return d or None
 
 
 def dequant_packed(p: PackedWeight) -> torch.Tensor:
@@ -606,9 +658,19 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0) -> torch.Te
     key = (p.n, p.k, p.tile_n, p.tile_k, p.hi_bits, p.group, prefill, dev)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = _CONFIGS[key] = tuned_config(p, prefill, _sm_count(dev))
+        cfg = _CONFIGS[key] = tuned_config(p, prefill, _sm_count(dev), tma=_has_tma(dev))
     return packed_matmul(x, p, **cfg)
 
 
+@lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _CONFIGS: dict = {}
+# decode settings with TMA loads per kind of weight: the 4-bit plane alone ("plain"), with a high plane
+# ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA
+TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
+                           "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)

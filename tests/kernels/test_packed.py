@@ -173,6 +173,32 @@ def test_swapped_operands_and_tuned_configs(qtype):
         _check(packed_matmul(x, p, **cfg), x, p)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+def test_tma_loads_give_the_same_result(qtype, monkeypatch):
+    """Tiles brought in by tensor descriptors (TMA on sm_90+, run here by the interpreter) give the same
+    bits as per-thread loads, in the engine's tuned decode settings too; tiles whose rows are under 16
+    bytes (what a TMA box needs) fall back to per-thread loads."""
+    import kernels.quant.packed as packed
+    from kernels.quant.packed import _descriptors, tuned_config
+    used = []
+    monkeypatch.setattr(packed, "_descriptors", lambda p: used.append(_descriptors(p)) or used[-1])
+    n, k = 64, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(8))
+    for swap in (False, True):
+        kw = dict(split_k=2, swap_ab=swap)
+        assert torch.equal(packed_matmul(x, p, tma=True, **kw), packed_matmul(x, p, **kw))
+    assert used and all(d is not None for d in used)      # the descriptor path ran
+    cfg = tuned_config(p, False, 4, tma=True)
+    assert cfg.get("tma", False) == (qtype != QT.Q8_0)
+    y = packed_matmul(x, p, **cfg)
+    _check(y, x, p)
+    assert torch.equal(packed_matmul(x[:1], p, **cfg), y[:1])
+    small = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, tile_k=32)
+    assert _descriptors(small) is None
+    assert torch.equal(packed_matmul(x, small, tma=True), packed_matmul(x, small))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequant_kernel_matches_reference(qtype):
     """The prefill path's fp16 copy of a weight (tail rows included) is the reference rounded once."""
@@ -277,17 +303,36 @@ def test_prefill_matmul_on_gpu(qtype):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("tma", [False, True])
+def test_cuda_graph_capture(tma):
     n, k = 4096, 5120
     p = pack_weight(_random_weight(QT.Q6_K, n, k).cuda(), QT.Q6_K, n, k)
     x = torch.randn(4, k, device="cuda")
-    eager = packed_matmul(x, p)  # compiles, caches the SM count
+    eager = packed_matmul(x, p, tma=tma)  # compiles, caches the SM count and the descriptors
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = packed_matmul(x, p)
+        y = packed_matmul(x, p, tma=tma)
     x.copy_(torch.randn(4, k, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, packed_matmul(x, p))
+    assert torch.equal(y, packed_matmul(x, p, tma=tma))
     assert not torch.equal(y, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+def test_tma_on_gpu(qtype):
+    """On a GPU with TMA (sm_90+): the engine's decode matmul (matmul_tuned: TMA settings) gives the
+    same bits as per-thread loads with the same settings, at the 27B's widest shape."""
+    from kernels.quant.packed import _has_tma, _sm_count, matmul_tuned, tuned_config
+    if not _has_tma(0):
+        pytest.skip("needs TMA (sm_90+)")
+    n, k = 17408, 5120
+    p = pack_weight(_random_weight(qtype, n, k, seed=14).cuda(), qtype, n, k)
+    cfg = tuned_config(p, False, _sm_count(0), tma=True)
+    for m in (1, 16, 33):
+        x = torch.randn(m, k, device="cuda")
+        y = matmul_tuned(x, p)
+        assert torch.equal(y, packed_matmul(x, p, **dict(cfg, tma=False)))
+        assert torch.equal(matmul_tuned(x[:1], p), y[:1])
