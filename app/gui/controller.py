@@ -5,6 +5,12 @@ cancel), generation is iterated in a background thread, and everything reaches t
 Cancelling a load: `Engine(...)` cannot be interrupted half-way, so cancel returns the UI to its
 previous state at once and the loader thread shuts the engine down as soon as it is built.
 
+Switching models on the GPU: the loaded engine is shut down (its device memory freed) before the new one
+is built, as LM Studio does by default: both would not fit a 24 GB card, and the new engine sizes its KV
+pool to the memory that is free. The new file's header is read first, so a broken file leaves the loaded
+model alone. On the CPU the old model keeps serving until the new one is ready (memory-mapped weights;
+nothing to free first).
+
 Remote endpoints (OpenAI-compatible servers) are driven through the same handle interface
 (`RemoteHandle` yields TokenEvent / FinishEvent), so the chat page does not care which one it talks to.
 """
@@ -89,6 +95,8 @@ class EngineController(QObject):
             try:
                 self.loadProgress.emit(f"Opening {model} ...")
                 device, proj, note = choose_device(kv, mmproj)
+                if device != "cpu" and not self._free_device_for(model, token):
+                    return
                 cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads, cache_type_k=kv,
                                    cache_type_v=kv, mmproj=proj, device=device)
                 try:
@@ -119,6 +127,28 @@ class EngineController(QObject):
             self.loaded.emit(self.info)
 
         threading.Thread(target=work, name="hivejet-load", daemon=True).start()
+
+    def _free_device_for(self, model: str, token: object) -> bool:
+        """In the loader thread, before a GPU engine is built: shut down a loaded GPU engine once the new
+        file's header has been read (GGUFError otherwise, with the old model still loaded). False when
+        the load was cancelled meanwhile."""
+        old = self.engine
+        if old is None or getattr(old.config, "device", "cpu") == "cpu":
+            return True
+        from pathlib import Path
+
+        from engine.gguf.reader import GGUFFile
+        if Path(model).is_file():
+            GGUFFile(model).close()
+        if self._load_token is not token:
+            return False
+        self.loadProgress.emit(f"Unloading {old.model_name} to free the GPU's memory ...")
+        if self.engine is old:
+            self.engine = None
+            self.info = None
+            self.unloaded.emit()
+        old.shutdown()
+        return True
 
     def connect_remote(self, backend: "RemoteBackend") -> None:
         self._load_token = None

@@ -42,6 +42,7 @@ class ServerController:
     def __init__(self):
         self.server = None
         self.thread = None
+        self.engine = None      # the engine it serves
         self.host = "127.0.0.1"
         self.port = 0
 
@@ -80,6 +81,7 @@ class ServerController:
             return f"Port {port} is in use or not allowed ({e.strerror}); choose another port."
         cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
         self.server = uvicorn.Server(cfg)
+        self.engine = engine
         self.port = port
         self.thread = threading.Thread(target=self.server.run, name="hivejet-server", daemon=True)
         self.thread.start()
@@ -101,7 +103,7 @@ class ServerController:
             self.server.should_exit = True
             if self.thread is not None:
                 self.thread.join(5)
-        self.server = self.thread = None
+        self.server = self.thread = self.engine = None
 
     def clients(self) -> list[str]:
         if self.server is None:
@@ -122,6 +124,9 @@ class ServerPage(QWidget):
         self.setObjectName("Page")
         self.store, self.ctl = store, controller
         self.srv = ServerController()
+        # the server shares the app's engine: a new model restarts it on that one, none stops it
+        self.ctl.loaded.connect(self._model_changed)
+        self.ctl.unloaded.connect(self._model_gone)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(24, 18, 24, 18)
         h = QLabel("Local server")
@@ -247,6 +252,16 @@ class ServerPage(QWidget):
             self.status.setText("Off.")
         self._update_texts()
         self.stateChanged.emit(on)
+
+    def _model_changed(self, _info=None):
+        if self.srv.running and self.srv.engine is not self.ctl.engine:
+            self.switch.setChecked(False)
+            self.switch.setChecked(True)
+
+    def _model_gone(self):
+        if self.srv.running:
+            self.switch.setChecked(False)
+            self.status.setText("Stopped: the model it served was unloaded. Turn it on again once a model is loaded.")
 
     def _refresh_clients(self):
         cl = self.srv.clients()

@@ -101,3 +101,51 @@ def test_settings_persist_and_remote_endpoint(win, qtbot, tmp_path):
         win.settings.add_remote("http://127.0.0.1:9/v1", "")
     assert "cannot connect" in win.settings.r_status.text()
     win.server_switch.setChecked(False)
+
+
+def test_server_follows_the_loaded_model(win, qtbot, smollm2_path):
+    """A running server restarts on the engine of a newly loaded model (it would otherwise keep the shut
+    down one), and stops with a message when the model is unloaded."""
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    win.server.port.setValue(port)
+    win.server_switch.setChecked(True)
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    first = win.ctl.engine
+    assert win.server.srv.engine is first
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine is not first
+    assert win.server.srv.running and win.server.srv.engine is win.ctl.engine, win.server.status.text()
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    client = openai.OpenAI(base_url=win.server.url.text(), api_key="not-needed", timeout=60, max_retries=0)
+    r = client.chat.completions.create(model="anything", messages=[{"role": "user", "content": "Say hi"}],
+                                       max_tokens=4, temperature=0)
+    assert r.choices[0].message.content
+    win.ctl.unload()
+    assert not win.server.srv.running and not win.server.switch.isChecked()
+    assert "unloaded" in win.server.status.text()
+
+
+def test_gpu_model_switch_frees_the_old_engine_first(win, qtbot, tmp_path, smollm2_path, monkeypatch):
+    """Before a GPU engine is built the loaded GPU engine is shut down (both would not fit a 24 GB card),
+    but only once the new file's header reads: a broken file, or a load cancelled meanwhile, leaves the
+    loaded model alone. (No GPU here: the loaded engine is marked as a GPU one.)"""
+    from engine.gguf.reader import GGUFError
+    ctl = win.ctl
+    old = ctl.engine
+    monkeypatch.setattr(old.config, "device", "cuda")
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    token = ctl._load_token = object()
+    with pytest.raises(GGUFError):
+        ctl._free_device_for(str(bad), token)
+    assert ctl.engine is old and ctl.info is not None
+    assert not ctl._free_device_for(str(smollm2_path), object())       # superseded or cancelled
+    assert ctl.engine is old
+    with qtbot.waitSignal(ctl.unloaded, timeout=5000):
+        assert ctl._free_device_for(str(smollm2_path), token)
+    assert ctl.engine is None and ctl.info is None
+    from engine.types import EngineError, Request
+    with pytest.raises(EngineError, match="shut down"):
+        old.submit(Request(prompt="hi"))
