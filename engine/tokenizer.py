@@ -914,6 +914,9 @@ _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "
 _CACHE_LIMIT = 65536
 
 
+_GROUP_MIN = 64   # special texts sharing a first character, from which they are found by position
+
+
 class Tokenizer:
     """llama.cpp-exact tokenizer for GGUF 'gpt2' (byte-level BPE), 'gemma4' and 'llama' (SPM) vocabularies."""
 
@@ -1137,6 +1140,14 @@ class Tokenizer:
 
         self._special = [(i, tokens[i], bool(attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)),
                           bool(attrs[i] & ATTR_LSTRIP), bool(attrs[i] & ATTR_RSTRIP)) for i in special]
+        # special texts grouped by first character where a group is large (Gemma: 6321 start with "<"):
+        # first char -> (texts, their distinct lengths), for _present
+        groups: dict[str, set] = {}
+        for _, stext, *_ in self._special:
+            if stext:
+                groups.setdefault(stext[0], set()).add(stext)
+        self._special_groups = {c: (g, sorted({len(t) for t in g})) for c, g in groups.items()
+                                if len(g) >= _GROUP_MIN}
 
         self.bos_id = ids["bos"]
         self.eos_id = ids["eos"]
@@ -1225,13 +1236,35 @@ class Tokenizer:
                 out.append(self.eos_id)
         return out
 
+    def _present(self, text: str) -> set[str]:
+        """The special texts of the large groups that occur in `text`: at each position of a group's
+        first character, the substrings of the group's lengths looked up (Gemma's 6321 texts that start
+        with "<" were otherwise 6321 scans of the whole text: 0.26 s for a 54K-token conversation)."""
+        found: set[str] = set()
+        for c, (texts, lengths) in self._special_groups.items():
+            p = text.find(c)
+            while p >= 0:
+                for n in lengths:
+                    sub = text[p:p + n]
+                    if len(sub) < n:
+                        break
+                    if sub in texts:
+                        found.add(sub)
+                p = text.find(c, p + 1)
+        return found
+
     def _partition(self, text: str, parse_special: bool) -> list:
         """tokenizer_st_partition: split the text on special tokens (longest first)."""
         frags: list = [text]
+        present = self._present(text) if self._special_groups else None
+        groups = self._special_groups
         for tid, stext, ctrl_or_unk, lstrip, rstrip in self._special:
             if ctrl_or_unk and not parse_special:
                 continue
-            if stext not in text:
+            if stext[:1] in groups:
+                if stext not in present:
+                    continue
+            elif stext not in text:
                 continue
             new: list = []
             slen = len(stext)

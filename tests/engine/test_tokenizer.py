@@ -162,6 +162,24 @@ def test_special_tokens_gemma3(tokenizers):
     assert tok.encode("Hello", add_special=False) == tok.encode("Hello")[1:]
 
 
+def test_special_tokens_found_by_position_as_by_scanning(tokenizers):
+    """Gemma's 6321 special texts that start with "<" are found by position (Tokenizer._present) instead
+    of one scan of the text each: the same fragments as the scan, with specials next to each other,
+    inside others' text, unknown tags, whitespace-run tokens and both parse_special settings."""
+    tok = tokenizers["gemma3"]
+    assert "<" in tok._special_groups
+    text = ("<start_of_turn>user\n<end_of_turn><start_of_turn><unused12><unused1>x<unused99999> a<b>c"
+            "<table><tr><td>1</td></tr></table>\n\n\n    \t\t<start_of_image><<end_of_turn>>" * 3)
+    fast = [tok._partition(text, ps) for ps in (True, False)]
+    groups, tok._special_groups = tok._special_groups, {}
+    try:
+        slow = [tok._partition(text, ps) for ps in (True, False)]
+    finally:
+        tok._special_groups = groups
+    assert fast == slow
+    assert sum(type(f) is int for f in fast[0]) > 20
+
+
 # ----------------------------------------------------------------------- pre-tokenizer splits
 SPLIT_TEXT = "I'm 12345 don't   stop\n\n  now's WE'LL 3.14\tok"
 HF_REGEX = {
