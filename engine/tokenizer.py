@@ -54,7 +54,9 @@ without ``clean_spaces`` its concatenated output equals `Tokenizer.decode`.
 from __future__ import annotations
 
 import codecs
+import collections
 import heapq
+import threading
 from typing import Iterable
 
 import regex
@@ -915,6 +917,8 @@ _CACHE_LIMIT = 65536
 
 
 _GROUP_MIN = 64   # special texts sharing a first character, from which they are found by position
+_FRAG_MIN = 256   # fragments at least this long are remembered whole (Tokenizer._fragment_ids)
+_FRAG_CACHE_CHARS = 1 << 24   # ... up to this many characters in all (least recently used dropped)
 
 
 class Tokenizer:
@@ -1169,6 +1173,10 @@ class Tokenizer:
 
         self._pieces: list[bytes | None] = [None] * n
         self._cache: dict[str, tuple[int, ...]] = {}
+        # whole fragments between special tokens -> ids (see _fragment_ids)
+        self._frag_cache: collections.OrderedDict = collections.OrderedDict()
+        self._frag_chars = 0
+        self._frag_lock = threading.Lock()
         if self.kind == "bpe":
             self._byte_encode = self.pre_type not in _BYTE_ENCODE_OFF
             self._pretok = _pre_tokenizer_for(self.pre_type)
@@ -1213,9 +1221,7 @@ class Tokenizer:
                 out.append(self.bos_id)
             for f in frags:
                 if type(f) is str:
-                    if self.add_space_prefix and is_prev_special:
-                        f = " " + f
-                    out.extend(self._spm_fragment(f.replace(" ", "\u2581")))
+                    out.extend(self._fragment_ids(f, is_prev_special))
                     is_prev_special = False
                 else:
                     out.append(f)
@@ -1227,14 +1233,43 @@ class Tokenizer:
                 out.append(self.bos_id)
             for f in frags:
                 if type(f) is str:
-                    if self.escape_whitespaces:
-                        f = f.replace(" ", "\u2581")
-                    self._bpe_fragment(f, out)
+                    out.extend(self._fragment_ids(f, False))
                 else:
                     out.append(f)
             if add_special and self.add_eos:
                 out.append(self.eos_id)
         return out
+
+    def _fragment_ids(self, f: str, prev_special: bool) -> list[int] | tuple[int, ...]:
+        """The ids of one text fragment between special tokens (a fragment's ids depend only on its text
+        and, for SPM, on whether a special token came before it). Long fragments are remembered: a chat
+        request re-renders the whole conversation, whose earlier messages are such fragments, so a
+        follow-up tokenizes only its new ones (a 23K-token conversation took ~0.15 s to tokenize)."""
+        spm = self.kind == "spm"
+        key = (f, prev_special and spm)
+        if len(f) >= _FRAG_MIN:
+            with self._frag_lock:
+                ids = self._frag_cache.get(key)
+                if ids is not None:
+                    self._frag_cache.move_to_end(key)
+                    return ids
+        if spm:
+            if self.add_space_prefix and prev_special:
+                f = " " + f
+            ids = tuple(self._spm_fragment(f.replace(" ", "\u2581")))
+        else:
+            out: list[int] = []
+            self._bpe_fragment(f.replace(" ", "\u2581") if self.escape_whitespaces else f, out)
+            ids = tuple(out)
+        if len(key[0]) >= _FRAG_MIN:
+            with self._frag_lock:
+                if key not in self._frag_cache:
+                    self._frag_cache[key] = ids
+                    self._frag_chars += len(key[0])
+                while self._frag_chars > _FRAG_CACHE_CHARS and self._frag_cache:
+                    (old, _), _ids = self._frag_cache.popitem(last=False)
+                    self._frag_chars -= len(old)
+        return ids
 
     def _present(self, text: str) -> set[str]:
         """The special texts of the large groups that occur in `text`: at each position of a group's

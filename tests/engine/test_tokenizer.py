@@ -180,6 +180,35 @@ def test_special_tokens_found_by_position_as_by_scanning(tokenizers):
     assert sum(type(f) is int for f in fast[0]) > 20
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_long_fragments_are_tokenized_once(tokenizers, name, monkeypatch):
+    """A chat follow-up re-renders the whole conversation: fragments between special tokens that were
+    seen before come from the fragment cache with the same ids (BPE and SPM, after a special token and
+    not), only new ones are tokenized, and the cache stays within its character budget."""
+    import engine.tokenizer as T
+    tok = tokenizers[name]
+    start, end = ("<|im_start|>", "<|im_end|>") if name == "smollm2" else ("<start_of_turn>", "<end_of_turn>")
+    body = "def f(x):\n    return x * 2  # " + "the quick brown fox jumps over it. " * 30
+    conv = f"{start}user\n{body}{end}\n{start}model\nok{end}\n"
+    first = tok.encode(conv)
+    calls = []
+    inner = "_spm_fragment" if tok.kind == "spm" else "_bpe_fragment"
+    real = getattr(tok, inner)
+    monkeypatch.setattr(tok, inner, lambda *a: calls.append(a[0]) or real(*a))
+    follow = conv + f"{start}user\nand now? {body[:40]}{end}\n"
+    ids = tok.encode(follow)
+    assert ids[:len(first)] == first and len(ids) > len(first)
+    assert all(len(c) < T._FRAG_MIN for c in calls)          # the long message came from the cache
+    monkeypatch.setattr(tok, inner, real)
+    tok._frag_cache.clear()
+    tok._frag_chars = 0
+    assert tok.encode(follow) == ids                          # the same ids when tokenized afresh
+    monkeypatch.setattr(T, "_FRAG_CACHE_CHARS", 3 * len(body))
+    for i in range(10):
+        tok.encode(f"{start}user\n{i}{body}{end}")
+    assert tok._frag_chars <= 3 * len(body) and len(tok._frag_cache) <= 3
+
+
 # ----------------------------------------------------------------------- pre-tokenizer splits
 SPLIT_TEXT = "I'm 12345 don't   stop\n\n  now's WE'LL 3.14\tok"
 HF_REGEX = {
