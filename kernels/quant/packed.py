@@ -518,7 +518,8 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
     prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split."""
     if prefill:
         return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
-    # (SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the 27B: not used)
+    # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
+    # 27B: not used there; the TMA settings were picked end to end)
     hi = p.hi_bits in (1, 2)
     by_tma = (TMA_CONFIG or {}).get("hi" if hi else "plain" if p.hi_bits == 0 else "int8") if tma else None
     if by_tma:
@@ -592,12 +593,12 @@ def _descriptors(p: PackedWeight) -> tuple | None:
     """Tensor descriptors (Hopper TMA) of p's planes, scale and minv, each viewed as [tiles * tile_n,
     bytes or groups per tile row], one tile's rows per block; made once per weight and kept on it (their
     base addresses never change, so CUDA graphs may hold them). None when a tile row of one of them is
-    under 16 bytes or over 256 values (what a TMA box allows)."""
+    not a multiple of 16 bytes or over 256 values (what a TMA box allows)."""
     d = p.__dict__.get("_tma")
     if d is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
         ts = (*p.planes, p.scale, p.minv)
-        if any(t.shape[-1] * t.element_size() < 16 or t.shape[-1] > 256 for t in ts):
+        if any(t.shape[-1] * t.element_size() % 16 or t.shape[-1] > 256 for t in ts):
             d = ()
         else:
             descs = [TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [p.tile_n, t.shape[-1]]) for t in ts]
