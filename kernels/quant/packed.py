@@ -67,7 +67,8 @@ rounded once to fp16) and multiplies it with a [BLOCK_M = 16, BLOCK_K] block of 
 tl.dot (grid axes 0, 1, 2 = m-block, n-tile, k-slice: the m-blocks vary fastest, so when M > 16
 the programs that share a weight tile run together and all but the first find it in L2),
 accumulating fp32; each k-slice writes its own partial sums, which are added afterwards in a
-fixed order (no atomics). Block sizes and the split come from the weight's shape only, never
+fixed order (no atomics). On sm_90+ the engine's decode settings bring each tile in by TMA (its
+planes, scales and mins as tensor descriptors, `_descriptors`): the same values, 4 % off a 27B step. Block sizes and the split come from the weight's shape only, never
 from M, so a row's result is bit-identical whatever the other rows are (batch invariance), and
 nothing reads tensor values on the host, so it can be captured in a CUDA graph.
 """
