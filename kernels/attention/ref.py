@@ -26,11 +26,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     kh = k.permute(1, 0, 2)[:, None]                              # [Hkv, 1, S, D]
     vh = v.permute(1, 0, 2)[:, None]
     scores = qh @ kh.transpose(-1, -2)                            # [Hkv, g, T, S]
+    # (in place: the same values as new tensors, two fewer passes over the largest tensor here)
     if seg_bias is not None:
         kseg = torch.arange(k_start, k_start + S, device=scores.device) // seg_len
         b = seg_bias.reshape(T, Hkv, g, -1).permute(1, 2, 0, 3)   # [Hkv, g, T, n_seg]
-        scores = scores + b[..., kseg]
-    scores = scores * scale
+        scores.add_(b[..., kseg])
+    scores.mul_(scale)
     qpos = torch.arange(q_start, q_start + T)[:, None]
     kpos = torch.arange(k_start, k_start + S)[None, :]
     masked = kpos > qpos
@@ -38,7 +39,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         masked |= (qpos - kpos) >= window
     for lo, hi in bidirectional or ():
         masked &= ~((qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi))
-    scores = scores.masked_fill(masked.to(scores.device), float("-inf"))
+    scores.masked_fill_(masked.to(scores.device), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vh                      # [Hkv, g, T, Dv]
     return out.permute(2, 0, 1, 3).reshape(T, H, v.shape[-1])
 
