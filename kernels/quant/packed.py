@@ -75,6 +75,7 @@ nothing reads tensor values on the host, so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -660,8 +661,22 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0) -> torch.Te
     key = (p.n, p.k, p.tile_n, p.tile_k, p.hi_bits, p.group, prefill, dev)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = _CONFIGS[key] = tuned_config(p, prefill, _sm_count(dev), tma=_has_tma(dev))
+        cfg = _CONFIGS[key] = _checked_config(x, p, prefill, _sm_count(dev), _has_tma(dev))
     return packed_matmul(x, p, **cfg)
+
+
+def _checked_config(x: torch.Tensor, p: PackedWeight, prefill: int, n_sm: int, tma: bool) -> dict:
+    """tuned_config, its TMA settings tried once on x: where they do not compile or launch (a Triton or
+    driver without tensor descriptors), a warning and the per-thread loads instead of a dead engine."""
+    cfg = tuned_config(p, prefill, n_sm, tma=tma)
+    if cfg.get("tma"):
+        try:
+            packed_matmul(x, p, **cfg)
+        except Exception as e:  # (CompilationError, RuntimeError, ImportError, ...: whatever stopped it)
+            warnings.warn(f"the decode matmul's TMA loads failed ({type(e).__name__}: {e}); "
+                          "using per-thread loads", RuntimeWarning, stacklevel=3)
+            cfg = tuned_config(p, prefill, n_sm, tma=False)
+    return cfg
 
 
 @lru_cache(maxsize=None)

@@ -199,6 +199,24 @@ def test_tma_loads_give_the_same_result(qtype, monkeypatch):
     assert torch.equal(packed_matmul(x, small, tma=True), packed_matmul(x, small))
 
 
+def test_tma_that_fails_falls_back_to_per_thread_loads(monkeypatch):
+    """Where TMA loads do not work (no tensor descriptors in that Triton, a driver without them), the
+    engine's matmul settings fall back to per-thread loads with a warning instead of failing every step."""
+    import kernels.quant.packed as packed
+    n, k = 64, 512
+    p = pack_weight(_random_weight(QT.Q4_K, n, k, seed=9), QT.Q4_K, n, k, tile_n=32)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(9))
+    assert packed._checked_config(x, p, 0, 4, True).get("tma")
+
+    def broken(p):
+        raise RuntimeError("no tensor descriptors here")
+    monkeypatch.setattr(packed, "_descriptors", broken)
+    with pytest.warns(RuntimeWarning, match="no tensor descriptors"):
+        cfg = packed._checked_config(x, p, 0, 4, True)
+    assert not cfg.get("tma")
+    _check(packed_matmul(x, p, **cfg), x, p)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequant_kernel_matches_reference(qtype):
     """The prefill path's fp16 copy of a weight (tail rows included) is the reference rounded once."""
