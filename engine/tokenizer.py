@@ -918,7 +918,8 @@ _CACHE_LIMIT = 65536
 
 _GROUP_MIN = 64   # special texts sharing a first character, from which they are found by position
 _FRAG_MIN = 256   # fragments at least this long are remembered whole (Tokenizer._fragment_ids)
-_FRAG_CACHE_CHARS = 1 << 24   # ... up to this many characters in all (least recently used dropped)
+_FRAG_CACHE_CHARS = 1 << 22   # ... up to this many characters in all (~40 conversations of 23K tokens;
+                              # least recently used dropped)
 
 
 class Tokenizer:
