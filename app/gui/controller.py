@@ -55,6 +55,26 @@ class LoadedInfo:
     remote: bool = False
     kv_cache: str = "f16"
     vision_note: str = ""           # why the model cannot see images (no mmproj / a projector that did not fit)
+    drafts: str = ""                # the drafters in use ("" when speculative decoding is off)
+    spec_note: str = ""             # why a chosen drafter is not used
+
+
+def spec_config(choice: str, model: str) -> tuple[str, str | None]:
+    """The engine's speculative decoding for a Settings choice: "off", "ngram", or "auto": a DFlash drafter
+    in the model's folder (a .gguf or a directory named like one: draft / dflash / eagle) with prompt lookup,
+    else the model's MTP block with prompt lookup (the load falls back to prompt lookup alone when the model
+    has none). Returns (EngineConfig.spec, spec_drafter)."""
+    if choice != "auto":
+        return (choice if choice in ("off", "ngram") else "off"), None
+    from pathlib import Path
+
+    from app.downloads import kind_of
+    folder = Path(model).parent if Path(model).is_file() else None
+    if folder is not None:
+        for p in sorted(folder.iterdir()):
+            if kind_of(p.name) == "drafter" and (p.suffix == ".gguf" or (p / "config.json").is_file()):
+                return "dflash+ngram", str(p)
+    return "mtp+ngram", None
 
 
 class EngineController(QObject):
@@ -75,10 +95,12 @@ class EngineController(QObject):
         self.loading = False
 
     # ----- loading -----
-    def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None, mmproj: str | None = "auto") -> None:
+    def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None, mmproj: str | None = "auto",
+             spec: str = "off") -> None:
         """Load in the background. kv_cache: the KV cache type for K and V (the planner's pick; None = f16).
         mmproj: the vision projector ("auto": the one beside the model; a projector that does not fit the model
-        is dropped with a note, and the model loads without vision)."""
+        is dropped with a note, and the model loads without vision). spec: speculative decoding, a Settings
+        choice (`spec_config`); a drafter the model cannot use is dropped with a note (prompt lookup stays)."""
         token = object()
         self._load_token = token
         self.loading = True
@@ -91,23 +113,33 @@ class EngineController(QObject):
             err = None
             eng = None
             note = ""
+            spec_note = ""
             progress = lambda m: self.loadProgress.emit(str(m))  # noqa: E731
             try:
                 self.loadProgress.emit(f"Opening {model} ...")
                 device, proj, note = choose_device(kv, mmproj)
                 if device != "cpu" and not self._free_device_for(model, token):
                     return
+                mode, drafter = spec_config(spec, model)
                 cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads, cache_type_k=kv,
-                                   cache_type_v=kv, mmproj=proj, device=device)
-                try:
-                    eng = Engine(cfg, progress=progress)
-                except EngineError as e:
-                    if proj != "auto" or not str(e).startswith("vision projector"):
-                        raise
-                    note = f"its mmproj file was not loaded ({e})"
-                    self.loadProgress.emit(f"Loading without images: {note}")
-                    cfg.mmproj = None
-                    eng = Engine(cfg, progress=progress)
+                                   cache_type_v=kv, mmproj=proj, device=device, spec=mode, spec_drafter=drafter)
+                for _ in range(3):      # at most: without the projector, then with prompt lookup alone
+                    try:
+                        eng = Engine(cfg, progress=progress)
+                        break
+                    except EngineError as e:
+                        if proj == "auto" and cfg.mmproj and str(e).startswith("vision projector"):
+                            note = f"its mmproj file was not loaded ({e})"
+                            self.loadProgress.emit(f"Loading without images: {note}")
+                            cfg.mmproj = None
+                        elif cfg.spec not in ("off", "ngram"):
+                            spec_note = f"drafts by prompt lookup only ({e})"
+                            self.loadProgress.emit(f"Loading with {spec_note}")
+                            cfg.spec, cfg.spec_drafter = "ngram", None
+                        else:
+                            raise
+                if eng is None:
+                    raise EngineError("the model could not be loaded")
             except Exception as e:  # GGUFError, CatalogError, EngineError ...
                 err = str(e) or type(e).__name__
             if self._load_token is not token:       # cancelled or superseded: discard
@@ -123,7 +155,8 @@ class EngineController(QObject):
                 note = eng.no_vision_reason() + (f"; {note}" if note else "")
             self.info = LoadedInfo(eng.model_name, str(eng.model_path), eng.spec.arch, eng.ctx_size,
                                    eng.spec.context_length, eng.config.device, eng.has_vision,
-                                   kv_cache=eng.config.cache_type_k, vision_note=note)
+                                   kv_cache=eng.config.cache_type_k, vision_note=note,
+                                   drafts="+".join(sorted(eng.spec_active)), spec_note=spec_note)
             self.loaded.emit(self.info)
 
         threading.Thread(target=work, name="hivejet-load", daemon=True).start()

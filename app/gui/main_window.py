@@ -231,7 +231,8 @@ class MainWindow(QMainWindow):
         if self.server.srv.running:
             self.server_switch.setChecked(False)
         self.ctl.threads = int(self.store.get_setting("threads", 0))
-        self.ctl.load(model, ctx_size, kv_cache=kv_cache, mmproj="auto")
+        self.ctl.load(model, ctx_size, kv_cache=kv_cache, mmproj="auto",
+                      spec=str(self.store.get_setting("spec", "off")))
 
     def _load_from_planner(self, path: str, ctx: int, kv: str):
         self.load_model(path, ctx, kv_cache=kv)
@@ -277,6 +278,10 @@ class MainWindow(QMainWindow):
         msg = f"Loaded {info.name}"
         if info.kv_cache != "f16" and not info.remote:
             msg += f" · KV cache {info.kv_cache}"
+        if info.drafts:
+            msg += f" · drafts: {info.drafts}"
+        if info.spec_note:
+            msg += f" · {info.spec_note}"
         self.statusBar().showMessage(msg, 8000)
         self.server._update_texts()
 

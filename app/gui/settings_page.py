@@ -1,4 +1,4 @@
-"""Settings page: models folder, theme (system / light / dark), CPU threads, default system prompt,
+"""Settings page: models folder, theme (system / light / dark), CPU threads, speculative decoding, default system prompt,
 remote OpenAI-compatible endpoints. Everything persists in the store's settings table."""
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ class SettingsPage(QWidget):
         self.threads.setSpecialValueText(f"automatic ({default_threads()})")
         self.threads.valueChanged.connect(lambda v: store.set_setting("threads", v))
         form.addRow("CPU threads (next load)", self.threads)
+        self.spec = QComboBox()
+        self.spec.addItem("Off", "off")
+        self.spec.addItem("Prompt lookup (n-gram drafts)", "ngram")
+        self.spec.addItem("The model's own drafter (MTP, or a DFlash drafter beside it) + prompt lookup", "auto")
+        self.spec.setCurrentIndex(max(0, self.spec.findData(store.get_setting("spec", "off"))))
+        self.spec.currentIndexChanged.connect(lambda _i: store.set_setting("spec", self.spec.currentData()))
+        self.spec.setToolTip("Draft tokens checked by the model in the same step: greedy output stays the same "
+                             "and sampled output keeps its distribution. On the GPU the drafts come from prompt "
+                             "lookup only for now.")
+        form.addRow("Speculative decoding (next load)", self.spec)
         self.sys_prompt = QPlainTextEdit(store.get_setting("default_system_prompt", ""))
         self.sys_prompt.setFixedHeight(70)
         self.sys_prompt.setPlaceholderText("Used for new conversations")

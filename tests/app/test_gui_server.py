@@ -149,3 +149,40 @@ def test_gpu_model_switch_frees_the_old_engine_first(win, qtbot, tmp_path, smoll
     from engine.types import EngineError, Request
     with pytest.raises(EngineError, match="shut down"):
         old.submit(Request(prompt="hi"))
+
+
+def test_spec_config_choices(tmp_path):
+    from app.gui.controller import spec_config
+    model = tmp_path / "m" / "model-Q4_K_M.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF")
+    assert spec_config("off", str(model)) == ("off", None)
+    assert spec_config("ngram", str(model)) == ("ngram", None)
+    assert spec_config("bogus", str(model)) == ("off", None)
+    assert spec_config("auto", str(model)) == ("mtp+ngram", None)           # no drafter beside it
+    drafter = model.parent / "Qwen3-8B-DFlash-b16"                          # z-lab's layout: a directory
+    drafter.mkdir()
+    assert spec_config("auto", str(model)) == ("mtp+ngram", None)           # (no config.json yet)
+    (drafter / "config.json").write_text("{}")
+    assert spec_config("auto", str(model)) == ("dflash+ngram", str(drafter))
+    assert spec_config("auto", "demo") == ("mtp+ngram", None)               # a catalog name
+
+
+def test_speculative_decoding_setting_applies_at_load(win, qtbot, smollm2_path):
+    """Settings' speculative decoding choice reaches the engine at the next load; "the model's own
+    drafter" on a model without an MTP block or a drafter loads with prompt lookup and says why."""
+    s = win.settings.spec
+    s.setCurrentIndex(s.findData("ngram"))
+    assert win.store.get_setting("spec") == "ngram"
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine.config.spec == "ngram" and win.ctl.info.drafts == "ngram"
+    assert "drafts: ngram" in win.statusBar().currentMessage()
+    s.setCurrentIndex(s.findData("auto"))
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine.config.spec == "ngram" and "MTP" in win.ctl.info.spec_note
+    s.setCurrentIndex(s.findData("off"))
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine.config.spec == "off" and win.ctl.info.drafts == ""
