@@ -1,16 +1,15 @@
 """Monitor page: one row per active conversation/agent from engine.stats() (tok/s, context used, state,
-last output line), total tok/s over time, the engine's step and pool figures, and GPU utilisation,
+last output line), total tok/s over time, the engine's step, KV pool and draft acceptance figures, and GPU utilisation,
 memory, temperature and power from NVML (or a clear CPU-mode note)."""
 from __future__ import annotations
 
 import collections
 import os
-import time
 
-from PySide6.QtCore import QPointF, QRectF, Qt, QTimer
+from PySide6.QtCore import QRectF, Qt, QTimer
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPen
-from PySide6.QtWidgets import (QGridLayout, QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QGridLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QWidget)
 
 from app import gpu as gpu_mod
 from engine.planner import fmt_bytes
@@ -134,10 +133,9 @@ class MonitorPage(QWidget):
             self._card("step", f"{ls['rows']} rows · {ls['seqs']} sequences · {ls['ms']:.0f} ms<br>"
                                f"{tot.get('steps', 0):,} steps · {tot.get('generated_tokens', 0):,} tokens generated")
         self.spark.add(total)
-        pool = (eng.stats().get("pool") if eng is not None else None)
-        self._card("pool", f"{pool}" if pool else "not reported: this engine keeps one KV cache per request "
-                                                 "(the shared paged pool is a later issue)")
-        self._card("draft", "not reported: speculative decoding (MTP / DFlash / n-gram) is a later issue")
+        st = eng.stats() if eng is not None else None
+        self._card("pool", pool_text(st) if st else "-")
+        self._card("draft", draft_text(st) if st else "-")
         s = gpu_mod.sample(0)
         if s is None:
             _, msg = gpu_mod.gpu_status()
@@ -151,6 +149,32 @@ class MonitorPage(QWidget):
         if s is not None and s.mem_used is not None:
             mem += f"<br>GPU: {fmt_bytes(s.mem_used)} / {fmt_bytes(s.mem_total)}"
         self._card("mem", mem or "-")
+
+
+def pool_text(st: dict) -> str:
+    """The KV card: the GPU path's shared pool (tokens used of its size, blocks shared by several
+    conversations, blocks parked conversations keep), or the CPU path's resident conversations."""
+    kp = st.get("kv_pool")
+    res = st.get("resident") or {}
+    parked = f"{res.get('conversations', 0)} conversations kept for follow-ups ({res.get('tokens', 0):,} tokens)"
+    if not kp:
+        return f"CPU path · {parked}"
+    cap = max(kp.get("capacity_tokens") or 0, 1)
+    used = kp.get("used_tokens", 0)
+    return (f"{used:,} of {cap:,} tokens ({100 * used / cap:.1f}%)<br>"
+            f"{kp.get('shared', 0):,} blocks shared · {kp.get('parked_blocks', 0):,} parked · {parked}")
+
+
+def draft_text(st: dict) -> str:
+    """The speculative decoding card: off, or each drafter's accepted share of its drafts."""
+    sp = st.get("spec") or {}
+    if sp.get("mode", "off") == "off":
+        return "off (Settings: speculative decoding)"
+    by = sp.get("drafters") or {}
+    if not by:
+        return f"{sp['mode']}: no drafts yet"
+    return "<br>".join(f"{name}: {100 * d['acceptance']:.0f}% of {d['drafted']:,} drafts accepted"
+                       for name, d in sorted(by.items()))
 
 
 def _rss() -> int:

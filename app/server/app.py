@@ -140,7 +140,8 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
         return {"slots": [dict(id=q["id"], session=q.get("session"), state=q.get("state"), context=q.get("context"),
                                ctx_limit=q.get("ctx_limit"), prompt_tokens=q.get("prompt_tokens"),
                                generated=q.get("generated"), cached_tokens=q.get("cached_tokens", 0),
-                               tok_per_s=q.get("tok_per_s"), queue_position=q.get("queue_position"))
+                               tok_per_s=q.get("tok_per_s"), queue_position=q.get("queue_position"),
+                               draft_proposed=q.get("drafted", 0), draft_accepted=q.get("accepted", 0))
                           for q in st["sequences"]],
                 "running": st["running"], "waiting": st["waiting"]}
 

@@ -67,13 +67,19 @@ class Metrics:
         metric("kv_tokens_capacity", "gauge", "KV cache tokens available.", [({}, capacity)])
         metric("kv_usage_ratio", "gauge", "KV cache use (0..1).", [({}, float(used / capacity) if capacity else 0.0)])
         totals = s.get("totals", {})
-        proposed = totals.get("draft_proposed", 0)
-        accepted = totals.get("draft_accepted", 0)
+        proposed = totals.get("drafted_tokens", 0)       # (engine.stats()'s totals)
+        accepted = totals.get("accepted_tokens", 0)
+        by = (s.get("spec") or {}).get("drafters") or {}
         metric("draft_tokens_proposed_total", "counter", "Draft tokens proposed by speculative decoding.",
                [({}, proposed)])
         metric("draft_tokens_accepted_total", "counter", "Draft tokens accepted.", [({}, accepted)])
         metric("draft_acceptance_ratio", "gauge", "Accepted / proposed draft tokens.",
                [({}, float(accepted / proposed) if proposed else 0.0)])
+        if by:   # per drafter (ngram, mtp, dflash), as their own families: the totals above stay one sample
+            metric("drafter_tokens_proposed_total", "counter", "Draft tokens proposed, by drafter.",
+                   [({"drafter": d}, v["drafted"]) for d, v in sorted(by.items())])
+            metric("drafter_tokens_accepted_total", "counter", "Draft tokens accepted, by drafter.",
+                   [({"drafter": d}, v["accepted"]) for d, v in sorted(by.items())])
         metric("engine_steps_total", "counter", "Engine steps run.", [({}, totals.get("steps", 0))])
         metric("uptime_seconds", "gauge", "Seconds since the server started.", [({}, float(time.time() - self.started))])
         return "\n".join(lines) + "\n"

@@ -69,7 +69,8 @@ def test_lan_needs_key_and_monitor(win, qtbot):
     win.monitor.refresh()
     assert "running" in win.monitor.engine_label.text()
     assert "CPU mode" in win.monitor.cards["gpu"][0].text()
-    assert "not reported" in win.monitor.cards["pool"][0].text()
+    assert "CPU path" in win.monitor.cards["pool"][0].text()
+    assert "off" in win.monitor.cards["draft"][0].text()
 
 
 def test_settings_persist_and_remote_endpoint(win, qtbot, tmp_path):
@@ -186,3 +187,18 @@ def test_speculative_decoding_setting_applies_at_load(win, qtbot, smollm2_path):
     with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
         win.load_model(str(smollm2_path))
     assert win.ctl.engine.config.spec == "off" and win.ctl.info.drafts == ""
+
+
+def test_monitor_pool_and_draft_cards():
+    """The Monitor's KV and draft cards from engine.stats()'s figures: the GPU path's shared pool, the CPU
+    path's kept conversations, speculative decoding off / on without drafts / each drafter's acceptance."""
+    from app.gui.monitor_page import draft_text, pool_text
+    gpu = dict(kv_pool=dict(capacity_tokens=200_000, used_tokens=50_000, shared=12, parked_blocks=300),
+               resident=dict(conversations=3, tokens=40_000))
+    assert pool_text(gpu).startswith("50,000 of 200,000 tokens (25.0%)") and "12 blocks shared" in pool_text(gpu)
+    assert "3 conversations kept" in pool_text(dict(kv_pool=None, resident=dict(conversations=3, tokens=9)))
+    assert draft_text(dict(spec=dict(mode="off"))).startswith("off")
+    assert draft_text(dict(spec=dict(mode="ngram", drafters={}))) == "ngram: no drafts yet"
+    on = dict(spec=dict(mode="mtp+ngram", drafters=dict(ngram=dict(drafted=200, accepted=50, acceptance=0.25),
+                                                          mtp=dict(drafted=1000, accepted=730, acceptance=0.73))))
+    assert draft_text(on) == "mtp: 73% of 1,000 drafts accepted<br>ngram: 25% of 200 drafts accepted"
