@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,14 +22,47 @@ from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-seq
 from kernels import fused
 from kernels.attention import causal_attention
 from kernels.kvcodec import cache_type_name
-from kernels.quant import (check_supported, dequantize_rows, matmul_row_invariant, quantized_matmul_ref,
-                           round_activations_like_llamacpp)
+from kernels.quant import (check_supported, dequantize_rows, dequantized_tiles, matmul_row_invariant, matmul_tiles,
+                           quantized_matmul_ref, round_activations_like_llamacpp)
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # While the GPU path runs prompt rows (engine/runner.py's prefill): the chunk size, to which matmuls pad
 # the rows of their prefill product (kernels/quant/packed.py: matmul_tuned); 0 for decode rows
 PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
 _POOL_LOCK = threading.Lock()
+
+
+class DequantBudget:
+    """Bytes of dequantized float32 weights the CPU path may keep, process-wide (HIVEJET_CPU_WEIGHT_CACHE:
+    bytes, 0 = none; default min(1 GiB, 1/8 of the machine's memory)). A weight that takes some gives it
+    back when it is freed."""
+
+    def __init__(self):
+        env = os.environ.get("HIVEJET_CPU_WEIGHT_CACHE")
+        if env is not None:
+            self.left = int(env)
+        else:
+            try:
+                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):   # (Windows)
+                total = 8 << 30
+            self.left = min(1 << 30, total // 8)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, owner) -> bool:
+        with self._lock:
+            if nbytes > self.left:
+                return False
+            self.left -= nbytes
+        weakref.finalize(owner, self._give, nbytes)
+        return True
+
+    def _give(self, nbytes: int) -> None:
+        with self._lock:
+            self.left += nbytes
+
+
+DEQUANT_CACHE = DequantBudget()
 
 
 class Weight:
@@ -83,7 +118,20 @@ class Weight:
         if self.qtype == QT.F32:
             return matmul_row_invariant(x, self.raw.view(torch.float32).view(self.n_out, self.n_in))
         x = round_activations_like_llamacpp(x, self.qtype)
+        tiles = self._expanded()
+        if tiles is not None:
+            return matmul_tiles(x, tiles, self.n_out)
         return quantized_matmul_ref(x, self.raw, self.qtype, self.n_out, self.n_in)
+
+    _tiles = None       # the matrix dequantized (float32 tiles), while the process's budget allows
+
+    def _expanded(self) -> list | None:
+        """This matrix dequantized once, if DEQUANT_CACHE has room for it: a decode step of a small
+        model spent ~40 % of its time dequantizing every weight again (the demo model: 135M values,
+        540 MB as float32). The budget is given back when the weight is freed."""
+        if self._tiles is None and self.gpu is None and DEQUANT_CACHE.take(self.n_out * self.n_in * 4, self):
+            self._tiles = dequantized_tiles(self.raw, self.qtype, self.n_out, self.n_in)
+        return self._tiles
 
     def _matmul_gpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.gpu is None:

@@ -5,7 +5,9 @@ from kernels.quant.ref import (
     check_supported,
     dequantize,
     dequantize_rows,
+    dequantized_tiles,
     matmul_row_invariant,
+    matmul_tiles,
     quantized_matmul_ref,
     round_activations_like_llamacpp,
     row_bytes,
@@ -13,5 +15,5 @@ from kernels.quant.ref import (
 
 __all__ = [
     "SUPPORTED_TYPES", "UnsupportedTypeError", "check_supported", "row_bytes",
-    "dequantize", "dequantize_rows", "quantized_matmul_ref", "matmul_row_invariant", "round_activations_like_llamacpp",
+    "dequantize", "dequantize_rows", "dequantized_tiles", "matmul_tiles", "quantized_matmul_ref", "matmul_row_invariant", "round_activations_like_llamacpp",
 ]

@@ -407,6 +407,26 @@ def quantized_matmul_ref(x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, 
     return y
 
 
+def dequantized_tiles(raw: torch.Tensor, qtype, n_out: int, n_in: int, tile_rows: int = 4096) -> list[torch.Tensor]:
+    """The tiles quantized_matmul_ref expands, kept: float32 [<= tile_rows, n_in] each."""
+    qt = _as_qtype(qtype)
+    rows = weight_rows(raw, qt, n_out, n_in)
+    tile_rows = max(1, min(tile_rows, n_out))
+    return [dequantize_rows(rows[s:s + tile_rows], qt, n_in) for s in range(0, n_out, tile_rows)]
+
+
+def matmul_tiles(x: torch.Tensor, tiles: list[torch.Tensor], n_out: int) -> torch.Tensor:
+    """quantized_matmul_ref over tiles dequantized beforehand (`dequantized_tiles`): the same products
+    tile by tile, so the same values."""
+    y = torch.empty(x.shape[:-1] + (n_out,), dtype=torch.float32, device=x.device)
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, n_out)
+    start = 0
+    for w in tiles:
+        y2[:, start:start + w.shape[0]] = matmul_row_invariant(x2, w)
+        start += w.shape[0]
+    return y
+
+
 ROW_BLOCK = 16
 
 

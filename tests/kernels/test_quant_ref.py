@@ -286,6 +286,23 @@ def test_quantized_matmul_ref(qtype, tile_rows):
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5 * float(w.abs().max()) * n_in)
 
 
+@pytest.mark.parametrize("tile_rows", [3, 4096])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_kept_tiles_give_the_same_bits(qtype, tile_rows):
+    """The CPU path's dequantized weights kept in memory (dequantized_tiles + matmul_tiles) give the bits
+    quantized_matmul_ref gives expanding them on every call, for every row count."""
+    from kernels.quant import dequantized_tiles, matmul_tiles
+    n_out, n_in = 10, 512
+    rng = _rng(int(qtype), tile_rows, 7)
+    raw = torch.from_numpy(make_tensor(qtype, (n_out, n_in), rng, scale_range=(1e-3, 1e-1)))
+    tiles = dequantized_tiles(raw, qtype, n_out, n_in, tile_rows=tile_rows)
+    assert [t.shape[0] for t in tiles] == [min(tile_rows, n_out - s) for s in range(0, n_out, tile_rows)]
+    for m in (1, 5, 17):
+        x = torch.from_numpy(rng.standard_normal((m, n_in), dtype=np.float32))
+        assert torch.equal(matmul_tiles(x, tiles, n_out),
+                           quantized_matmul_ref(x, raw, qtype, n_out, n_in, tile_rows=tile_rows))
+
+
 def test_quantized_matmul_ref_tiles(monkeypatch):
     """No more than tile_rows rows of W are expanded at once; every row is expanded once."""
     qtype, n_out, n_in = QT.Q4_0, 11, 64
