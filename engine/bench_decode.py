@@ -70,15 +70,12 @@ def _profile_step(runner, B: int, pos: int) -> list[dict]:
     dev = runner.device
     args = (torch.ones(B, dtype=torch.long, device=dev), torch.full((B,), pos, dtype=torch.long, device=dev),
             torch.arange(B, dtype=torch.long, device=dev))
-    runner._make_centers = False         # as 255 of 256 steps (a row at a new key segment makes its center)
-    try:
-        runner._decode_eager(*args)
+    # without key centers, as 255 of 256 steps (a row at a new key segment makes its center)
+    runner._decode_eager(*args, centers=False)
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner._decode_eager(*args, centers=False)
         _sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner._decode_eager(*args)
-            _sync()
-    finally:
-        runner._make_centers = True
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)

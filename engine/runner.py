@@ -150,6 +150,7 @@ class SlotBatch:
         self.rope: dict = {}
         self._pool: dict = {}
         self.waves: torch.Tensor | None = None   # drafts: [W, rows] each row's slot in its wave, else -1
+        self.centers = True     # decode: make the key centers of rows at a new segment (Runner._needs_centers)
 
     def rows(self) -> torch.Tensor:
         """Each row's place in the pool's caches (the same for every layer: computed once per step)."""
@@ -246,7 +247,6 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # when one of its rows is in a segment without one (_decode_centers costs a pass over SEGMENT
         # stored keys per row and layer: ~3 ms of a 27B step at 23K on the H200)
         self._ncent = [0] * total_slots
-        self._make_centers = True
         # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
         # recurrent states untouched, kernels/gdn)
         self.conv_state, self.ssm_state = {}, {}
@@ -266,7 +266,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         f32 = "f32" in (self.codec_k.name, self.codec_v.name)
         self._decode_dot = cfg["dot"] if self.device.type == "cuda" and not f32 else "ieee"
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
-        self._graphs: dict[tuple, tuple] = {}          # (rows bucket, waves) -> decode graph
+        self._graphs: dict[tuple, tuple] = {}          # (rows bucket, waves, centers) -> decode graph
         self._graph_pool = None
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on
         # and the digests of that prefix at each multiple of it (exact_length), and the position its
@@ -314,8 +314,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         for kp in self.kprep.values():
             kp.w[slot] = 1.0
             kp.ncent[slot] = 0
-        if self.kprep:
-            self._ncent[slot] = 0
+        self._ncent[slot] = 0
         self._live[slot] = 0
 
     # ----- the shared block pool -----
@@ -572,8 +571,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 kp.centers[dst, :n_seg].copy_(kp.centers[src, :n_seg])
             kp.centers[dst, n_seg:].zero_()
             kp.ncent[dst] = kp.ncent[src].clamp_max(n_seg)
-        if self.kprep:
-            self._ncent[dst] = min(self._ncent[src], n_seg)
+        self._ncent[dst] = min(self._ncent[src], n_seg)
         c, digests = self._grid[src]
         self._grid[dst] = (c, digests[:min(n // c, len(digests) - 1) + 1]) if c else (0, [b""])
         if src != dst or self._live[src] != n:
@@ -660,9 +658,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
         m = self.model
         return m.lm_head(rms_norm(x, m.output_norm.dense, self.spec.rms_eps))
 
-    def _decode_eager(self, tokens, positions, slots, waves=None) -> torch.Tensor:
+    def _decode_eager(self, tokens, positions, slots, waves=None, centers: bool = True) -> torch.Tensor:
         b = SlotBatch(self, positions, slots, decode=True)
-        b.waves = waves
+        b.waves, b.centers = waves, centers
         return self._head(self._hidden(tokens, b))
 
     def _draft_waves(self, slots: list[int], positions: list[int]) -> list[list[int]] | None:
@@ -797,13 +795,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
         if not self.graphs_enabled or n > BUCKETS[-1]:
             dev = self.device
             wv = None if waves is None else torch.tensor(waves, dtype=torch.long, device=dev)
-            self._make_centers = centers
-            try:
-                return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
-                                          torch.as_tensor(positions, device=dev).long(),
-                                          torch.as_tensor(slots, device=dev).long(), wv)
-            finally:
-                self._make_centers = True
+            return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
+                                      torch.as_tensor(positions, device=dev).long(),
+                                      torch.as_tensor(slots, device=dev).long(), wv, centers)
         B = next(bk for bk in BUCKETS if bk >= n)
         key = (B, _wave_bucket(waves), centers)
         graph, tok, pos, sl, out = self._graph(*key)
@@ -885,20 +879,16 @@ class Runner(AttentionMixin, KeyPrepMixin):
         wv = torch.full((W, B), -1, dtype=torch.long, device=dev) if W else None
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        self._make_centers = centers
-        try:
-            with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
-                for _ in range(2):
-                    self._decode_eager(tok, pos, sl, wv)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            self._replay_inputs.clear()
-            with torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
-                out = self._decode_eager(tok, pos, sl, wv)
-        finally:
-            self._make_centers = True
+        with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
+            for _ in range(2):
+                self._decode_eager(tok, pos, sl, wv, centers)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        self._replay_inputs.clear()
+        with torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
+            out = self._decode_eager(tok, pos, sl, wv, centers)
         if W:
             self._graph_waves[key] = wv
             self._graph_replay[key] = dict(self._replay_inputs)   # (the runner's buffers, filled by replays)

@@ -32,7 +32,7 @@ class AttentionMixin:
         bias, seg_len = None, 0
         if kp is not None:
             if b.decode:
-                if self._make_centers:
+                if b.centers:
                     self._decode_centers(kp, kc, b, window)
             else:
                 self._prefill_kprep(kp, kc, b, q, k, window)

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -120,6 +120,7 @@ class PackedWeight:
     qtype: QT
     tile_n: int = 64
     tile_k: int = 256
+    tma: tuple | None = field(default=None, init=False, repr=False, compare=False)   # _descriptors' result
 
     @property
     def n_pad(self) -> int:
@@ -596,7 +597,7 @@ def _descriptors(p: PackedWeight) -> tuple | None:
     bytes or groups per tile row], one tile's rows per block; made once per weight and kept on it (their
     base addresses never change, so CUDA graphs may hold them). None when a tile row of one of them is
     not a multiple of 16 bytes or over 256 values (what a TMA box allows)."""
-    d = p.__dict__.get("_tma")
+    d = p.tma
     if d is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
         ts = (*p.planes, p.scale, p.minv)
@@ -607,7 +608,7 @@ def _descriptors(p: PackedWeight) -> tuple | None:
             lo, rest = descs[0], descs[1:]
             hi = rest.pop(0) if p.hi_bits in (1, 2) else lo
             d = (lo, hi, *rest)
-        p.__dict__["_tma"] = d
+        p.tma = d
     return d or None
 
 

@@ -393,31 +393,29 @@ def quantized_matmul_ref(x: torch.Tensor, raw: torch.Tensor, qtype, n_out: int, 
     check_supported(qt)
     if x.shape[-1] != n_in:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight has {n_in}")
+    buf = torch.empty(max(1, min(tile_rows, n_out)) * n_in, dtype=torch.float32, device=raw.device)
+    return matmul_tiles(x, _tiles(raw, qt, n_out, n_in, tile_rows, buf), n_out)
+
+
+def _tiles(raw: torch.Tensor, qt, n_out: int, n_in: int, tile_rows: int, buf: torch.Tensor | None = None):
+    """W's rows dequantized tile_rows at a time: float32 [<= tile_rows, n_in] each (into buf if given,
+    which each next tile overwrites)."""
     rows = weight_rows(raw, qt, n_out, n_in)
     tile_rows = max(1, min(tile_rows, n_out))
-    y = torch.empty(x.shape[:-1] + (n_out,), dtype=torch.float32, device=x.device)
-    if n_out == 0:
-        return y
-    x2, y2 = x.reshape(-1, n_in), y.view(-1, n_out)
-    buf = torch.empty(tile_rows * n_in, dtype=torch.float32, device=raw.device)
     for start in range(0, n_out, tile_rows):
         stop = min(start + tile_rows, n_out)
-        w = dequantize_rows(rows[start:stop], qt, n_in, out=buf[:(stop - start) * n_in])
-        y2[:, start:stop] = matmul_row_invariant(x2, w)
-    return y
+        out = None if buf is None else buf[:(stop - start) * n_in]
+        yield dequantize_rows(rows[start:stop], qt, n_in, out=out)
 
 
 def dequantized_tiles(raw: torch.Tensor, qtype, n_out: int, n_in: int, tile_rows: int = 4096) -> list[torch.Tensor]:
     """The tiles quantized_matmul_ref expands, kept: float32 [<= tile_rows, n_in] each."""
-    qt = _as_qtype(qtype)
-    rows = weight_rows(raw, qt, n_out, n_in)
-    tile_rows = max(1, min(tile_rows, n_out))
-    return [dequantize_rows(rows[s:s + tile_rows], qt, n_in) for s in range(0, n_out, tile_rows)]
+    return list(_tiles(raw, _as_qtype(qtype), n_out, n_in, tile_rows))
 
 
-def matmul_tiles(x: torch.Tensor, tiles: list[torch.Tensor], n_out: int) -> torch.Tensor:
-    """quantized_matmul_ref over tiles dequantized beforehand (`dequantized_tiles`): the same products
-    tile by tile, so the same values."""
+def matmul_tiles(x: torch.Tensor, tiles, n_out: int) -> torch.Tensor:
+    """x [..., n_in] @ W.T -> float32 [..., n_out], W's rows given as successive tiles (kept ones from
+    `dequantized_tiles`, or quantized_matmul_ref's expanded on the fly): each tile's product row-invariant."""
     y = torch.empty(x.shape[:-1] + (n_out,), dtype=torch.float32, device=x.device)
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, n_out)
     start = 0
