@@ -111,17 +111,21 @@ class Weight:
         else:
             self.gpu = pack_weight(raw, self.qtype, self.n_out, self.n_in)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, n_in] float32 -> x @ W.T [M, n_out]."""
+    def matmul(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, n_in] float32 -> x @ W.T [M, n_out]; with `add` (float32 [M, n_out], e.g. the residual
+        stream): add + x @ W.T, on the GPU's decode rows inside the matmul's own kernel (same bits)."""
         if x.is_cuda:
-            return self._matmul_gpu(x)
+            return self._matmul_gpu(x, add)
         if self.qtype == QT.F32:
-            return matmul_row_invariant(x, self.raw.view(torch.float32).view(self.n_out, self.n_in))
-        x = round_activations_like_llamacpp(x, self.qtype)
-        tiles = self._expanded()
-        if tiles is not None:
-            return matmul_tiles(x, tiles, self.n_out)
-        return quantized_matmul_ref(x, self.raw, self.qtype, self.n_out, self.n_in)
+            y = matmul_row_invariant(x, self.raw.view(torch.float32).view(self.n_out, self.n_in))
+        else:
+            x = round_activations_like_llamacpp(x, self.qtype)
+            tiles = self._expanded()
+            if tiles is not None:
+                y = matmul_tiles(x, tiles, self.n_out)
+            else:
+                y = quantized_matmul_ref(x, self.raw, self.qtype, self.n_out, self.n_in)
+        return y if add is None else add + y
 
     _tiles = None       # the matrix dequantized (float32 tiles), while the process's budget allows
 
@@ -133,14 +137,15 @@ class Weight:
             self._tiles = dequantized_tiles(self.raw, self.qtype, self.n_out, self.n_in)
         return self._tiles
 
-    def _matmul_gpu(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul_gpu(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         if self.gpu is None:
             raise RuntimeError(f"tensor {self.name!r} is not on the GPU (call model.to_device first)")
         if isinstance(self.gpu, torch.Tensor):
             w = self.gpu
-            return (x.to(w.dtype) @ w.T).float()
+            y = (x.to(w.dtype) @ w.T).float()
+            return y if add is None else add + y
         from kernels.quant.packed import matmul_tuned
-        return matmul_tuned(x, self.gpu, PREFILL_ROWS.get())
+        return matmul_tuned(x, self.gpu, PREFILL_ROWS.get(), add=add)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantize only the given rows (embedding lookup)."""
@@ -152,6 +157,68 @@ class Weight:
         row_bytes = self.raw.numel() // self.n_out
         raw_rows = self.raw.view(self.n_out, row_bytes)[ids]
         return dequantize_rows(raw_rows, self.qtype, self.n_in)
+
+
+class StackedWeights:
+    """Matrices that multiply the same input (an FFN's gate and up, attention's Q, K and V, ...). On the
+    GPU the packed ones that share a tile layout are stacked once at load time, each part then a view
+    of the stack (kernels/quant/packed.py: stack_rows; no extra memory), and decode rows multiply the
+    stack in one kernel instead of one per matrix: fewer launches and split-K sums per step, longer
+    programs. Prompt rows (cuBLAS on an fp16 copy: the largest copy stays one matrix's, as the memory
+    planner counts it) and the CPU keep one product per matrix. A stack's outputs are views of one
+    [M, total] result: the last dim is contiguous, the rows strided."""
+
+    def __init__(self, *parts: Weight):
+        self.parts = parts
+        self.groups: list[tuple[object, list[tuple[int, int]]]] = []   # (stack, [(part index, column)])
+        self.single: list[int] = list(range(len(parts)))                # parts multiplied on their own
+
+    def to_device(self, device: torch.device) -> None:
+        if device.type != "cuda" or self.groups:
+            return
+        for w in self.parts:
+            w.to_device(device)
+        self.stack_packed()
+
+    def stack_packed(self) -> None:
+        """Stack the parts whose `gpu` is a PackedWeight, by tile layout (to_device's second half)."""
+        from kernels.quant.packed import PackedWeight, stack_key, stack_rows
+        by_key: dict[tuple, list[int]] = {}
+        for i, w in enumerate(self.parts):
+            if isinstance(w.gpu, PackedWeight):
+                by_key.setdefault(stack_key(w.gpu), []).append(i)
+        for idx in by_key.values():
+            if len(idx) < 2:
+                continue
+            stack, views = stack_rows([self.parts[i].gpu for i in idx])
+            cols, col = [], 0
+            for i, v in zip(idx, views):
+                self.parts[i].gpu = v       # the part's own packed copy is freed here
+                cols.append((i, col))
+                col += v.n_pad
+            self.groups.append((stack, cols))
+            self.single = [i for i in self.single if i not in idx]
+
+    def release(self) -> None:
+        self.groups, self.single = [], list(range(len(self.parts)))
+
+    def matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's x @ W.T, in the parts' order."""
+        if not self.groups or not x.is_cuda or PREFILL_ROWS.get():
+            return [w.matmul(x) for w in self.parts]
+        return self.stacked_matmul(x)
+
+    def stacked_matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """matmul's decode-row path: one product per stack (on the CPU: Triton's interpreter, for tests)."""
+        from kernels.quant.packed import matmul_tuned
+        out: list = [None] * len(self.parts)
+        for stack, cols in self.groups:
+            y = matmul_tuned(x, stack)
+            for i, c in cols:
+                out[i] = y[..., c:c + self.parts[i].n_out]
+        for i in self.single:
+            out[i] = self.parts[i].matmul(x)
+        return out
 
 
 class WeightSet:
@@ -298,6 +365,13 @@ class DecoderModel:
         self.file = f
         self.spec = spec
         self.w = WeightSet(f)
+        self.stacks: list[StackedWeights] = []
+
+    def stack(self, *parts: Weight) -> StackedWeights:
+        """Matrices with the same input, multiplied together on the GPU's decode rows (StackedWeights)."""
+        s = StackedWeights(*parts)
+        self.stacks.append(s)
+        return s
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embd.rows(tokens)
@@ -417,6 +491,8 @@ class DecoderModel:
         """Move the model to `device` once (weights repacked for the GPU kernels; engine/runner.py
         runs it there). The CPU copy of the weights stays the memory-mapped file."""
         device = torch.device(device)
+        for st in self.stacks:      # first, a stack at a time: each stack's parts are packed, stacked and
+            st.to_device(device)    # freed before the next, whose parts reuse their memory
         for w in self.w._cache.values():
             w.to_device(device)
         for layer in list(getattr(self, "layers", [])) + [getattr(self, "mtp", None) or {}]:
@@ -432,6 +508,8 @@ class DecoderModel:
         """Drop the weights' packed device copies (the model must not run on the device after this)."""
         for w in self.w._cache.values() if self.w is not None else ():
             w.gpu = None
+        for st in self.stacks:
+            st.release()
 
     def close(self) -> None:
         self.w = None

@@ -38,6 +38,9 @@ class Gemma3Model(DecoderModel):
                 down=w.get(p + "ffn_down.weight", (s.n_embd, s.n_ff)),
                 post_ffn_norm=w.get(p + "post_ffw_norm.weight", (s.n_embd,)),
             ))
+            L = self.layers[-1]
+            L["attn_in"] = self.stack(L["wq"], L["wk"], L["wv"])
+            L["ffn_in"] = self.stack(L["gate"], L["up"])
 
     def kv_rope(self, il: int):
         rope = self.rope_local if self.spec.is_swa(il) else self.rope_global
@@ -54,15 +57,16 @@ class Gemma3Model(DecoderModel):
         rope = self.rope_local if local else self.rope_global
         cos, sin = batch.rope[local]
         h = rms_norm(x, L["attn_norm"].dense, s.rms_eps)
-        q = L["wq"].matmul(h).view(n, s.n_head, s.head_dim)
-        k = L["wk"].matmul(h).view(n, s.n_head_kv, s.head_dim)
-        v = L["wv"].matmul(h).view(n, s.n_head_kv, s.head_dim_v)
+        q, k, v = L["attn_in"].matmul(h)
+        q = q.view(n, s.n_head, s.head_dim)
+        k = k.view(n, s.n_head_kv, s.head_dim)
+        v = v.view(n, s.n_head_kv, s.head_dim_v)
         q = rope.apply(rms_norm(q, L["q_norm"].dense, s.rms_eps), cos, sin)
         k = rope.apply(rms_norm(k, L["k_norm"].dense, s.rms_eps), cos, sin)
         a = self.attend(il, q, k, v, batch, s.attn_scale, s.sliding_window if local else 0)
         a = L["wo"].matmul(a.reshape(n, -1))
         x = x + rms_norm(a, L["post_attn_norm"].dense, s.rms_eps)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
-        f = gelu_tanh_mul(L["gate"].matmul(h), L["up"].matmul(h))
+        f = gelu_tanh_mul(*L["ffn_in"].matmul(h))
         f = L["down"].matmul(f)
         return x + rms_norm(f, L["post_ffn_norm"].dense, s.rms_eps)

@@ -41,11 +41,13 @@ class LlamaModel(DecoderModel):
                 up=w.get(p + "ffn_up.weight", (s.n_ff, s.n_embd)),
                 down=w.get(p + "ffn_down.weight", (s.n_embd, s.n_ff)),
             ))
+            L = self.layers[-1]
+            L["attn_in"] = self.stack(L["wq"], L["wk"], L["wv"])
+            L["ffn_in"] = self.stack(L["gate"], L["up"])
         self.attn_scale = default_attn_scale(s)
 
     @staticmethod
-    def _proj(wt, b, x):
-        y = wt.matmul(x)
+    def _bias(y, b):
         return y + b.dense if b is not None else y
 
     def prepare(self, batch: Batch) -> None:
@@ -55,9 +57,10 @@ class LlamaModel(DecoderModel):
         s, L = self.spec, self.layers[il]
         n = x.shape[0]
         h = rms_norm(x, L["attn_norm"].dense, s.rms_eps)
-        q = self._proj(L["wq"], L["bq"], h).view(n, s.n_head, s.head_dim)
-        k = self._proj(L["wk"], L["bk"], h).view(n, s.n_head_kv, s.head_dim)
-        v = self._proj(L["wv"], L["bv"], h).view(n, s.n_head_kv, s.head_dim_v)
+        q, k, v = L["attn_in"].matmul(h)
+        q = self._bias(q, L["bq"]).view(n, s.n_head, s.head_dim)
+        k = self._bias(k, L["bk"]).view(n, s.n_head_kv, s.head_dim)
+        v = self._bias(v, L["bv"]).view(n, s.n_head_kv, s.head_dim_v)
         if L["q_norm"] is not None:
             q = rms_norm(q, L["q_norm"].dense, s.rms_eps)
             k = rms_norm(k, L["k_norm"].dense, s.rms_eps)
@@ -65,10 +68,10 @@ class LlamaModel(DecoderModel):
         q = self.rope.apply(q, cos, sin)
         k = self.rope.apply(k, cos, sin)
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, -1)
-        x = x + self._proj(L["wo"], L["bo"], a)
+        x = L["wo"].matmul(a, add=x) if L["bo"] is None else x + (L["wo"].matmul(a) + L["bo"].dense)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
-        f = silu_mul(L["gate"].matmul(h), L["up"].matmul(h))
-        return x + L["down"].matmul(f)
+        gate, up = L["ffn_in"].matmul(h)
+        return L["down"].matmul(silu_mul(gate, up), add=x)
 
 
 class Qwen2Model(LlamaModel):

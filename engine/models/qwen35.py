@@ -188,6 +188,7 @@ class Qwen35Model(DecoderModel):
                 )
             else:
                 L.update(self._attn_weights(p))
+            self._stack_inputs(L)
             self.layers.append(L)
         self.mtp = None
         if s.n_layer_nextn > 0 and w.has(f"blk.{s.n_layer}.nextn.eh_proj.weight"):
@@ -206,7 +207,16 @@ class Qwen35Model(DecoderModel):
                 head=w.opt(p + "nextn.shared_head_head.weight", (s.vocab_size, E)) or self.output,
             )
             M.update(self._attn_weights(p))
+            self._stack_inputs(M)
             self.mtp = M
+
+    def _stack_inputs(self, L: dict) -> None:
+        """The matrices of a block that read the same input, multiplied together on the GPU (StackedWeights)."""
+        L["ffn_in"] = self.stack(L["gate"], L["up"])
+        if L.get("recurrent"):
+            L["ssm_in"] = self.stack(L["wqkv"], L["wz"], L["beta"], L["alpha"])
+        else:
+            L["attn_in"] = self.stack(L["wq"], L["wk"], L["wv"])
 
     def _attn_weights(self, p: str) -> dict:
         s, w = self.spec, self.w
@@ -279,22 +289,26 @@ class Qwen35Model(DecoderModel):
         L = self.layers[il]
         h = rms_norm(x, L["attn_norm"].dense, self.spec.rms_eps)
         if L["recurrent"]:
-            x = x + self._gated_delta_net(il, L, h, batch)
+            x = self._gated_delta_net(il, L, h, batch, residual=x)
         else:
-            x = x + self._gated_attention(il, L, h, batch)
+            x = self._gated_attention(il, L, h, batch, residual=x)
         return self._ffn(L, x)
 
     def _ffn(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, L["post_norm"].dense, self.spec.rms_eps)
-        return x + L["down"].matmul(silu_mul(L["gate"].matmul(h), L["up"].matmul(h)))
+        gate, up = L["ffn_in"].matmul(h)
+        return L["down"].matmul(silu_mul(gate, up), add=x)
 
-    def _gated_attention(self, il: int, L: dict, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _gated_attention(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output (plus `residual` when given)."""
         s = self.spec
         n, hd = h.shape[0], s.head_dim
-        qg = L["wq"].matmul(h).view(n, s.n_head, 2 * hd)
+        qg, k, v = L["attn_in"].matmul(h)
+        qg = qg.view(n, s.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
-        k = L["wk"].matmul(h).view(n, s.n_head_kv, hd)
-        v = L["wv"].matmul(h).view(n, s.n_head_kv, hd)
+        k = k.view(n, s.n_head_kv, hd)
+        v = v.view(n, s.n_head_kv, hd)
         q = rms_norm(q, L["q_norm"].dense, s.rms_eps)
         k = rms_norm(k, L["k_norm"].dense, s.rms_eps)
         cos, sin = batch.rope["main"]
@@ -302,16 +316,18 @@ class Qwen35Model(DecoderModel):
         k = self.rope.apply(k, cos, sin)
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, s.n_head * hd)
         a = sigmoid_mul(a, gate)
-        return L["wo"].matmul(a)
+        return L["wo"].matmul(a, add=residual)
 
-    def _gated_delta_net(self, il: int, L: dict, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _gated_delta_net(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The Gated DeltaNet block's output (plus `residual` when given)."""
         s = self.spec
         n = h.shape[0]
         Hv, D = self.n_v_heads, self.d_state
-        qkv = L["wqkv"].matmul(h)                                             # [n, conv_dim]
-        z = L["wz"].matmul(h)                                                 # [n, Hv * D]
-        beta = torch.sigmoid(L["beta"].matmul(h))                             # [n, Hv]
-        g = F.softplus(L["alpha"].matmul(h) + L["dt"].dense) * L["a"].dense   # [n, Hv], log decay <= 0
+        # qkv [n, conv_dim], z [n, Hv * D], beta and alpha's products [n, Hv]
+        qkv, z, beta_in, alpha_in = L["ssm_in"].matmul(h)
+        beta = torch.sigmoid(beta_in)
+        g = F.softplus(alpha_in + L["dt"].dense) * L["a"].dense               # [n, Hv], log decay <= 0
         if batch.slots is not None:  # a GPU step over static slots (engine/runner.py)
             o = batch.delta_net(il, self, L, qkv, g, beta)
         else:
@@ -331,7 +347,7 @@ class Qwen35Model(DecoderModel):
                 outs.append(o)
             o = torch.cat(outs, dim=0)
         o = silu_mul(z.view(n, Hv, D), rms_norm(o, L["ssm_norm"].dense, s.rms_eps))
-        return L["ssm_out"].matmul(o.reshape(n, Hv * D))
+        return L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
 
     def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple]:
@@ -388,7 +404,7 @@ class Qwen35Model(DecoderModel):
         x = M["eh_proj"].matmul(torch.cat([e, hn], dim=-1))
         self.prepare(batch)
         h = rms_norm(x, M["attn_norm"].dense, s.rms_eps)
-        x = x + self._gated_attention(0, M, h, batch)
+        x = self._gated_attention(0, M, h, batch, residual=x)
         x = self._ffn(M, x)
         for c in chunks:
             c.kv.length = c.start + len(c.tokens)

@@ -108,7 +108,7 @@ def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Te
 
 if HAVE_TRITON:
     @triton.jit
-    def _conv_kernel(qkv_ptr, w_ptr, cs_ptr, slot_ptr, x_ptr, C, HK, D, eps, scale,
+    def _conv_kernel(qkv_ptr, w_ptr, cs_ptr, slot_ptr, x_ptr, C, stride_qkv, HK, D, eps, scale,
                      K: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr):
         b = tl.program_id(0)
         hh = tl.program_id(1)                      # head of channels: q 0..HK-1, k HK..2HK-1, v after
@@ -120,15 +120,16 @@ if HAVE_TRITON:
             r = tl.arange(0, KP)                   # [KP] taps: rows 0..K-2 of the state, K-1 the new token
             cs = cs_ptr + slot * (K - 1) * C
             row = b.to(tl.int64) * C
+            qrow = b.to(tl.int64) * stride_qkv     # (qkv may be a row-strided view of a stacked product)
             mstate = (r[:, None] < K - 1) & md[None, :]
             mnew = (r[:, None] == K - 1) & md[None, :]
             xin = (tl.load(cs + r[:, None] * C + ch[None, :], mask=mstate, other=0.0)
-                   + tl.load(qkv_ptr + row + ch[None, :] + 0 * r[:, None], mask=mnew, other=0.0)).to(tl.float32)
+                   + tl.load(qkv_ptr + qrow + ch[None, :] + 0 * r[:, None], mask=mnew, other=0.0)).to(tl.float32)
             # the new state: row r <- xin[r + 1], read before anything is written
             mstate1 = (r[:, None] + 1 < K - 1) & md[None, :]
             mnew1 = (r[:, None] + 1 == K - 1) & md[None, :]
             nxt = (tl.load(cs + (r[:, None] + 1) * C + ch[None, :], mask=mstate1, other=0.0)
-                   + tl.load(qkv_ptr + row + ch[None, :] + 0 * r[:, None], mask=mnew1, other=0.0)).to(tl.float32)
+                   + tl.load(qkv_ptr + qrow + ch[None, :] + 0 * r[:, None], mask=mnew1, other=0.0)).to(tl.float32)
             w = tl.load(w_ptr + ch[None, :].to(tl.int64) * K + r[:, None], mask=(r[:, None] < K) & md[None, :],
                         other=0.0).to(tl.float32)
             conv = tl.sum(xin * w, axis=0)         # [DP]
@@ -193,13 +194,13 @@ def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch
     BV = min(_next_pow2(block_v), DP)
     if num_warps is None:
         num_warps = max(1, min(8, DP * BV // 1024))
-    qkv_c = qkv.contiguous()
+    qkv_c = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     w = conv_w.contiguous()
     sl = slots.contiguous()
     g_c = g.contiguous()
     beta_c = beta.contiguous()
     x = torch.empty(B, C, dtype=torch.float32, device=qkv.device)   # conv + norm output (scratch)
-    _conv_kernel[(B, 2 * Hk + Hv)](qkv_c, w, conv_state, sl, x, C, Hk, D, float(eps), float(D ** -0.5),
+    _conv_kernel[(B, 2 * Hk + Hv)](qkv_c, w, conv_state, sl, x, C, qkv_c.stride(0), Hk, D, float(eps), float(D ** -0.5),
                                    K=K, KP=_next_pow2(K), DP=DP, num_warps=max(1, min(4, DP * _next_pow2(K) // 256)))
     _delta_kernel[(B, Hv, triton.cdiv(D, BV))](x, S, sl, g_c, beta_c, o, C, Hk, Hv, D, DP=DP, BV=BV,
                                                num_warps=num_warps)

@@ -97,7 +97,7 @@ except ImportError:  # CPU-only installs use the torch reference instead
     triton = None
 
 __all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "dequant_packed",
-           "packed_matmul", "prefill_matmul", "packed_rows"]
+           "packed_matmul", "prefill_matmul", "packed_rows", "stack_rows", "stack_key"]
 
 
 @dataclass
@@ -121,6 +121,7 @@ class PackedWeight:
     tile_n: int = 64
     tile_k: int = 256
     tma: tuple | None = field(default=None, init=False, repr=False, compare=False)   # _descriptors' result
+    counts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # _arrival_counts
 
     @property
     def n_pad(self) -> int:
@@ -305,6 +306,37 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
                         hi_bits=hi_bits, qtype=qt, tile_n=tn, tile_k=tk)
 
 
+def stack_key(p: PackedWeight) -> tuple:
+    """What two packed weights must share to be stacked (`stack_rows`): the same layout of a tile."""
+    return (p.k, p.group, p.hi_bits, p.tile_n, p.tile_k, p.scale.dtype, p.device)
+
+
+def stack_rows(parts: list[PackedWeight]) -> tuple[PackedWeight, list[PackedWeight]]:
+    """Weights with the same input (and the same `stack_key`) as one [sum of n_pad, k] weight, their
+    tiles one after the other, and each part again as a view into it (so the parts take no memory of
+    their own once the caller drops the originals). Part i's outputs are the stack's columns
+    offsets[i] .. offsets[i] + n_i, offsets the running sum of the parts' n_pad. The stack's qtype is
+    the first part's (all parts have the same packed layout; their GGUF types may differ)."""
+    if len({stack_key(p) for p in parts}) != 1:
+        raise ValueError("only weights with the same packed tile layout can be stacked")
+    first = parts[0]
+
+    def cat(get):
+        return torch.cat([get(p) for p in parts])
+    planes = tuple(cat(lambda p, i=i: p.planes[i]) for i in range(len(first.planes)))
+    stack = PackedWeight(planes=planes, scale=cat(lambda p: p.scale), minv=cat(lambda p: p.minv),
+                         n=sum(p.n_pad for p in parts), k=first.k, group=first.group,
+                         hi_bits=first.hi_bits, qtype=first.qtype, tile_n=first.tile_n, tile_k=first.tile_k)
+    views, b0 = [], 0
+    for p in parts:
+        b1 = b0 + p.n_pad // p.tile_n
+        views.append(PackedWeight(planes=tuple(t[b0:b1] for t in planes), scale=stack.scale[b0:b1],
+                                  minv=stack.minv[b0:b1], n=p.n, k=p.k, group=p.group, hi_bits=p.hi_bits,
+                                  qtype=p.qtype, tile_n=p.tile_n, tile_k=p.tile_k))
+        b0 = b1
+    return stack, views
+
+
 def row_major(p: PackedWeight, t: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """One of p's tiled tensors (a plane, scale or minv) as row-major [n, bytes per row], or only rows
     `ids` (a 1-D integer tensor)."""
@@ -432,13 +464,19 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16)
 
     @triton.jit
-    def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, part_ptr, M, N, stride_xm, TILES,
+    def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
+                          M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
-                          TMA: tl.constexpr = False):
+                          TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+                          SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
-        one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile."""
+        one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
+        SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
+        writes its partial sums to part[k-slice]; SUM_HERE: the slice that finishes last (an arrival
+        count per output block in cnt, left at 0 again) adds part[0] + part[1] + ... in that order into
+        out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards."""
         # m-blocks vary fastest, so the programs that share a weight tile run back to back and
         # all but the first read it from L2
         pid_m = tl.program_id(0)
@@ -466,13 +504,34 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w16))
         if SWAP_AB:
             acc = tl.trans(acc)
-        out = (part_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N
-               + cols[None, :])
-        tl.store(out, acc.to(part_ptr.dtype.element_ty), mask=mask_m[:, None] & (cols[None, :] < N))
+        offs_out = offs_m[:, None].to(tl.int64) * N + cols[None, :]
+        mask_out = mask_m[:, None] & (cols[None, :] < N)
+        if SPLIT == 1:
+            if HAS_ADD:
+                acc = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + acc
+            tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+        else:
+            MN = (pid_k.to(tl.int64) * 0 + M) * N   # (M may be a constexpr 1: no .to on it)
+            tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
+            if SUM_HERE:
+                # every thread's partial is stored before the count says so (the barrier), and the
+                # count's acquire/release makes the other slices' partials visible to the last one
+                tl.debug_barrier()
+                count = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
+                if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT - 1:
+                    tot = tl.load(part_ptr + offs_out, mask=mask_out, other=0.0, cache_modifier=".cg")
+                    for i in tl.static_range(1, SPLIT):
+                        tot += tl.load(part_ptr + i * MN + offs_out, mask=mask_out, other=0.0,
+                                       cache_modifier=".cg")
+                    if HAS_ADD:
+                        tot = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + tot
+                    tl.store(out_ptr + offs_out, tot.to(out_ptr.dtype.element_ty), mask=mask_out)
+                    tl.atomic_xchg(count, 0)   # ready for the next launch (and graph replay)
 
     @triton.jit
-    def _sum_parts_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        """out = part[0] + part[1] + ... + part[SPLIT-1], added in that order."""
+    def _sum_parts_kernel(part_ptr, out_ptr, add_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                          HAS_ADD: tl.constexpr = False):
+        """out = part[0] + part[1] + ... + part[SPLIT-1], added in that order (then add + that)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -480,6 +539,8 @@ if triton is not None:
         for i in tl.static_range(1, SPLIT):
             offs_i = offs_i + MN
             acc += tl.load(part_ptr + offs_i, mask=mask, other=0.0)
+        if HAS_ADD:
+            acc = tl.load(add_ptr + offs, mask=mask, other=0.0) + acc
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -536,10 +597,17 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
 def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = torch.float32, *,
                   block_m: int = 16, split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
-                  tma: bool = False) -> torch.Tensor:
-    """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed.
+                  tma: bool = False, add: torch.Tensor | None = None,
+                  sum_here: bool | None = None) -> torch.Tensor:
+    """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed; plus `add`
+    ([..., N], float32, e.g. the residual stream) when given: add + x @ W.T, the same bits as adding
+    afterwards, without a launch of its own.
     tma: the weight's tiles come by TMA (tensor descriptors; CUDA sm_90+, or Triton's interpreter), the
     same values as per-thread loads, so the same result.
+    sum_here (default SPLIT_SUM_HERE): with split-K, the last k-slice of each output block adds the
+    partial sums (in k-slice order, so the same bits) instead of a second kernel; p keeps a small
+    arrival count per output block for it (made on the first such call, not while a CUDA graph is
+    being captured: then the second kernel is used).
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
     of x, tile_n outputs, K slice); split_k (a divisor of the K tiles, else the next one up) from the
@@ -565,10 +633,18 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
             if x2.is_cuda else 4
         split_k = _split_for(bands, kt, n_sm, 2)  # from the weight's shape only, never M
     split_k = next(s for s in range(max(1, min(split_k, kt)), kt + 1) if kt % s == 0)
+    if add is not None:
+        add = add.reshape(-1, N)
+        if add.shape[0] != M or add.dtype != torch.float32 or not add.is_contiguous():
+            raise ValueError(f"add must be contiguous float32 [{M}, {N}], got {add.dtype} {tuple(add.shape)}")
     if M == 0 or N == 0:
-        return torch.zeros((*lead, N), dtype=out_dtype, device=x.device)
-    part = torch.empty((split_k, M, N), dtype=torch.float32 if split_k > 1 else out_dtype,
-                       device=x.device)
+        out = torch.zeros((*lead, N), dtype=out_dtype, device=x.device)
+        return out if add is None else out + add.view(*lead, N)
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    m_blocks = -(-M // block_m)
+    counts = _arrival_counts(p, m_blocks) if split_k > 1 and (SPLIT_SUM_HERE if sum_here is None else sum_here) \
+        else None
     if num_warps is None:
         num_warps = 8 if p.hi_bits in (1, 2) else 4
     descs = _descriptors(p) if tma and (x2.is_cuda or _INTERPRETER) else None
@@ -578,18 +654,30 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         tma = False
         lo, sc, mn = p.planes[0], p.scale, p.minv
         hi = p.planes[1] if p.hi_bits in (1, 2) else lo
-    grid = (-(-M // block_m), bands, split_k)
+    grid = (m_blocks, bands, split_k)
     _packed_mm_kernel[grid](
-        x2, lo, hi, sc, mn, part, M, N, x2.stride(0), kt // split_k,
+        x2, lo, hi, sc, mn, part, out, out if add is None else add, part if counts is None else counts,
+        M, N, x2.stride(0), kt // split_k,
         KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
-        SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma,
-        **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
-    if split_k == 1:
-        return part.view(*lead, N)
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    block = 1024
-    _sum_parts_kernel[(-(-(M * N) // block),)](part, out, M * N, SPLIT=split_k, BLOCK=block)
+        SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k, SUM_HERE=counts is not None,
+        HAS_ADD=add is not None, **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
+    if split_k > 1 and counts is None:
+        block = 1024
+        _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
+                                                   SPLIT=split_k, BLOCK=block, HAS_ADD=add is not None)
     return out.view(*lead, N)
+
+
+def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
+    """p's int32 arrival counts, one per (m-block, row band), all 0 between launches; grown to m_blocks
+    on demand (never while a CUDA graph is being captured: None then, and the caller sums separately)."""
+    bands = p.n_pad // p.tile_n
+    c = p.counts
+    if c is None or c.numel() < m_blocks * bands:
+        if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = p.counts = torch.zeros(max(m_blocks, 4) * bands, dtype=torch.int32, device=p.device)
+    return c
 
 
 def _descriptors(p: PackedWeight) -> tuple | None:
@@ -649,21 +737,24 @@ def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0) -> torch
     return out[:m].view(*x.shape[:-1], p.n)
 
 
-def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0) -> torch.Tensor:
+def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
     """What the engine's GPU path calls. prefill > 0: the rows are prompt rows (a chunk of at most
     `prefill` rows, padded to that many): dequantize + cuBLAS (`prefill_matmul`); else decode/draft
     rows: packed_matmul with `tuned_config` (fixed per weight shape), so a decode row's result does not
-    depend on the other rows."""
+    depend on the other rows. add: add + x @ W.T (float32, x's rows by p.n), the same bits as adding after."""
+    if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
+        return add + matmul_tuned(x, p, prefill)
     if not x.is_cuda:
-        return packed_matmul(x, p)
+        return packed_matmul(x, p, add=add)
     if prefill and PREFILL_CUBLAS:
-        return prefill_matmul(x, p, pad_rows=int(prefill))
+        y = prefill_matmul(x, p, pad_rows=int(prefill))
+        return y if add is None else add + y
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     key = (p.n, p.k, p.tile_n, p.tile_k, p.hi_bits, p.group, prefill, dev)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = _CONFIGS[key] = _checked_config(x, p, prefill, _sm_count(dev), _has_tma(dev))
-    return packed_matmul(x, p, **cfg)
+    return packed_matmul(x, p, add=add, **cfg)
 
 
 def _checked_config(x: torch.Tensor, p: PackedWeight, prefill: int, n_sm: int, tma: bool) -> dict:
@@ -691,4 +782,7 @@ _CONFIGS: dict = {}
 # ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA
 TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
+# split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):
+# the same bits either way
+SPLIT_SUM_HERE = True
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)

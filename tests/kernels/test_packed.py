@@ -354,3 +354,103 @@ def test_tma_on_gpu(qtype):
         y = matmul_tuned(x, p)
         assert torch.equal(y, packed_matmul(x, p, **dict(cfg, tma=False)))
         assert torch.equal(matmul_tuned(x[:1], p), y[:1])
+
+
+# --- split-K sums in the kernel, the residual added there, stacked weights ---------------------
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+def test_split_sums_in_the_kernel(qtype):
+    """The last k-slice of each output block adds the partial sums (in k-slice order): the same bits as
+    the separate sum kernel, for any split and row count (more m-blocks than the first count buffer
+    holds too), with `add` folded in as add + product; the arrival counts are back at 0 after each call."""
+    n, k = 40, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=15), qtype, n, k, tile_n=16, tile_k=64)
+    g = torch.Generator().manual_seed(15)
+    for m in (1, 5, 80):
+        x, a = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+        for split in (2, 8):
+            apart = packed_matmul(x, p, split_k=split, sum_here=False)
+            here = packed_matmul(x, p, split_k=split, sum_here=True)
+            assert torch.equal(here, apart)
+            assert int(p.counts.abs().sum()) == 0
+            assert torch.equal(packed_matmul(x, p, split_k=split, add=a), a + apart)
+            assert torch.equal(packed_matmul(x, p, split_k=split, add=a, sum_here=False), a + apart)
+        assert torch.equal(packed_matmul(x, p, split_k=1, add=a), a + packed_matmul(x, p, split_k=1))
+    assert p.counts.numel() >= 5 * 3      # 80 rows: 5 m-blocks of 16, 3 row bands
+    _check(here, x, p)
+    with pytest.raises(ValueError, match="add must be"):
+        packed_matmul(x, p, add=a[:, :-1])
+
+
+def test_stacked_weights_give_each_parts_result():
+    """Weights of one tile layout (different GGUF types allowed: Q4_K and Q4_0 both pack into a 4-bit
+    plane with 32-value groups) stacked into one: each part becomes a view of the stack, and the stack's
+    product holds each part's product, bit for bit at the same split, at its column offset; a Q6_K part
+    (another layout) stays on its own."""
+    from engine.models.common import StackedWeights
+    from kernels.quant.packed import stack_rows
+
+    class Part:      # what StackedWeights needs of a Weight
+        def __init__(self, qtype, n, seed):
+            self.n_out, self.gpu = n, pack_weight(_random_weight(qtype, n, 256, seed=seed), qtype, n, 256, tile_n=16)
+            self.orig = self.gpu
+
+        def matmul(self, x):
+            return packed_matmul(x, self.gpu, split_k=2)
+    parts = [Part(QT.Q4_K, 40, 1), Part(QT.Q6_K, 32, 2), Part(QT.Q4_0, 16, 3), Part(QT.Q4_K, 24, 4)]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(16))
+    alone = [packed_matmul(x, w.orig, split_k=2) for w in parts]
+    stack, views = stack_rows([parts[0].gpu, parts[2].gpu, parts[3].gpu])
+    assert stack.n == 48 + 16 + 32 and [v.n for v in views] == [40, 16, 24]
+    y = packed_matmul(x, stack, split_k=2)
+    for v, w, col in zip(views, (parts[0], parts[2], parts[3]), (0, 48, 64)):
+        assert torch.equal(y[:, col:col + v.n], packed_matmul(x, w.orig, split_k=2))
+        assert torch.equal(dequant_packed_ref(v), dequant_packed_ref(w.orig))
+        assert v.planes[0].data_ptr() >= stack.planes[0].data_ptr()     # a view, no copy
+    st = StackedWeights(*parts)
+    st.stack_packed()
+    assert [cols for _, cols in st.groups] == [[(0, 0), (2, 48), (3, 64)]] and st.single == [1]
+    outs = st.stacked_matmul(x)
+    for o, a, w in zip(outs, alone, parts):
+        assert o.shape == (3, w.n_out)
+        _check(o, x, w.orig)
+        if w is parts[1]:
+            assert torch.equal(o, a)
+    with pytest.raises(ValueError, match="same packed tile layout"):
+        stack_rows([parts[0].orig, parts[1].orig])
+    st.release()
+    assert not st.groups and st.single == [0, 1, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_split_sums_in_the_kernel_on_gpu(qtype):
+    """On the GPU, where k-slices really race: the engine's decode settings with the sums made by the
+    last slice give the separate sum kernel's bits, every time (50 launches), also as a CUDA graph
+    replayed many times (the arrival counts reset themselves), with the residual folded in."""
+    from kernels.quant.packed import _sm_count, matmul_tuned, tuned_config
+    n, k = 17408, 5120
+    p = pack_weight(_random_weight(qtype, n, k, seed=17).cuda(), qtype, n, k)
+    cfg = tuned_config(p, False, _sm_count(0), tma=torch.cuda.get_device_capability(0) >= (9, 0))
+    assert cfg["split_k"] > 1
+    for m in (1, 16, 33):
+        x = torch.randn(m, k, device="cuda")
+        a = torch.randn(m, n, device="cuda")
+        apart = packed_matmul(x, p, **dict(cfg, sum_here=False))
+        for _ in range(50):
+            assert torch.equal(packed_matmul(x, p, **dict(cfg, sum_here=True)), apart)
+        assert torch.equal(matmul_tuned(x, p, add=a), a + apart)
+        assert int(p.counts.abs().sum()) == 0
+    x = torch.randn(4, k, device="cuda")
+    a = torch.randn(4, n, device="cuda")
+    matmul_tuned(x, p, add=a)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = matmul_tuned(x, p, add=a)
+    for i in range(30):
+        x.copy_(torch.randn(4, k, device="cuda", generator=torch.Generator("cuda").manual_seed(i)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, a + packed_matmul(x, p, **dict(cfg, sum_here=False)))
+    assert int(p.counts.abs().sum()) == 0
