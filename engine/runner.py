@@ -167,8 +167,15 @@ class SlotBatch:
     def attend(self, il, q, k, v, scale, window):
         return self.runner._attend(self, il, q, k, v, scale, window)
 
-    def delta_net(self, il, model, L, qkv, g, beta):
-        return self.runner._delta_net(self, il, model, L, qkv, g, beta)
+    def state_slots(self) -> torch.Tensor:
+        """The decode rows' recurrent-state slots, padding rows -1 (no state update; once per step)."""
+        if "state_slots" not in self._pool:
+            r = self.runner
+            self._pool["state_slots"] = torch.where(self.slots == r.scratch, -1, self.slots)
+        return self._pool["state_slots"]
+
+    def delta_net(self, il, model, L, qkv, alpha_x, beta_x):
+        return self.runner._delta_net(self, il, model, L, qkv, alpha_x, beta_x)
 
 
 class Runner(AttentionMixin, KeyPrepMixin):
@@ -619,14 +626,17 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._live[dst] = match.n
 
     # ----- the pieces the model calls back into -----
-    def _delta_net(self, b: SlotBatch, il, model, L, qkv, g, beta):
+    def _delta_net(self, b: SlotBatch, il, model, L, qkv, alpha_x, beta_x):
+        """qwen35's Gated DeltaNet rows of one layer from the raw projections qkv, alpha_x, beta_x (the
+        decode kernel makes the gates itself; other paths make them with torch first)."""
+        from kernels.gdn.recurrent import gdn_decode, gdn_gates
         cs, S = self.conv_state[il], self.ssm_state[il]
+        gate = (L["dt"].dense, L["a"].dense)
+        if b.decode and b.waves is None:
+            return gdn_decode(qkv, L["conv"], cs, S, b.state_slots(), alpha_x, beta_x, model.n_k_heads,
+                              model.d_state, self.spec.rms_eps, gate=gate)
+        g, beta = gdn_gates(alpha_x, beta_x, *gate)
         if b.decode:
-            from kernels.gdn import gdn_decode
-            slots = torch.where(b.slots == self.scratch, -1, b.slots)   # padding rows: no state update
-            if b.waves is None:
-                return gdn_decode(qkv, L["conv"], cs, S, slots, g, beta, model.n_k_heads, model.d_state,
-                                  self.spec.rms_eps)
             # several rows of one slot (drafts): wave w updates every slot's w-th row (the other rows run
             # with slot -1: no state update, output unused), so each row's update starts from its slot's
             # state after the rows before it, as in successive one-row steps. Every wave has all the rows:

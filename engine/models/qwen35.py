@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from engine.gguf.reader import GGUFError
 from engine.models.common import (Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm,
                                   sigmoid_mul, silu_mul)
+from kernels.gdn.recurrent import gdn_gates
 from kernels.quant import dequantize_rows
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
@@ -325,12 +326,11 @@ class Qwen35Model(DecoderModel):
         n = h.shape[0]
         Hv, D = self.n_v_heads, self.d_state
         # qkv [n, conv_dim], z [n, Hv * D], beta and alpha's products [n, Hv]
-        qkv, z, beta_in, alpha_in = L["ssm_in"].matmul(h)
-        beta = torch.sigmoid(beta_in)
-        g = F.softplus(alpha_in + L["dt"].dense) * L["a"].dense               # [n, Hv], log decay <= 0
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py)
-            o = batch.delta_net(il, self, L, qkv, g, beta)
+        qkv, z, beta_x, alpha_x = L["ssm_in"].matmul(h)
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py): it makes the gates
+            o = batch.delta_net(il, self, L, qkv, alpha_x, beta_x)
         else:
+            g, beta = gdn_gates(alpha_x, beta_x, L["dt"].dense, L["a"].dense)   # [n, Hv]: log decay <= 0, beta
             outs = []
             for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
                 if c.rowwise:  # draft verification: one row at a time like decode, the state after each kept

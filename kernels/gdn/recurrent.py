@@ -141,8 +141,17 @@ if HAVE_TRITON:
             tl.store(cs + r[:, None] * C + ch[None, :], nxt, mask=mstate)
 
     @triton.jit
-    def _delta_kernel(x_ptr, s_ptr, slot_ptr, g_ptr, beta_ptr, o_ptr, C, HK, HV, D,
-                      DP: tl.constexpr, BV: tl.constexpr):
+    def _softplus(x):
+        """torch's softplus (threshold 20): log1p(exp(x)), with log1p by Goldberg's correction (u = 1 + e
+        rounds e away; log(u) * e / (u - 1) puts it back), which Triton's math library lacks."""
+        e = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + e
+        lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+        return tl.where(x > 20.0, x, lp)
+
+    @triton.jit
+    def _delta_kernel(x_ptr, s_ptr, slot_ptr, g_ptr, beta_ptr, o_ptr, dt_ptr, a_ptr, C, HK, HV, D,
+                      stride_g, stride_beta, DP: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -158,8 +167,11 @@ if HAVE_TRITON:
             q = tl.load(x_ptr + row + hk * D + dk, mask=mk, other=0.0)                 # normed, scaled
             k = tl.load(x_ptr + row + HK * D + hk * D + dk, mask=mk, other=0.0)        # normed
             v = tl.load(x_ptr + row + 2 * HK * D + h * D + dv, mask=mv, other=0.0)
-            gg = tl.load(g_ptr + b * HV + h).to(tl.float32)
-            bb = tl.load(beta_ptr + b * HV + h).to(tl.float32)
+            gg = tl.load(g_ptr + b * stride_g + h).to(tl.float32)
+            bb = tl.load(beta_ptr + b * stride_beta + h).to(tl.float32)
+            if RAW_GATES:   # the projections themselves: g = softplus(alpha x + dt_bias) * a, beta = sigmoid(beta x)
+                gg = _softplus(gg + tl.load(dt_ptr + h)) * tl.load(a_ptr + h)
+                bb = 1.0 / (1.0 + tl.exp(-bb))
             sp = s_ptr + (slot * HV + h) * D * D + dk[:, None] * D + dv[None, :]
             ms = mk[:, None] & mv[None, :]
             s = tl.load(sp, mask=ms, other=0.0) * tl.exp(gg)                           # [DP, BV]
@@ -175,9 +187,12 @@ if HAVE_TRITON:
 
 def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
                       slots: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n_k_heads: int, d_state: int,
-                      eps: float, block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                      eps: float, block_v: int | None = None, num_warps: int | None = None,
+                      gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The Triton decode step (module doc). block_v: v-columns per delta-rule program (a power of two;
-    default 16 when B * Hv * D / 32 < 256 programs, else 32); num_warps: for the delta-rule kernel."""
+    default DELTA_CONFIG's); num_warps: for the delta-rule kernel. gate = (dt_bias [Hv], a [Hv]): g and
+    beta are the raw projections (alpha x, beta x), made into the log decay and the sigmoid'ed beta
+    inside the kernel (gdn_gates) instead of four small torch launches per layer."""
     if not HAVE_TRITON:
         raise RuntimeError("Triton is not installed")
     B, C, K, Hk, Hv, D = _check(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state)
@@ -190,31 +205,54 @@ def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch
         return o
     DP = _next_pow2(D)
     if block_v is None:
-        block_v = 16 if B * Hv * max(1, DP // 32) < 256 else 32
+        block_v = DELTA_CONFIG["block_v"] or (16 if B * Hv * max(1, DP // 32) < 256 else 32)
     BV = min(_next_pow2(block_v), DP)
     if num_warps is None:
-        num_warps = max(1, min(8, DP * BV // 1024))
+        num_warps = DELTA_CONFIG["num_warps"] or max(1, min(8, DP * BV // 1024))
     qkv_c = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     w = conv_w.contiguous()
     sl = slots.contiguous()
-    g_c = g.contiguous()
-    beta_c = beta.contiguous()
+    g_c = g if g.stride(-1) == 1 else g.contiguous()            # (row-strided views of a stacked product)
+    beta_c = beta if beta.stride(-1) == 1 else beta.contiguous()
+    if gate is not None:
+        dt_c, a_c = (t.float().contiguous() for t in gate)
+        if dt_c.shape != (Hv,) or a_c.shape != (Hv,):
+            raise ValueError(f"gate must be (dt_bias [{Hv}], a [{Hv}])")
+    else:
+        dt_c = a_c = g_c
     x = torch.empty(B, C, dtype=torch.float32, device=qkv.device)   # conv + norm output (scratch)
     _conv_kernel[(B, 2 * Hk + Hv)](qkv_c, w, conv_state, sl, x, C, qkv_c.stride(0), Hk, D, float(eps), float(D ** -0.5),
                                    K=K, KP=_next_pow2(K), DP=DP, num_warps=max(1, min(4, DP * _next_pow2(K) // 256)))
-    _delta_kernel[(B, Hv, triton.cdiv(D, BV))](x, S, sl, g_c, beta_c, o, C, Hk, Hv, D, DP=DP, BV=BV,
-                                               num_warps=num_warps)
+    _delta_kernel[(B, Hv, triton.cdiv(D, BV))](x, S, sl, g_c, beta_c, o, dt_c, a_c, C, Hk, Hv, D,
+                                               g_c.stride(0), beta_c.stride(0), DP=DP, BV=BV,
+                                               RAW_GATES=gate is not None, num_warps=num_warps)
     return o
+
+
+def gdn_gates(alpha_x: torch.Tensor, beta_x: torch.Tensor, dt_bias: torch.Tensor,
+              a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of the gates from the raw projections: g = softplus(alpha_x + dt_bias) * a (the log
+    decay, <= 0), beta = sigmoid(beta_x), as engine/models/qwen35.py computes them."""
+    return F.softplus(alpha_x + dt_bias) * a, torch.sigmoid(beta_x)
 
 
 def gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
                slots: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n_k_heads: int, d_state: int,
-               eps: float, impl: str = "auto", **kw) -> torch.Tensor:
+               eps: float, impl: str = "auto", gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+               **kw) -> torch.Tensor:
     """The decode step: Triton for CUDA tensors (impl="auto"), else `ref_gdn_decode`; impl "ref" or
     "triton" forces one (the tests run "triton" on the CPU, in Triton's interpreter). `kw`
-    (block_v, num_warps) go to the Triton path. The slots of non-padding rows must be distinct."""
+    (block_v, num_warps) go to the Triton path. The slots of non-padding rows must be distinct.
+    gate = (dt_bias, a): g and beta are the raw projections (gdn_gates makes the real ones)."""
     if impl not in ("auto", "ref", "triton"):
         raise ValueError(f"impl must be 'auto', 'ref' or 'triton', not {impl!r}")
     if impl == "triton" or (impl == "auto" and HAVE_TRITON and qkv.is_cuda):
-        return gdn_decode_triton(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state, eps, **kw)
+        return gdn_decode_triton(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state, eps,
+                                 gate=gate, **kw)
+    if gate is not None:
+        g, beta = gdn_gates(g, beta, *gate)
     return ref_gdn_decode(qkv, conv_w, conv_state, S, slots, g, beta, n_k_heads, d_state, eps)
+
+
+# the delta-rule kernel's settings (None: the defaults in gdn_decode_triton), from .ci/gpu/sweep_gdn.py
+DELTA_CONFIG: dict = {"block_v": None, "num_warps": None}

@@ -104,6 +104,35 @@ def test_triton_matches_ref(D, slots, block_v):
     _compare(2, 4, D, slots, n_slots=6, steps=3, block_v=block_v)
 
 
+def test_triton_makes_the_gates_from_raw_projections():
+    """gate=(dt_bias, a): the kernel takes the raw projections (strided views of a stacked product, as
+    the engine passes them) and makes g = softplus(alpha x + dt_bias) * a and beta = sigmoid(beta x)
+    itself: the reference fed with gdn_gates' values, over 3 steps; softplus over its whole range
+    (large negative, around the threshold 20, large positive)."""
+    Hk, Hv, D = 2, 4, 16
+    slots = torch.tensor([3, -1, 0])
+    conv_w, cs_t, S_t = _state(4, Hk, Hv, D, seed=6)
+    cs_r, S_r = cs_t.clone(), S_t.clone()
+    gen = torch.Generator().manual_seed(7)
+    dt, a = torch.randn(Hv, generator=gen), -torch.rand(Hv, generator=gen).add(0.1)
+    from kernels.gdn.recurrent import gdn_gates
+    for step, scale in enumerate((1.0, 8.0, 30.0)):
+        C = (2 * Hk + Hv) * D
+        stacked = torch.randn(3, C + 2 * Hv + 5, generator=gen)
+        stacked[:, C:C + 2 * Hv] *= scale
+        qkv, beta_x, alpha_x = stacked[:, :C], stacked[:, C:C + Hv], stacked[:, C + Hv:C + 2 * Hv]
+        o_t = gdn_decode(qkv, conv_w, cs_t, S_t, slots, alpha_x, beta_x, Hk, D, EPS, impl="triton", gate=(dt, a))
+        g, beta = gdn_gates(alpha_x, beta_x, dt, a)
+        o_r = ref_gdn_decode(qkv, conv_w, cs_r, S_r, slots, g, beta, Hk, D, EPS)
+        torch.testing.assert_close(o_t, o_r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(S_t, S_r, rtol=1e-5, atol=1e-5)
+        assert torch.equal(gdn_decode(qkv, conv_w, cs_r.clone(), S_r.clone(), slots, alpha_x, beta_x, Hk, D, EPS,
+                                      impl="ref", gate=(dt, a)),
+                           ref_gdn_decode(qkv, conv_w, cs_r.clone(), S_r.clone(), slots, g, beta, Hk, D, EPS))
+    with pytest.raises(ValueError, match="gate must be"):
+        gdn_decode(qkv, conv_w, cs_t, S_t, slots, alpha_x, beta_x, Hk, D, EPS, impl="triton", gate=(dt[:2], a))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: Qwen3.5 sizes (Hk = 16, Hv = 48, D = 128)
 
@@ -147,4 +176,25 @@ def test_triton_cuda_graph(B):
         o_r = ref_gdn_decode(q2, conv_w, cs_r, S_r, slots, g2, b2, Hk, D, EPS)
         torch.testing.assert_close(o_static, o_r, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cs_t, cs_r, rtol=0, atol=0)
+        torch.testing.assert_close(S_t, S_r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 16])
+def test_triton_raw_gates_gpu(B):
+    """The engine's decode call at Qwen3.5 sizes: raw projections and (dt_bias, a) in, as the reference."""
+    from kernels.gdn.recurrent import gdn_gates
+    Hk, Hv, D = QWEN["Hk"], QWEN["Hv"], QWEN["D"]
+    slots = torch.arange(B, dtype=torch.int64, device="cuda")
+    conv_w, cs_t, S_t = _state(B, Hk, Hv, D, seed=8, device="cuda")
+    cs_r, S_r = cs_t.clone(), S_t.clone()
+    gen = torch.Generator().manual_seed(9)
+    dt, a = torch.randn(Hv, generator=gen).cuda(), -torch.rand(Hv, generator=gen).add(0.1).cuda()
+    for step in range(3):
+        qkv, _, _ = _inputs(B, Hk, Hv, D, seed=50 + step, device="cuda")
+        ab = (torch.randn(B, 2 * Hv, generator=gen) * 4).cuda()
+        o_t = gdn_decode(qkv, conv_w, cs_t, S_t, slots, ab[:, :Hv], ab[:, Hv:], Hk, D, EPS, gate=(dt, a))
+        g, beta = gdn_gates(ab[:, :Hv], ab[:, Hv:], dt, a)
+        o_r = ref_gdn_decode(qkv, conv_w, cs_r, S_r, slots, g, beta, Hk, D, EPS)
+        torch.testing.assert_close(o_t, o_r, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(S_t, S_r, rtol=1e-4, atol=1e-4)
