@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from engine.gguf.reader import GGUFError
 from engine.models.common import (Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm,
                                   sigmoid_mul, silu_mul)
+from kernels.gdn.chunk import chunk_scan, ref_chunk_scan, use_chunk_scan
 from kernels.gdn.recurrent import gdn_gates
 from kernels.quant import dequantize_rows
 
@@ -131,12 +132,9 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     qg = q * gc.exp()[..., None]
     kg = k * (gc[..., -1:] - gc).exp()[..., None]
     g_last = gc[..., -1].exp()                                      # [H, N]
-    S = state
-    out = torch.empty(H, n_chunks, chunk, Dv, dtype=q.dtype, device=q.device)
-    for i in range(n_chunks):
-        v_new = u[:, i] - w[:, i] @ S
-        out[:, i] = qg[:, i] @ S + qk[:, i] @ v_new
-        S = S * g_last[:, i, None, None] + kg[:, i].transpose(-1, -2) @ v_new
+    # the scan through the state, piece by piece (kernels/gdn/chunk.py: one launch on CUDA)
+    scan = chunk_scan if use_chunk_scan(q) else ref_chunk_scan
+    out, S = scan(u, w, qg, qk, kg, g_last, state)
     o = out.reshape(H, n_chunks * chunk, Dv)[:, :T].transpose(0, 1)
     return o.contiguous(), S
 
