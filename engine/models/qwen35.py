@@ -134,8 +134,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     g_last = gc[..., -1].exp()                                      # [H, N]
     # the scan through the state, piece by piece (kernels/gdn/chunk.py: one launch on CUDA)
     scan = chunk_scan if use_chunk_scan(q) else ref_chunk_scan
-    out, S = scan(u, w, qg, qk, kg, g_last, state)
-    o = out.reshape(H, n_chunks * chunk, Dv)[:, :T].transpose(0, 1)
+    out, S = scan(u, w, qg, qk, kg, g_last, state)                  # [H, N, C, Dv] (a view of any layout)
+    o = out.permute(1, 2, 0, 3).reshape(n_chunks * chunk, H, Dv)[:T]   # [T, H, Dv]: one copy
     return o.contiguous(), S
 
 

@@ -28,13 +28,17 @@ except ImportError:  # CPU-only installs: the torch loop in delta_rule_chunked
 
 def ref_chunk_scan(u, w, qg, qk, kg, g_last, S):
     """The torch loop (delta_rule_chunked's): u [H, N, C, Dv], w, qg, kg [H, N, C, Dk], qk [H, N, C, C],
-    g_last [H, N], S [H, Dk, Dv] -> out [H, N, C, Dv], the state after the last piece."""
-    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    for i in range(u.shape[1]):
-        v_new = u[:, i] - w[:, i] @ S
-        out[:, i] = qg[:, i] @ S + qk[:, i] @ v_new
-        S = S * g_last[:, i, None, None] + kg[:, i].transpose(-1, -2) @ v_new
-    return out, S
+    g_last [H, N], S [H, Dk, Dv] -> out [H, N, C, Dv], the state after the last piece. Five launches per
+    piece (each product and the sum beside it one baddbmm: a prompt chunk on the GPU is bound by the host's
+    launches), the pieces' outputs written in place ([N, H, C, Dv], so each piece's block is contiguous)."""
+    H, N, C, Dv = u.shape
+    out = torch.empty((N, H, C, Dv), dtype=u.dtype, device=u.device)
+    kgt = kg.transpose(-1, -2)
+    for i in range(N):
+        v_new = torch.baddbmm(u[:, i], w[:, i], S, alpha=-1.0)                 # u - w @ S
+        torch.baddbmm(torch.bmm(qg[:, i], S), qk[:, i], v_new, out=out[i])     # qg @ S + qk @ v_new
+        S = torch.baddbmm(S * g_last[:, i, None, None], kgt[:, i], v_new)     # S g + kg^T v_new
+    return out.transpose(0, 1), S
 
 
 if triton is not None:
