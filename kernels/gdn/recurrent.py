@@ -146,7 +146,7 @@ if HAVE_TRITON:
         rounds e away; log(u) * e / (u - 1) puts it back), which Triton's math library lacks."""
         e = tl.exp(tl.minimum(x, 20.0))
         u = 1.0 + e
-        lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+        lp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
         return tl.where(x > 20.0, x, lp)
 
     @triton.jit
