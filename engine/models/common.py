@@ -204,9 +204,21 @@ class StackedWeights:
 
     def matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each part's x @ W.T, in the parts' order."""
-        if not self.groups or not x.is_cuda or PREFILL_ROWS.get():
+        if not self.groups or not x.is_cuda:
             return [w.matmul(x) for w in self.parts]
+        if PREFILL_ROWS.get():
+            return self._prefill(x)
         return self.stacked_matmul(x)
+
+    def _prefill(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Prompt rows: one cuBLAS product per part, their fp16 operand made once (the same bits as apart)."""
+        from kernels.quant.packed import PREFILL_CUBLAS, PackedWeight, prefill_matmul, prefill_rows
+        if not PREFILL_CUBLAS:
+            return [w.matmul(x) for w in self.parts]
+        pad = PREFILL_ROWS.get()
+        rows16 = prefill_rows(x, self.parts[0].n_in, pad)
+        return [prefill_matmul(x, w.gpu, pad, rows16=rows16) if isinstance(w.gpu, PackedWeight) else w.matmul(x)
+                for w in self.parts]
 
     def stacked_matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
         """matmul's decode-row path: one product per stack (on the CPU: Triton's interpreter, for tests)."""

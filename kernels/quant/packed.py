@@ -97,7 +97,7 @@ except ImportError:  # CPU-only installs use the torch reference instead
     triton = None
 
 __all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "dequant_packed",
-           "packed_matmul", "prefill_matmul", "packed_rows", "stack_rows", "stack_key"]
+           "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "stack_rows", "stack_key"]
 
 
 @dataclass
@@ -715,7 +715,16 @@ def dequant_packed(p: PackedWeight) -> torch.Tensor:
     return out
 
 
-def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0) -> torch.Tensor:
+def prefill_rows(x: torch.Tensor, k: int, pad_rows: int = 0) -> torch.Tensor:
+    """x's rows as the fp16 [max(m, pad_rows), k] operand of prefill products, zero-padded (weights that
+    read the same x share one: StackedWeights)."""
+    x2 = x.reshape(-1, k).to(torch.float16)
+    m = x2.shape[0]
+    return torch.cat([x2, x2.new_zeros(pad_rows - m, k)]) if m < pad_rows else x2
+
+
+def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0,
+                   rows16: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt rows: dequantize the weight to fp16 once, then one cuBLAS product with fp32 results.
     A prefill chunk is compute-bound, and cuBLAS's tensor-core kernels run about 3.5x the fused
     Triton kernel's TFLOP/s on the H200 (docs/PERFORMANCE.md); the fp16 copy costs one pass over the
@@ -724,12 +733,10 @@ def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0) -> torch
     boundaries, not on other sequences. pad_rows: fewer rows are zero-padded to this many, so that every
     chunk of a prompt runs the same cuBLAS kernel and a row's result does not depend on how the prompt
     was cut into chunks either (a kernel reduces each output over K in its own fixed order, whatever
-    the other rows hold)."""
+    the other rows hold). rows16: prefill_rows(x, p.k, pad_rows), when the caller has it already."""
     w = dequant_packed(p)
-    x2 = x.reshape(-1, p.k).to(torch.float16)
-    m = x2.shape[0]
-    if m < pad_rows:
-        x2 = torch.cat([x2, x2.new_zeros(pad_rows - m, p.k)])
+    m = x.numel() // p.k
+    x2 = prefill_rows(x, p.k, pad_rows) if rows16 is None else rows16
     try:
         out = torch.mm(x2, w.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError):   # torch without mm(out_dtype=): fp16 results, widened

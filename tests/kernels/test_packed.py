@@ -392,7 +392,8 @@ def test_stacked_weights_give_each_parts_result():
 
     class Part:      # what StackedWeights needs of a Weight
         def __init__(self, qtype, n, seed):
-            self.n_out, self.gpu = n, pack_weight(_random_weight(qtype, n, 256, seed=seed), qtype, n, 256, tile_n=16)
+            self.n_out, self.n_in = n, 256
+            self.gpu = pack_weight(_random_weight(qtype, n, 256, seed=seed), qtype, n, 256, tile_n=16)
             self.orig = self.gpu
 
         def matmul(self, x):
@@ -416,6 +417,14 @@ def test_stacked_weights_give_each_parts_result():
         _check(o, x, w.orig)
         if w is parts[1]:
             assert torch.equal(o, a)
+    # prompt rows: one product per part with the fp16 operand made once, the same bits as each alone
+    from engine.models.common import PREFILL_ROWS
+    tok = PREFILL_ROWS.set(8)
+    try:
+        for o, w in zip(st._prefill(x), parts):
+            assert torch.equal(o, prefill_matmul(x, w.orig, pad_rows=8))
+    finally:
+        PREFILL_ROWS.reset(tok)
     with pytest.raises(ValueError, match="same packed tile layout"):
         stack_rows([parts[0].orig, parts[1].orig])
     st.release()
