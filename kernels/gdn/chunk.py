@@ -7,8 +7,8 @@ Per head, with the pieces' precomputed terms (u, w from the UT transform, qg, qk
     out[i] = qg[i] @ S + qk[i] @ v_new
     S = S * g_last[i] + kg[i]^T @ v_new
 
-In torch that is seven launches per piece (56 per layer for a 512-token chunk, ~2700 of a 27B prompt
-chunk's 9100), and a prompt chunk on the GPU is bound by the host's launches (docs/PERFORMANCE.md,
+In torch that is five launches per piece (`ref_chunk_scan`; 40 per layer for a 512-token chunk, ~1900 of a
+27B prompt chunk's), and a prompt chunk on the GPU is bound by the host's launches (docs/PERFORMANCE.md,
 seventh session). Here one program per (head, block of BV state columns) keeps its [Dk, BV] slice of S
 in registers through all pieces: the columns of S are independent in every line above. float32 dots
 (input_precision "ieee", as torch's float32 matmul); the sums' order differs from cuBLAS's, so results
