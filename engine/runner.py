@@ -53,6 +53,7 @@ from engine.runner_attention import AttentionMixin
 from engine.runner_keyprep import KeyPrep, KeyPrepMixin
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import DECODE_CONFIG
+from kernels.gdn import gdn_decode, gdn_gates
 from kernels.kvcodec import cache_type_name, get_codec
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -629,7 +630,6 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def _delta_net(self, b: SlotBatch, il, model, L, qkv, alpha_x, beta_x):
         """qwen35's Gated DeltaNet rows of one layer from the raw projections qkv, alpha_x, beta_x (the
         decode kernel makes the gates itself; other paths make them with torch first)."""
-        from kernels.gdn.recurrent import gdn_decode, gdn_gates
         cs, S = self.conv_state[il], self.ssm_state[il]
         gate = (L["dt"].dense, L["a"].dense)
         if b.decode and b.waves is None:
@@ -736,7 +736,6 @@ class Runner(AttentionMixin, KeyPrepMixin):
         keep = n - p0
         if keep >= len(rows):
             return
-        from kernels.gdn import gdn_decode
         for il in self.conv_state:
             self.conv_state[il][slot].copy_(conv[il])
             self.ssm_state[il][slot].copy_(ssm[il])

@@ -3,14 +3,10 @@
 # then `bench decode` at depth 0 alternating with and without them (.ci/gpu/without_stacks.py) while
 # time allows. Results in $OUT/ab_*.json.
 source .ci/gpu/env.sh
-GEN=
-if [ ! -f /tmp/m27.gguf ]; then   # generated beside the tests (14 s on 16 cores)
-    python3 -c "from engine.synth import write_synthetic; write_synthetic('/tmp/m27.gguf', 'qwen35', '27b-q4_k_m', threads=16)" > /tmp/gen.log 2>&1 &
-    GEN=$!
-fi
+m27_start
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_runner.py -x \
     -k "${TESTS_K:-tma or graph_capture or split_sums or stacked or graphs_equal or gdn}" 2>&1 | tail -12
-[ -z "$GEN" ] || wait $GEN
+m27_wait
 tail -2 /tmp/gen.log
 i=0
 for v in new old new old; do

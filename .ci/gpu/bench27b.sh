@@ -3,7 +3,7 @@
 # benchmark with llama.cpp's llama-bench (carried in .bench-bin/) in the same run. Results in $OUT.
 set -e
 source .ci/gpu/env.sh
-[ -f /tmp/m27.gguf ] || python3 -c "from engine.synth import write_synthetic; write_synthetic('/tmp/m27.gguf', 'qwen35', '27b-q4_k_m', threads=16)"
+m27_start; m27_wait
 LLAMA=()
 if [ -f .bench-bin/llama-bench-b11434-cuda-sm90.tar.xz ]; then
     tar xJf .bench-bin/llama-bench-b11434-cuda-sm90.tar.xz -C /tmp && LLAMA=(--llamacpp /tmp)

@@ -1,8 +1,11 @@
-"""On the GPU machine: run a module with one module-level setting replaced by a JSON file's content (a
-sweep's pick), so one call measures it end to end before it is committed:
-    python3 -u .ci/gpu/with_config.py kernels.gdn.recurrent.DELTA_CONFIG=/tmp/gdn_pick.json -m app.cli bench decode ...
-    python3 -u .ci/gpu/with_config.py kernels.attention.paged.DECODE_CONFIG=/tmp/attn.json .ci/gpu/ctx200k.py depth
-A missing file leaves the setting as it is."""
+"""On the GPU machine: run a module or script with one module-level setting taken from a JSON file (a
+sweep's pick), so one call measures it end to end before it is committed as the default. A dict setting
+is updated with the file's keys, anything else replaced (`null` turns TMA_CONFIG off); a missing file
+leaves the setting as it is.
+    python3 -u .ci/gpu/with_config.py kernels.attention.paged.DECODE_CONFIG=$OUT/attn_pick.json -m app.cli bench decode ...
+    python3 -u .ci/gpu/with_config.py kernels.quant.packed.TMA_CONFIG=$OUT/tma_pick.json -m app.cli bench decode ...
+    python3 -u .ci/gpu/with_config.py kernels.gdn.recurrent.DELTA_CONFIG=/tmp/gdn_pick.json .ci/gpu/ctx200k.py depth
+(The earlier with_attn.py and with_tma.py in docs/PERFORMANCE.md's commands were this for those two.)"""
 import importlib
 import json
 import os
@@ -14,7 +17,8 @@ target, path = sys.argv[1].split("=", 1)
 mod_name, attr = target.rsplit(".", 1)
 if os.path.exists(path):
     mod = importlib.import_module(mod_name)
-    setattr(mod, attr, json.load(open(path)))
+    old, new = getattr(mod, attr), json.load(open(path))
+    setattr(mod, attr, {**old, **new} if isinstance(old, dict) and isinstance(new, dict) else new)
     print(target, "=", getattr(mod, attr), file=sys.stderr, flush=True)
 rest = sys.argv[2:]
 if rest[0] == "-m":

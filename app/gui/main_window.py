@@ -52,7 +52,6 @@ class MainWindow(QMainWindow):
         if icon.exists():
             self.setWindowIcon(QIcon(str(icon)))
         self.ctl = EngineController(threads=int(self.store.get_setting("threads", 0)))
-        self._resume_server = False     # the server was on when a model load began (load_model)
         self.gpus, self.gpu_msg = gpu_mod.gpu_status()
         self._build()
         self.ctl.loadStarted.connect(self._on_load_started)
@@ -225,11 +224,6 @@ class MainWindow(QMainWindow):
     def load_model(self, model: str, ctx_size: int = 0, kv_cache: str | None = None):
         if self.chat.generating:
             self.chat.stop()
-        # the server is off while a model loads (it must not serve an engine being replaced) and comes
-        # back on by itself afterwards, on whichever model is then loaded
-        self._resume_server = self._resume_server or self.server.srv.running
-        if self.server.srv.running:
-            self.server_switch.setChecked(False)
         self.ctl.threads = int(self.store.get_setting("threads", 0))
         self.ctl.load(model, ctx_size, kv_cache=kv_cache, mmproj="auto",
                       spec=str(self.store.get_setting("spec", "off")))
@@ -254,15 +248,8 @@ class MainWindow(QMainWindow):
         self.cancel_load_button.hide()
         self.model_combo.setEnabled(True)
 
-    def _server_back_on(self):
-        if self._resume_server:
-            self._resume_server = False
-            if self.ctl.engine is not None:
-                self.server_switch.setChecked(True)
-
     def _on_loaded(self, info):
         self._load_done_ui()
-        self._server_back_on()
         self.eject_button.show()
         where = "remote" if info.remote else info.device.upper()
         self.state_label.setText(f"● {info.name} · context {info.ctx_size:,} · {where}"
@@ -287,7 +274,6 @@ class MainWindow(QMainWindow):
 
     def _on_load_failed(self, err):
         self._load_done_ui()
-        self._server_back_on()
         self.state_label.setText("Load failed")
         self.statusBar().showMessage(f"Could not load the model: {err}")
         self.chat.error_label.setText(f"Could not load the model: {err}")
@@ -297,7 +283,6 @@ class MainWindow(QMainWindow):
 
     def _on_load_cancelled(self):
         self._load_done_ui()
-        self._server_back_on()
         self.statusBar().showMessage("Loading cancelled", 5000)
         if self.ctl.info:
             self.state_label.setText(f"● {self.ctl.info.name} · context {self.ctl.info.ctx_size:,}")
@@ -308,8 +293,7 @@ class MainWindow(QMainWindow):
     def _eject(self):
         if self.chat.generating:
             self.chat.stop()
-        self._resume_server = False
-        self.server_switch.setChecked(False)
+        self.server.turn_off()
         self.ctl.unload()
         self.state_label.setText("No model loaded")
         self.eject_button.hide()

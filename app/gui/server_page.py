@@ -124,8 +124,12 @@ class ServerPage(QWidget):
         self.setObjectName("Page")
         self.store, self.ctl = store, controller
         self.srv = ServerController()
-        # the server shares the app's engine: a new model restarts it on that one, none stops it
-        self.ctl.loaded.connect(self._model_changed)
+        # the server shares the app's engine: it is off while a model loads (it must not serve an engine
+        # being replaced) and back on afterwards on whichever model is then loaded; unloading stops it
+        self._resume = False
+        self.ctl.loadStarted.connect(self._load_started)
+        for sig in (self.ctl.loaded, self.ctl.loadFailed, self.ctl.loadCancelled):
+            sig.connect(self._load_ended)
         self.ctl.unloaded.connect(self._model_gone)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(24, 18, 24, 18)
@@ -253,10 +257,23 @@ class ServerPage(QWidget):
         self._update_texts()
         self.stateChanged.emit(on)
 
-    def _model_changed(self, _info=None):
-        if self.srv.running and self.srv.engine is not self.ctl.engine:
+    def _load_started(self, _model=None):
+        if self.srv.running:
+            self._resume = True
+            self.switch.setChecked(False)
+
+    def _load_ended(self, *_):
+        if self.srv.running and self.srv.engine is not self.ctl.engine:   # (a load that did not pause it)
             self.switch.setChecked(False)
             self.switch.setChecked(True)
+        elif self._resume and self.ctl.engine is not None:
+            self.switch.setChecked(True)
+        self._resume = False
+
+    def turn_off(self):
+        """Off, and not back on after a load in progress (ejecting the model)."""
+        self._resume = False
+        self.switch.setChecked(False)
 
     def _model_gone(self):
         if self.srv.running:

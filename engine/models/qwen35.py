@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from engine.gguf.reader import GGUFError
 from engine.models.common import (Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm,
                                   sigmoid_mul, silu_mul)
+from kernels.gdn import gdn_gates
 from kernels.gdn.chunk import chunk_scan, ref_chunk_scan, use_chunk_scan
-from kernels.gdn.recurrent import gdn_gates
 from kernels.quant import dequantize_rows
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
