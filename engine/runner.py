@@ -51,6 +51,7 @@ from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
 from engine.runner_attention import AttentionMixin
 from engine.runner_keyprep import KeyPrep, KeyPrepMixin
+from engine.runner_prefill import PrefillGraph
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import DECODE_CONFIG
 from kernels.gdn import gdn_decode, gdn_gates
@@ -193,7 +194,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
                  max_ctx: int = 4096, cache_type: str | None = None, block_size: int = 16,
                  graphs: bool | None = None, n_split: int | None = None, *, cache_type_k: str | None = None,
                  cache_type_v: str | None = None, prefill_dot: str = "tf32", triton: bool | None = None,
-                 n_blocks: int | None = None):
+                 n_blocks: int | None = None, padded_prefill: bool | None = None):
         kt = cache_type_name(cache_type_k or cache_type or "f16")
         vt = cache_type_name(cache_type_v or cache_type or "f16")
         self.model, self.spec = model, model.spec
@@ -276,6 +277,10 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
         self._graphs: dict[tuple, tuple] = {}          # (rows bucket, waves, centers) -> decode graph
         self._graph_pool = None
+        # prompt chunks padded to the chunk size and, with graphs, captured between attention layers
+        # (engine/runner_prefill.py); default: with the decode graphs
+        self.padded_prefill = self.graphs_enabled if padded_prefill is None else padded_prefill
+        self._prefill_graphs: dict[int, PrefillGraph] = {}   # chunk size -> its graphs
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on
         # and the digests of that prefix at each multiple of it (exact_length), and the position its
         # recurrent states are at (-1: not known); recurrent-state checkpoints (enable_checkpoints)
@@ -355,7 +360,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def close(self) -> None:
         """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
         buffers) and hand it back to the driver; the runner is unusable after this."""
-        for d in (self._graphs, self._graph_waves, self._graph_replay, self._replay_bufs, self._replay_inputs,
+        for d in (self._graphs, self._prefill_graphs, self._graph_waves, self._graph_replay, self._replay_bufs, self._replay_inputs,
                   self._snapshots, self.k, self.v, self.kprep, self.conv_state, self.ssm_state, self._ckpt_conv,
                   self._ckpt_ssm):
             d.clear()
@@ -765,16 +770,18 @@ class Runner(AttentionMixin, KeyPrepMixin):
             hi = min(n, lo + chunk)
             self.reserve(slot, start + hi, start + lo)
             self.sync_tables()
-            t = tokens[lo:hi].to(self.device)
-            pos = torch.arange(start + lo, start + hi, device=self.device)
-            b = SlotBatch(self, pos, torch.full((hi - lo,), slot, dtype=torch.long, device=self.device),
-                          decode=False, slot=slot, start=start + lo)
             live = self._live[slot]
             self._rewrite(slot, start + lo)
             self._live[slot] = -1                  # (not known should the chunk fail)
             flag = PREFILL_ROWS.set(chunk)     # prompt rows: the prefill matmul, padded to `chunk` rows
             try:
-                x = self._hidden(t, b)
+                if self.padded_prefill:
+                    x = self._prefill_graph(chunk).run(tokens[lo:hi], start + lo, slot)
+                else:
+                    pos = torch.arange(start + lo, start + hi, device=self.device)
+                    b = SlotBatch(self, pos, torch.full((hi - lo,), slot, dtype=torch.long, device=self.device),
+                                  decode=False, slot=slot, start=start + lo)
+                    x = self._hidden(tokens[lo:hi].to(self.device), b)
                 if all_logits:
                     outs.append(self._head(x))
             finally:
@@ -785,6 +792,28 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 # fp16 copy of the whole output matrix (2.5 GB for a 248K vocabulary)
                 outs.append(self._head(x[-1:]))
         return torch.cat(outs)
+
+    def _prefill_graph(self, chunk: int) -> PrefillGraph:
+        g = self._prefill_graphs.get(chunk)
+        if g is None:
+            g = self._prefill_graphs[chunk] = PrefillGraph(self, chunk, capture=self.graphs_enabled)
+        return g
+
+    @torch.inference_mode()
+    def capture_prefill(self, chunk: int = 512) -> None:
+        """Run and capture the padded prompt chunk of `chunk` tokens now (on a free slot, released after),
+        so that no request pays for compiling and capturing it; skipped when the pool is too small."""
+        if not self.padded_prefill or chunk in self._prefill_graphs:
+            return
+        free = [s for s in range(self.n_slots) if not self._blocks[s]]
+        if not free or self.blocks_needed(free[0], 0, chunk) > self.pool.n_free or chunk > self.max_ctx:
+            return
+        n_ckpt, self.n_checkpoints = self.n_checkpoints, 0     # (no checkpoint of the dummy prompt)
+        try:
+            self.prefill(free[0], [0] * chunk, chunk=chunk)
+        finally:
+            self.n_checkpoints = n_ckpt
+            self.reset(free[0])
 
     @torch.inference_mode()
     def decode(self, slots, tokens, positions) -> torch.Tensor:

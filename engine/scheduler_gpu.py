@@ -135,6 +135,7 @@ class RunnerScheduler:
             top = next((b for b in BUCKETS if b >= c.max_seqs), BUCKETS[-1])
             try:
                 self.runner.capture([b for b in BUCKETS if b <= top])
+                self.runner.capture_prefill(c.prefill_chunk)   # (prompt chunks: engine/runner_prefill.py)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 self.model.close()
                 raise EngineError(f"cannot capture the decode graphs on {c.device}: {e}") from None

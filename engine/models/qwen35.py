@@ -348,9 +348,12 @@ class Qwen35Model(DecoderModel):
         return L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
 
     def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple]:
+                       state: tuple[torch.Tensor, torch.Tensor] | None,
+                       keep: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
         """One sequence's m consecutive rows through the conv and the delta rule, from `state`
-        (conv window [K-1, conv_dim], S [Hv, D, D]; None: zeros). Returns o [m, Hv, D] and the new state."""
+        (conv window [K-1, conv_dim], S [Hv, D, D]; None: zeros). Returns o [m, Hv, D] and the new state.
+        keep: the rows of [conv window; qkv] that make the new window (default the last K-1; a padded
+        prompt chunk, engine/runner_prefill.py, keeps those ending at its last real row)."""
         s = self.spec
         m = qkv.shape[0]
         Hk, Hv, D, K = self.n_k_heads, self.n_v_heads, self.d_state, s.ssm_d_conv
@@ -369,7 +372,8 @@ class Qwen35Model(DecoderModel):
             k = k.repeat(1, Hv // Hk, 1)
         rule = delta_rule_recurrent if m == 1 else delta_rule_chunked
         o, S = rule(q, k, v, g, beta, S)
-        return o, (xin[-(K - 1):].clone(), S)
+        window = xin[-(K - 1):].clone() if keep is None else xin.index_select(0, keep)
+        return o, (window, S)
 
     # ------------------------------------------------------------------------------------------
     # MTP (NextN) block

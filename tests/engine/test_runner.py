@@ -181,7 +181,8 @@ def test_draft_steps_as_graphs_equal_eager_steps(tiny):
         V = model.spec.vocab_size
         runs = []
         for graphs in (True, False):
-            r = Runner(model, device="cuda", n_slots=3, max_ctx=96, block_size=16, graphs=graphs)
+            r = Runner(model, device="cuda", n_slots=3, max_ctx=96, block_size=16, graphs=graphs,
+                       padded_prefill=True)     # (the same prompt chunks: captured ones equal eager ones)
             r.prefill(0, prompt(20, 0, V))
             r.prefill(1, prompt(13, 1, V))
             out, pos = [], {0: 20, 1: 13}

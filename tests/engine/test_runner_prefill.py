@@ -1,0 +1,102 @@
+"""The padded prompt chunk (engine/runner_prefill.py): every chunk run as `chunk` rows with padding, the
+slot's recurrent state through a device index, attention split out of the model's code. On the CPU it
+must give the plain prefill's logits bit for bit (the same kernels on the real rows; padding rows change
+no state); on a GPU its captured segments must give the eager padded chunk's logits bit for bit.
+(On the CPU a row's matmul result depends on the other rows of its 16-row block: the tests' real rows
+fill whole blocks.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import open_model
+from engine.runner import Runner
+from engine.kv.sequence import SequenceKV
+
+TINY_SEED = 5
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(runner: Runner, slot: int, toks: list[int], cut: int, chunk: int) -> list[torch.Tensor]:
+    """A prompt in two calls (the second a follow-up at `cut`), then two decode steps: all logits."""
+    out = [runner.prefill(slot, toks[:cut], chunk=chunk, all_logits=True),
+           runner.prefill(slot, toks[cut:], start=cut, chunk=chunk)]
+    n = len(toks)
+    out.append(runner.decode([slot], [5], [n]))
+    out.append(runner.decode([slot, (slot + 1) % runner.n_slots], [7, 9], [n + 1, 0]))
+    return [t.float().cpu() for t in out]
+
+
+@pytest.mark.parametrize("arch,ct", [("qwen35", "f16"), ("llama", "q8_0"), ("gemma3", "f16"),
+                                     ("qwen35", "turbo3"), ("qwen2", "f32")])
+def test_padded_chunks_equal_plain_chunks(tiny, arch, ct, monkeypatch):
+    """Prompts whose last chunk is partial (padding rows), a follow-up at a position inside a chunk,
+    two slots used one after another (the device slot index): the same logits as unpadded chunks.
+    turbo3: key preconditioning (segments of 8) on the real rows only."""
+    monkeypatch.setattr(SequenceKV, "SEGMENT", 8)
+    monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 4)
+    model = open_model(tiny(arch))
+    try:
+        runs = []
+        for padded in (False, True):
+            r = Runner(model, device="cpu", n_slots=3, max_ctx=128, cache_type=ct, padded_prefill=padded)
+            runs.append(_run(r, 2, _prompt(80, 1), 48, 32) + _run(r, 0, _prompt(32, 2), 16, 32))
+            if padded:
+                assert set(r._prefill_graphs) == {32} and not r._prefill_graphs[32].segments   # (no capture on CPU)
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), (a - b).abs().max()
+    finally:
+        model.close()
+
+
+def test_padding_rows_leave_the_recurrent_state_alone(tiny):
+    """qwen35: a 16-token chunk padded to 64 rows leaves the slot's conv window and delta-rule state
+    where 16 unpadded rows leave them, and no other slot's."""
+    model = open_model(tiny("qwen35"))
+    try:
+        states = []
+        for padded in (False, True):
+            r = Runner(model, device="cpu", n_slots=2, max_ctx=128, padded_prefill=padded)
+            r.prefill(1, _prompt(16, 3), chunk=64)
+            states.append([t.clone() for d in (r.conv_state, r.ssm_state) for t in d.values()])
+        for a, b in zip(*states):
+            assert torch.equal(a, b)
+            assert not a[0].any()          # slot 0 untouched
+    finally:
+        model.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arch,ct", [("qwen35", "f16"), ("llama", "q8_0"), ("gemma3", "turbo3"),
+                                     ("qwen35", "turbo3_tcq")])
+def test_captured_chunks_equal_eager_padded_chunks(tiny, arch, ct):
+    """The captured segments (one per stretch between attention layers) replayed for later chunks give
+    the eager padded chunk's logits bit for bit, on several slots, depths and chunk fillings; the plain
+    (unpadded) prefill gives the same greedy tokens."""
+    model = open_model(tiny(arch))
+    try:
+        runs = {}
+        for mode in ("graphs", "eager", "plain"):
+            r = Runner(model, device="cuda", n_slots=3, max_ctx=256, cache_type=ct, graphs=mode != "eager",
+                       padded_prefill=mode != "plain")
+            runs[mode] = [_run(r, 1, _prompt(100, 1), 70, 32), _run(r, 0, _prompt(40, 2), 31, 32),
+                          _run(r, 1, _prompt(64, 3), 32, 32)]
+            if mode == "graphs":
+                g = r._prefill_graphs[32]
+                n_attn = sum(1 for il in range(model.spec.n_layer) if not model.spec.is_recurrent(il))
+                assert len(g.segments) == n_attn + 1 and len(g.splits) == n_attn
+            r.close()
+        for a, b in zip(runs["graphs"], runs["eager"]):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        for a, b in zip(runs["graphs"], runs["plain"]):
+            for x, y in zip(a, b):
+                assert torch.equal(x.argmax(-1), y.argmax(-1))
+                assert (x - y).abs().max() <= 0.02 * y.abs().max()
+    finally:
+        model.close()
