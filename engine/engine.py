@@ -37,6 +37,7 @@ from engine.spec.engine_spec import SpeculationMixin, _acceptance_by_drafter
 from engine.spec.mtp import CatchUp, catch_up
 from engine.spec.ngram import SharedNgramPool
 from kernels.quant.ref import ROW_BLOCK
+from engine.pacing import PrefillPacer
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.types import (ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError, QueueFullError,
@@ -90,6 +91,8 @@ class EngineConfig:
                                     # top-k/top-p/min-p; no penalties, logit bias, grammar, logprobs) get their
                                     # tokens chosen on the device (engine/sample_device.py); only the ids come
                                     # back. False: every row's logits go to the host Sampler
+    prefill_share: float = 0.5      # GPU path: while sequences generate, a prompt's chunks after its first
+                                    # take about this share of the time (engine/pacing.py); 1: no pacing
     overlap_steps: bool = True      # GPU path, with device_sampling: launch step N+1 (its input tokens are
                                     # step N's ids, on the device) before streaming step N's tokens, so the
                                     # host work runs while the GPU computes; same outputs (docs/ARCHITECTURE.md)
@@ -241,6 +244,10 @@ class Engine(RunnerScheduler, SpeculationMixin):
             raise EngineError(f"unknown device {config.device!r} (cpu or cuda)")
         if config.device != "cpu" and not torch.cuda.is_available():
             raise EngineError(f"device {config.device!r} asked for, but torch sees no CUDA GPU")
+        try:
+            self._pacer = PrefillPacer(config.prefill_share)    # (the GPU path's prompt chunks)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         torch.set_num_threads(config.threads or default_threads())
         path = ensure_model(config.model, progress=progress or (lambda *_: None))
         self.model = open_model(path)
@@ -476,6 +483,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
         return dict(model=self.model_name, path=str(self.model_path), arch=self.spec.arch, device=self.config.device,
                     ctx_size=self.ctx_size, running=len(running), waiting=len(waiting) + self._inbox.qsize(),
                     sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals), vision=vision,
+                    prefill_pacing=dict(share=self._pacer.share, chunks_held=self._pacer.held),
                     spec=dict(mode=self.config.spec, active=bool(self.spec_active),
                               drafters=_acceptance_by_drafter(self._totals),
                               adaptive=self.config.spec_adaptive, costs=self._costs.summary()),
@@ -520,6 +528,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
             self._admit(block=not self._running and not self._waiting)
             self._drop_cancelled()
             if not self._running:
+                self._pacer.idle()
                 continue
             try:
                 self._step()

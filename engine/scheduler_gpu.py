@@ -273,6 +273,7 @@ class RunnerScheduler:
 
     def _runner_step(self, prev: _RunnerStep | None) -> None:
         t0 = time.monotonic()
+        self._pacer.step_started(t0)
         self._draft_s = 0.0   # (drafting time of this step: not the model's, for the adaptive draft lengths)
         r, pc = self.runner, self.config.prefill_chunk
         while True:
@@ -284,6 +285,7 @@ class RunnerScheduler:
             self._complete_runner(prev)
             prev = None
         dec, chunks = room
+        self._pacer.planned(bool(chunks))
         step = _RunnerStep()
         host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
         spec = self._launch_decode(dec, prev, step, host, host_lg) if dec else []
@@ -442,12 +444,17 @@ class RunnerScheduler:
                 budget -= len(s.drafts)
                 drafting += bool(s.drafts)
         chunks = []
+        paced = None   # whether this step may take chunks after a request's first (engine/pacing.py)
         for s in self._running:
             if s.n_computed < s.target:
                 lo = s.n_computed
                 hi = min((lo // pc + 1) * pc, s.target)   # chunks end at fixed positions after a reused prefix
                 if hi - lo > budget and rows:
                     continue
+                if dec and lo > s.cached:
+                    paced = self._pacer.allow() if paced is None else paced
+                    if not paced:
+                        continue
                 chunks.append((s, lo, hi))
                 budget -= hi - lo
                 rows += hi - lo

@@ -45,6 +45,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=float, default=0.0, metavar="GIB",
                    help="KV cache memory on the CPU path in GiB (default: a quarter of the RAM); when full, "
                         "finished conversations are evicted and the newest request waits")
+    p.add_argument("--prefill-share", type=float, default=0.5, metavar="F",
+                   help="GPU path: while conversations generate, a long prompt's chunks after its first take "
+                        "about this share of the GPU's time (default 0.5: they keep half their speed; 1: "
+                        "no pacing)")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
                                                     "cache types), cpu or cuda")
     add_spec_args(p)
@@ -103,6 +107,9 @@ def run_serve(args) -> int:
     if args.agents < 1 or args.max_queue < 0 or args.ctx < 0 or args.kv_memory < 0:
         err("--agents must be >= 1, --max-queue >= 0, --ctx >= 0 and --kv-memory >= 0")
         return 2
+    if not 0 < args.prefill_share <= 1:
+        err("--prefill-share must be in (0, 1]")
+        return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     app = _create(None, settings)
     holder = {}
@@ -117,6 +124,7 @@ def run_serve(args) -> int:
                                       overlap_steps=not getattr(args, "host_sampling", False),
                                       cache_type_k=args.cache_type_k,
                                       kv_memory=int(args.kv_memory * 2**30),
+                                      prefill_share=args.prefill_share,
                                       cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))
         except Exception as e:  # shown by /health and the log; the server keeps answering 503

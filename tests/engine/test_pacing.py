@@ -1,0 +1,96 @@
+"""Prompt-chunk pacing (engine/pacing.py): the arithmetic on given step times, and the engine on the GPU
+path's static slots (on the CPU) holding a long prompt's later chunks back while another sequence
+generates, without changing anyone's tokens."""
+from __future__ import annotations
+
+import pytest
+
+from engine.engine import Engine, EngineConfig
+from engine.pacing import PrefillPacer
+from engine.sampling import SamplingParams
+from engine.types import EngineError, Request
+
+
+def _steps(p: PrefillPacer, t: float, kinds: list[tuple[bool, float]]) -> float:
+    """Steps of (takes chunks, seconds), the first started at t (step_started already called); returns
+    the time the next one starts (step_started called)."""
+    for chunks, dt in kinds:
+        p.planned(chunks)
+        t += dt
+        p.step_started(t)
+    return t
+
+
+def test_a_chunk_waits_for_decode_steps_worth_its_extra_time():
+    p = PrefillPacer(0.5)
+    assert p.allow()                                  # nothing measured yet
+    p.step_started(0.0)
+    t = _steps(p, 0.0, [(False, 0.03125), (True, 0.15625)])
+    # (0.5 x 156 - 31) / 0.5 = 94 ms of decode-only steps owed: then the generating sequences made 4
+    # tokens in 250 ms, against 8 in 250 ms without the chunk
+    assert not p.allow()
+    t = _steps(p, t, [(False, 0.03125)] * 2)
+    assert not p.allow()                              # 62 ms
+    _steps(p, t, [(False, 0.03125)])
+    assert p.allow()                                  # 94 ms
+    assert p.held == 2
+
+
+def test_share_sets_the_ratio_and_one_means_no_pacing():
+    p = PrefillPacer(0.25)                            # (0.75 x 156 - 31) / 0.25 = 344 ms owed: 12 tokens in 500 ms, not 16
+    p.step_started(0.0)
+    t = _steps(p, 0.0, [(False, 0.03125), (True, 0.15625)])
+    t = _steps(p, t, [(False, 0.03125)] * 10)
+    assert not p.allow()
+    _steps(p, t, [(False, 0.03125)])
+    assert p.allow()
+    q = PrefillPacer(1.0)
+    q.step_started(0.0)
+    _steps(q, 0.0, [(False, 0.03125), (True, 0.15625)])
+    assert q.allow()
+    for bad in (0.0, -1.0, 1.5):
+        with pytest.raises(ValueError, match="prefill_share"):
+            PrefillPacer(bad)
+
+
+def test_idle_time_is_not_a_step():
+    p = PrefillPacer(0.5)
+    p.step_started(0.0)
+    t = _steps(p, 0.0, [(False, 0.03125), (True, 0.15625)])
+    p.planned(False)
+    p.idle()
+    p.step_started(t + 30.0)                          # after a pause: nothing measured from the gap
+    assert p.chunk_s == pytest.approx(0.15625) and p.decode_s == pytest.approx(0.03125)
+
+
+def test_engine_holds_later_chunks_back_and_keeps_the_tokens(tmp_path):
+    """A sequence generates while a 10-chunk prompt arrives: with a small share the prompt's later chunks
+    wait (counted in stats), and both requests get the tokens an unpaced engine gives."""
+    from engine.synth import write_synthetic
+    path = tmp_path / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=3)
+    short = [1 + (5 * j) % 300 for j in range(12)]
+    long = [1 + (7 * j + j * j) % 300 for j in range(160)]
+    got = {}
+    for share in (1.0, 0.05):
+        eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=2, prefill_chunk=16, static_slots=True,
+                                  prefill_share=share))
+        try:
+            a = eng.submit(Request(prompt_ids=short, sampling=SamplingParams(max_tokens=80, temperature=0.0,
+                                                                             ignore_eos=True)))
+            b = eng.submit(Request(prompt_ids=long, sampling=SamplingParams(max_tokens=8, temperature=0.0,
+                                                                            ignore_eos=True)))
+            got[share] = (a.result()[1], b.result()[1])
+            held = eng.stats()["prefill_pacing"]["chunks_held"]
+            assert (held == 0) if share == 1.0 else (held > 0)
+        finally:
+            eng.shutdown()
+    assert got[1.0] == got[0.05]
+
+
+def test_engine_refuses_a_bad_share(tmp_path):
+    from engine.synth import write_synthetic
+    path = tmp_path / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=3)
+    with pytest.raises(EngineError, match="prefill_share"):
+        Engine(EngineConfig(model=str(path), prefill_share=0.0))
