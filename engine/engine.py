@@ -528,7 +528,6 @@ class Engine(RunnerScheduler, SpeculationMixin):
             self._admit(block=not self._running and not self._waiting)
             self._drop_cancelled()
             if not self._running:
-                self._pacer.idle()
                 continue
             try:
                 self._step()

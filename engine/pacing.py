@@ -9,12 +9,16 @@ by decode-only steps (time t_d each) until their time reaches ((1 - share) T_c -
 keeps each generating sequence at >= (1 - share) of its decode-only speed. share 0.5: they keep at least
 half their speed and a long prompt takes up to about twice its time alone; 1: no pacing. A sequence's
 first chunk of a request is never held back (a short prompt or a follow-up's new tokens: one chunk,
-answered at once); only the chunks after it are paced. Times are the host's intervals between step
-starts (with overlapped steps, what the GPU takes per step), averaged.
+answered at once); only the chunks after it are paced. Step times are the device's (CUDA events, read
+once they have completed: with overlapped steps the host's intervals belong to the step before), the
+host's on the CPU.
 """
 from __future__ import annotations
 
-MAX_INTERVAL = 1.0   # s: a longer gap between steps is idle time, counted as this much
+import collections
+import time
+
+import torch
 
 
 class PrefillPacer:
@@ -24,30 +28,27 @@ class PrefillPacer:
         self.share = share
         self.decode_s: float | None = None   # a decode-only step's time (moving average)
         self.chunk_s: float | None = None    # a step with prompt chunks
-        self.bank = 0.0                      # decode-only time since the last chunk step
-        self._t_last: float | None = None
-        self._last_chunks = False
-        self.held = 0                        # chunks held back so far (stats)
+        self.bank = 0.0                      # time of decode-only steps planned since the last chunk step
+        self._steps = 0                      # steps planned so far
+        self._last_chunk = -1                # the number of the last step with chunks
+        self.held = 0                        # times a chunk was held back (stats)
 
-    def step_started(self, now: float) -> None:
-        """A step starts: the interval since the previous start was the previous step's."""
-        if self._t_last is not None:
-            dt = min(now - self._t_last, MAX_INTERVAL)
-            if self._last_chunks:
-                self.chunk_s = dt if self.chunk_s is None else 0.5 * (self.chunk_s + dt)
-                self.bank = 0.0
-            else:
-                self.decode_s = dt if self.decode_s is None else 0.5 * (self.decode_s + dt)
-                self.bank += dt
-        self._t_last = now
+    def planned(self, chunks: bool) -> int:
+        """A step is planned (with prompt chunks or not); returns its number for `finished`."""
+        n = self._steps
+        self._steps += 1
+        if chunks:
+            self._last_chunk, self.bank = n, 0.0
+        return n
 
-    def planned(self, chunks: bool) -> None:
-        """The step that just started takes prompt chunks (or not)."""
-        self._last_chunks = chunks
-
-    def idle(self) -> None:
-        """No step for a while (nothing to run): the next interval is not a step's."""
-        self._t_last = None
+    def finished(self, step: int, seconds: float, chunks: bool) -> None:
+        """Step number `step` took `seconds` on the device."""
+        if chunks:
+            self.chunk_s = seconds if self.chunk_s is None else 0.5 * (self.chunk_s + seconds)
+        else:
+            self.decode_s = seconds if self.decode_s is None else 0.5 * (self.decode_s + seconds)
+            if step > self._last_chunk:
+                self.bank += seconds
 
     def allow(self) -> bool:
         """Whether this step may take a paced chunk (the caller asks only while sequences generate)."""
@@ -59,3 +60,34 @@ class PrefillPacer:
             return True
         self.held += 1
         return False
+
+
+class StepClock:
+    """Each step's device time for a PrefillPacer: CUDA events around the step's launches, read without
+    waiting once completed; on the CPU the host's time (the work is done when the call returns)."""
+
+    def __init__(self, pacer: PrefillPacer, device: torch.device):
+        self.pacer, self.cuda = pacer, device.type == "cuda"
+        self._open: collections.deque = collections.deque()   # (step, start event, end event, chunks)
+
+    def start(self):
+        self.poll()
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.monotonic()
+
+    def stop(self, t0, chunks: bool) -> None:
+        step = self.pacer.planned(chunks)
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self._open.append((step, t0, e, chunks))
+        else:
+            self.pacer.finished(step, time.monotonic() - t0, chunks)
+
+    def poll(self) -> None:
+        while self._open and self._open[0][2].query():
+            step, a, b, chunks = self._open.popleft()
+            self.pacer.finished(step, a.elapsed_time(b) / 1e3, chunks)

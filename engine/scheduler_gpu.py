@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.pacing import StepClock
 from engine.prefix import common_prefix
 from engine.runner import BUCKETS
 from engine.sample_device import check_chosen, choose_tokens, samples_on_device
@@ -129,6 +130,7 @@ class RunnerScheduler:
             self.model.close()
             raise
         self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
+        self._clock = StepClock(self._pacer, dev)
         if dev.type == "cuda":
             # every decode graph a step can need, now: captured lazily, the first step with 4 (16) agents
             # stalled 7 (12) s on the H200 while its kernels compiled and its graph was captured
@@ -273,7 +275,7 @@ class RunnerScheduler:
 
     def _runner_step(self, prev: _RunnerStep | None) -> None:
         t0 = time.monotonic()
-        self._pacer.step_started(t0)
+        self._clock.poll()    # (the steps the device has finished: prompt-chunk pacing)
         self._draft_s = 0.0   # (drafting time of this step: not the model's, for the adaptive draft lengths)
         r, pc = self.runner, self.config.prefill_chunk
         while True:
@@ -285,7 +287,7 @@ class RunnerScheduler:
             self._complete_runner(prev)
             prev = None
         dec, chunks = room
-        self._pacer.planned(bool(chunks))
+        clock = self._clock.start()
         step = _RunnerStep()
         host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
         spec = self._launch_decode(dec, prev, step, host, host_lg) if dec else []
@@ -306,6 +308,7 @@ class RunnerScheduler:
         if firsts:
             step.choose(firsts, torch.cat(first_lg) if len(first_lg) > 1 else first_lg[0], self.spec.vocab_size)
         step.send()
+        self._clock.stop(clock, bool(chunks))
         if host:   # host rows, in one copy: their tokens are needed before the next step is planned
             lgs = (torch.cat(host_lg) if len(host_lg) > 1 else host_lg[0]).cpu()
             for s, lg in zip(host, lgs):

@@ -11,56 +11,50 @@ from engine.sampling import SamplingParams
 from engine.types import EngineError, Request
 
 
-def _steps(p: PrefillPacer, t: float, kinds: list[tuple[bool, float]]) -> float:
-    """Steps of (takes chunks, seconds), the first started at t (step_started already called); returns
-    the time the next one starts (step_started called)."""
+def _steps(p: PrefillPacer, kinds: list[tuple[bool, float]]) -> None:
+    """Steps of (takes chunks, seconds), each planned, then finished."""
     for chunks, dt in kinds:
-        p.planned(chunks)
-        t += dt
-        p.step_started(t)
-    return t
+        p.finished(p.planned(chunks), dt, chunks)
 
 
 def test_a_chunk_waits_for_decode_steps_worth_its_extra_time():
     p = PrefillPacer(0.5)
     assert p.allow()                                  # nothing measured yet
-    p.step_started(0.0)
-    t = _steps(p, 0.0, [(False, 0.03125), (True, 0.15625)])
+    _steps(p, [(False, 0.03125), (True, 0.15625)])
     # (0.5 x 156 - 31) / 0.5 = 94 ms of decode-only steps owed: then the generating sequences made 4
     # tokens in 250 ms, against 8 in 250 ms without the chunk
     assert not p.allow()
-    t = _steps(p, t, [(False, 0.03125)] * 2)
+    _steps(p, [(False, 0.03125)] * 2)
     assert not p.allow()                              # 62 ms
-    _steps(p, t, [(False, 0.03125)])
+    _steps(p, [(False, 0.03125)])
     assert p.allow()                                  # 94 ms
     assert p.held == 2
 
 
 def test_share_sets_the_ratio_and_one_means_no_pacing():
     p = PrefillPacer(0.25)                            # (0.75 x 156 - 31) / 0.25 = 344 ms owed: 12 tokens in 500 ms, not 16
-    p.step_started(0.0)
-    t = _steps(p, 0.0, [(False, 0.03125), (True, 0.15625)])
-    t = _steps(p, t, [(False, 0.03125)] * 10)
+    _steps(p, [(False, 0.03125), (True, 0.15625)] + [(False, 0.03125)] * 10)
     assert not p.allow()
-    _steps(p, t, [(False, 0.03125)])
+    _steps(p, [(False, 0.03125)])
     assert p.allow()
     q = PrefillPacer(1.0)
-    q.step_started(0.0)
-    _steps(q, 0.0, [(False, 0.03125), (True, 0.15625)])
+    _steps(q, [(False, 0.03125), (True, 0.15625)])
     assert q.allow()
     for bad in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError, match="prefill_share"):
             PrefillPacer(bad)
 
 
-def test_idle_time_is_not_a_step():
+def test_times_arriving_late_count_only_steps_planned_after_the_chunk():
+    """Device times arrive once a step has completed (overlapped steps): a decode-only step planned
+    before the last chunk step but finished after it does not count toward the next chunk."""
     p = PrefillPacer(0.5)
-    p.step_started(0.0)
-    t = _steps(p, 0.0, [(False, 0.03125), (True, 0.15625)])
-    p.planned(False)
-    p.idle()
-    p.step_started(t + 30.0)                          # after a pause: nothing measured from the gap
-    assert p.chunk_s == pytest.approx(0.15625) and p.decode_s == pytest.approx(0.03125)
+    _steps(p, [(False, 0.03125), (True, 0.15625)])
+    early = p.planned(False)                          # planned, still running
+    chunk = p.planned(True)                           # the next step takes a chunk (allowed earlier)
+    p.finished(early, 0.03125, False)                 # arrives late: before the chunk, not banked
+    p.finished(chunk, 0.15625, True)
+    assert p.bank == 0.0 and not p.allow()
 
 
 def test_engine_holds_later_chunks_back_and_keeps_the_tokens(tmp_path):
