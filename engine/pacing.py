@@ -31,6 +31,7 @@ class PrefillPacer:
         self.bank = 0.0                      # time of decode-only steps planned since the last chunk step
         self._steps = 0                      # steps planned so far
         self._last_chunk = -1                # the number of the last step with chunks
+        self._running: set[int] = set()      # decode-only steps planned after it, not finished yet
         self.held = 0                        # times a chunk was held back (stats)
 
     def planned(self, chunks: bool) -> int:
@@ -39,6 +40,9 @@ class PrefillPacer:
         self._steps += 1
         if chunks:
             self._last_chunk, self.bank = n, 0.0
+            self._running.clear()
+        else:
+            self._running.add(n)
         return n
 
     def finished(self, step: int, seconds: float, chunks: bool) -> None:
@@ -49,6 +53,7 @@ class PrefillPacer:
             self.decode_s = seconds if self.decode_s is None else 0.5 * (self.decode_s + seconds)
             if step > self._last_chunk:
                 self.bank += seconds
+                self._running.discard(step)
 
     def allow(self) -> bool:
         """Whether this step may take a paced chunk (the caller asks only while sequences generate)."""
@@ -56,7 +61,7 @@ class PrefillPacer:
             return True
         s, t_d = self.share, self.decode_s or 0.0
         need = max(0.0, (1 - s) * self.chunk_s - t_d) / s
-        if self.bank >= need:
+        if self.bank + len(self._running) * t_d >= need:   # (steps still running: at their usual time)
             return True
         self.held += 1
         return False

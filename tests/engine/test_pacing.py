@@ -88,3 +88,14 @@ def test_engine_refuses_a_bad_share(tmp_path):
     write_synthetic(path, "llama", "tiny", seed=3)
     with pytest.raises(EngineError, match="prefill_share"):
         Engine(EngineConfig(model=str(path), prefill_share=0.0))
+
+
+def test_steps_still_running_count_at_their_usual_time():
+    """Decode-only steps planned after the chunk but not finished count at the decode steps' average, so
+    the pacer does not hold chunks back longer than the share asks while device times arrive late."""
+    p = PrefillPacer(0.5)
+    _steps(p, [(False, 0.03125), (True, 0.15625), (False, 0.03125)])
+    p.planned(False)
+    assert not p.allow()                              # 31 ms done + 31 ms running < 94 ms
+    p.planned(False)
+    assert p.allow()
