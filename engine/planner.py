@@ -45,7 +45,8 @@ Every number comes from the GGUF header (nothing is loaded):
 
   - CUDA context, cuBLAS/Triton handles: 400 MiB (`CUDA_CONTEXT_BYTES`; outside torch's allocator);
   - CUDA graphs' memory pool for the decode shapes: 256 MiB (`CUDA_GRAPH_BYTES`; reserved, mostly
-    not allocated between steps);
+    not allocated between steps); the prompt chunk's graphs (engine/runner_prefill.py) share that pool
+    and keep the chunk's activations below in it;
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
     bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk), the fp16 copy
     of the largest matrix that a prompt chunk's matmul dequantizes (kernels/quant/packed.py:

@@ -25,8 +25,8 @@ buffers (tokens, positions, slots), the block tables and the slots' state. On CU
 once per row-count bucket (1, 2, 4, .., 64) as a CUDA graph and replayed: one launch per step instead
 of ~20 per layer. Everything a decode step decides per row (the new segment center of a row that is
 the first of a segment, the row's center and weights) is computed on the device with torch.where /
-index_put, never by the host. Prefill (a chunk of one sequence) runs eagerly through the same model
-code. On the CPU the same code runs with the torch references (no graphs), which is how the tests
+index_put, never by the host. Prefill (a chunk of one sequence) runs through the same model code,
+on CUDA as graphs between its attention layers (engine/runner_prefill.py). On the CPU the same code runs with the torch references (no graphs), which is how the tests
 check the slot logic without a GPU.
 
 Every kernel of a step reduces in an order fixed by the weights' shapes and the row's own position,

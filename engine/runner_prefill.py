@@ -202,3 +202,7 @@ class PrefillGraph:
         finally:
             self._capturing = None
             torch.cuda.current_stream(dev).wait_stream(side)
+            # the eager first chunk's temporaries stay cached by torch's allocator beside the graphs' own
+            # pool (~0.6 GB more reserved on the 27B, 200K turbo3_tcq run): hand them back
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ from engine.gguf.reader import GGUFError
 from engine.models.common import (Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm,
                                   sigmoid_mul, silu_mul)
 from kernels.gdn import gdn_gates
-from kernels.gdn.chunk import chunk_scan, ref_chunk_scan, use_chunk_scan
+from kernels.gdn.chunk import chunk_scan
 from kernels.quant import dequantize_rows
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
@@ -132,9 +132,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     qg = q * gc.exp()[..., None]
     kg = k * (gc[..., -1:] - gc).exp()[..., None]
     g_last = gc[..., -1].exp()                                      # [H, N]
-    # the scan through the state, piece by piece (kernels/gdn/chunk.py: one launch on CUDA)
-    scan = chunk_scan if use_chunk_scan(q) else ref_chunk_scan
-    out, S = scan(u, w, qg, qk, kg, g_last, state)                  # [H, N, C, Dv] (a view of any layout)
+    # the scan through the state, piece by piece (kernels/gdn/chunk.py)
+    out, S = chunk_scan(u, w, qg, qk, kg, g_last, state)                  # [H, N, C, Dv] (a view of any layout)
     o = out.permute(1, 2, 0, 3).reshape(n_chunks * chunk, H, Dv)[:T]   # [T, H, Dv]: one copy
     return o.contiguous(), S
 
