@@ -25,9 +25,9 @@ buffers (tokens, positions, slots), the block tables and the slots' state. On CU
 once per row-count bucket (1, 2, 4, .., 64) as a CUDA graph and replayed: one launch per step instead
 of ~20 per layer. Everything a decode step decides per row (the new segment center of a row that is
 the first of a segment, the row's center and weights) is computed on the device with torch.where /
-index_put, never by the host. Prefill (a chunk of one sequence) runs through the same model code,
-on CUDA as graphs between its attention layers (engine/runner_prefill.py). On the CPU the same code runs with the torch references (no graphs), which is how the tests
-check the slot logic without a GPU.
+index_put, never by the host. Prefill (a chunk of one sequence) runs through the same model code, on
+CUDA as graphs between its attention layers (engine/runner_prefill.py). On the CPU the same code runs
+with the torch references (no graphs), which is how the tests check the slot logic without a GPU.
 
 Every kernel of a step reduces in an order fixed by the weights' shapes and the row's own position,
 so a row's logits do not depend on the bucket or on the other rows (tests/engine/test_runner.py).
@@ -360,9 +360,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def close(self) -> None:
         """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
         buffers) and hand it back to the driver; the runner is unusable after this."""
-        for d in (self._graphs, self._prefill_graphs, self._graph_waves, self._graph_replay, self._replay_bufs, self._replay_inputs,
-                  self._snapshots, self.k, self.v, self.kprep, self.conv_state, self.ssm_state, self._ckpt_conv,
-                  self._ckpt_ssm):
+        for d in (self._graphs, self._prefill_graphs, self._graph_waves, self._graph_replay, self._replay_bufs,
+                  self._replay_inputs, self._snapshots, self.k, self.v, self.kprep, self.conv_state, self.ssm_state,
+                  self._ckpt_conv, self._ckpt_ssm):
             d.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

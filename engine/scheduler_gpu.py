@@ -140,7 +140,7 @@ class RunnerScheduler:
                 self.runner.capture_prefill(c.prefill_chunk)   # (prompt chunks: engine/runner_prefill.py)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 self.model.close()
-                raise EngineError(f"cannot capture the decode graphs on {c.device}: {e}") from None
+                raise EngineError(f"cannot capture the CUDA graphs on {c.device}: {e}") from None
         self._free_slots = list(range(c.max_seqs - 1, -1, -1))
         self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
         self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)

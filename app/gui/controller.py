@@ -59,6 +59,16 @@ class LoadedInfo:
     spec_note: str = ""             # why a chosen drafter is not used
 
 
+def pacing_share(value) -> float:
+    """A stored "long prompts beside generating conversations" setting as EngineConfig.prefill_share: a
+    number in (0, 1], else the default 0.5 (a hand-edited or broken setting never stops a load)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return 0.5
+    return v if 0 < v <= 1 else 0.5
+
+
 def spec_config(choice: str, model: str) -> tuple[str, str | None]:
     """The engine's speculative decoding for a Settings choice: "off", "ngram", or "auto": a DFlash drafter
     in the model's folder (a .gguf or a directory named like one: draft / dflash / eagle) with prompt lookup,
@@ -96,11 +106,12 @@ class EngineController(QObject):
 
     # ----- loading -----
     def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None, mmproj: str | None = "auto",
-             spec: str = "off") -> None:
+             spec: str = "off", prefill_share: float = 0.5) -> None:
         """Load in the background. kv_cache: the KV cache type for K and V (the planner's pick; None = f16).
         mmproj: the vision projector ("auto": the one beside the model; a projector that does not fit the model
         is dropped with a note, and the model loads without vision). spec: speculative decoding, a Settings
-        choice (`spec_config`); a drafter the model cannot use is dropped with a note (prompt lookup stays)."""
+        choice (`spec_config`); a drafter the model cannot use is dropped with a note (prompt lookup stays).
+        prefill_share: the GPU path's pacing of long prompts beside generating sequences (engine/pacing.py)."""
         token = object()
         self._load_token = token
         self.loading = True
@@ -122,7 +133,8 @@ class EngineController(QObject):
                     return
                 mode, drafter = spec_config(spec, model)
                 cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads, cache_type_k=kv,
-                                   cache_type_v=kv, mmproj=proj, device=device, spec=mode, spec_drafter=drafter)
+                                   cache_type_v=kv, mmproj=proj, device=device, spec=mode, spec_drafter=drafter,
+                                   prefill_share=pacing_share(prefill_share))
                 for _ in range(3):      # at most: without the projector, then with prompt lookup alone
                     try:
                         eng = Engine(cfg, progress=progress)

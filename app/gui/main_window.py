@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QFrame, QHBox
 
 from app import gpu as gpu_mod
 from app.gui.chat import ChatPage
-from app.gui.controller import EngineController
+from app.gui.controller import EngineController, pacing_share
 from app.gui.models_page import ModelsPage
 from app.gui.monitor_page import MonitorPage
 from app.gui.planner_page import PlannerPage
@@ -226,7 +226,8 @@ class MainWindow(QMainWindow):
             self.chat.stop()
         self.ctl.threads = int(self.store.get_setting("threads", 0))
         self.ctl.load(model, ctx_size, kv_cache=kv_cache, mmproj="auto",
-                      spec=str(self.store.get_setting("spec", "off")))
+                      spec=str(self.store.get_setting("spec", "off")),
+                      prefill_share=pacing_share(self.store.get_setting("prefill_share", 0.5)))
 
     def _load_from_planner(self, path: str, ctx: int, kv: str):
         self.load_model(path, ctx, kv_cache=kv)

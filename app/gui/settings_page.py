@@ -63,6 +63,18 @@ class SettingsPage(QWidget):
                              "and sampled output keeps its distribution. On the GPU the drafts come from prompt "
                              "lookup only for now.")
         form.addRow("Speculative decoding (next load)", self.spec)
+        self.pacing = QComboBox()
+        self.pacing.addItem("Keep generating conversations at half their speed or more", 0.5)
+        self.pacing.addItem("Keep generating conversations at three quarters of their speed", 0.25)
+        self.pacing.addItem("Long prompts first (no pacing)", 1.0)
+        from app.gui.controller import pacing_share
+        self.pacing.setCurrentIndex(max(0, self.pacing.findData(pacing_share(store.get_setting("prefill_share", 0.5)))))
+        self.pacing.currentIndexChanged.connect(
+            lambda _i: store.set_setting("prefill_share", self.pacing.currentData()))
+        self.pacing.setToolTip("On the GPU, while conversations generate (the chat, agents through the local "
+                               "server), a long new prompt is read in chunks between their steps: how much of "
+                               "their speed it may take. Pacing makes that prompt's first token come later.")
+        form.addRow("Long prompts beside generating conversations (next load)", self.pacing)
         self.sys_prompt = QPlainTextEdit(store.get_setting("default_system_prompt", ""))
         self.sys_prompt.setFixedHeight(70)
         self.sys_prompt.setPlaceholderText("Used for new conversations")

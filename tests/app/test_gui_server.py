@@ -189,6 +189,22 @@ def test_speculative_decoding_setting_applies_at_load(win, qtbot, smollm2_path):
     assert win.ctl.engine.config.spec == "off" and win.ctl.info.drafts == ""
 
 
+def test_long_prompt_pacing_setting_applies_at_load(win, qtbot, smollm2_path):
+    """Settings' choice for long prompts beside generating conversations reaches the engine at the next
+    load (EngineConfig.prefill_share); a stored value that is not one of the choices loads the default."""
+    p = win.settings.pacing
+    p.setCurrentIndex(p.findData(1.0))
+    assert win.store.get_setting("prefill_share") == 1.0
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine.config.prefill_share == 1.0
+    for bad in (7.0, "half"):
+        win.store.set_setting("prefill_share", bad)
+        with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+            win.load_model(str(smollm2_path))
+        assert win.ctl.engine.config.prefill_share == 0.5
+
+
 def test_monitor_pool_and_draft_cards():
     """The Monitor's KV and draft cards from engine.stats()'s figures: the GPU path's shared pool, the CPU
     path's kept conversations, speculative decoding off / on without drafts / each drafter's acceptance."""

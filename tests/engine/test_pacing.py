@@ -32,7 +32,7 @@ def test_a_chunk_waits_for_decode_steps_worth_its_extra_time():
 
 
 def test_share_sets_the_ratio_and_one_means_no_pacing():
-    p = PrefillPacer(0.25)                            # (0.75 x 156 - 31) / 0.25 = 344 ms owed: 12 tokens in 500 ms, not 16
+    p = PrefillPacer(0.25)             # (0.75 x 156 - 31) / 0.25 = 344 ms owed: 12 tokens in 500 ms, not 16
     _steps(p, [(False, 0.03125), (True, 0.15625)] + [(False, 0.03125)] * 10)
     assert not p.allow()
     _steps(p, [(False, 0.03125)])
