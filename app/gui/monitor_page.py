@@ -153,7 +153,8 @@ class MonitorPage(QWidget):
 
 def pool_text(st: dict) -> str:
     """The KV card: the GPU path's shared pool (tokens used of its size, blocks shared by several
-    conversations, blocks parked conversations keep), or the CPU path's resident conversations."""
+    conversations, blocks parked conversations keep, long prompts' chunks held back for generating
+    conversations: engine/pacing.py), or the CPU path's resident conversations."""
     kp = st.get("kv_pool")
     res = st.get("resident") or {}
     parked = f"{res.get('conversations', 0)} conversations kept for follow-ups ({res.get('tokens', 0):,} tokens)"
@@ -161,8 +162,11 @@ def pool_text(st: dict) -> str:
         return f"CPU path · {parked}"
     cap = max(kp.get("capacity_tokens") or 0, 1)
     used = kp.get("used_tokens", 0)
+    pacing = st.get("prefill_pacing") or {}
+    held = (f"<br>long prompts: {pacing.get('chunks_held', 0):,} chunks held back for generating conversations"
+            if pacing.get("share", 1) < 1 else "<br>long prompts: not paced")
     return (f"{used:,} of {cap:,} tokens ({100 * used / cap:.1f}%)<br>"
-            f"{kp.get('shared', 0):,} blocks shared · {kp.get('parked_blocks', 0):,} parked · {parked}")
+            f"{kp.get('shared', 0):,} blocks shared · {kp.get('parked_blocks', 0):,} parked · {parked}{held}")
 
 
 def draft_text(st: dict) -> str:

@@ -212,6 +212,8 @@ def test_monitor_pool_and_draft_cards():
     gpu = dict(kv_pool=dict(capacity_tokens=200_000, used_tokens=50_000, shared=12, parked_blocks=300),
                resident=dict(conversations=3, tokens=40_000))
     assert pool_text(gpu).startswith("50,000 of 200,000 tokens (25.0%)") and "12 blocks shared" in pool_text(gpu)
+    assert "not paced" in pool_text(dict(gpu, prefill_pacing=dict(share=1.0, chunks_held=0)))
+    assert "1,234 chunks held back" in pool_text(dict(gpu, prefill_pacing=dict(share=0.5, chunks_held=1234)))
     assert "3 conversations kept" in pool_text(dict(kv_pool=None, resident=dict(conversations=3, tokens=9)))
     assert draft_text(dict(spec=dict(mode="off"))).startswith("off")
     assert draft_text(dict(spec=dict(mode="ngram", drafters={}))) == "ngram: no drafts yet"
