@@ -103,6 +103,7 @@ class PrefillGraph:
         self.x: torch.Tensor | None = None      # the last segment's hidden rows (static)
         self._capturing: torch.cuda.CUDAGraph | None = None
         self._real = None                   # the running chunk's SlotBatch (eager attention)
+        self._n = 0                         # and its real rows
 
     def run(self, tokens: torch.Tensor, start: int, slot: int) -> torch.Tensor:
         """The chunk's hidden rows [n, n_embd] (a view of a static buffer when replayed: use it before the
