@@ -22,6 +22,8 @@ import torch
 
 
 class PrefillPacer:
+    """The decision (`allow`) from the steps' measured times (`planned`, then `finished`)."""
+
     def __init__(self, share: float = 0.5):
         if not 0 < share <= 1:
             raise ValueError(f"prefill_share must be in (0, 1], got {share}")
