@@ -29,6 +29,7 @@ from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.kv.pool import PoolFullError
+from engine.pacing import PrefillPacer
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.scheduler_gpu import RunnerScheduler
 from engine.spec import SPEC_MODES
@@ -37,7 +38,6 @@ from engine.spec.engine_spec import SpeculationMixin, _acceptance_by_drafter
 from engine.spec.mtp import CatchUp, catch_up
 from engine.spec.ngram import SharedNgramPool
 from kernels.quant.ref import ROW_BLOCK
-from engine.pacing import PrefillPacer
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.types import (ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError, QueueFullError,

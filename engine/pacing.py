@@ -78,7 +78,6 @@ class StepClock:
         self._open: collections.deque = collections.deque()   # (step, start event, end event, chunks)
 
     def start(self):
-        self.poll()
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,11 +52,13 @@ from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
 from engine.runner_attention import AttentionMixin
 from engine.runner_keyprep import KeyPrep, KeyPrepMixin
-from engine.runner_prefill import PrefillGraph
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import DECODE_CONFIG
 from kernels.gdn import gdn_decode, gdn_gates
 from kernels.kvcodec import cache_type_name, get_codec
+
+if TYPE_CHECKING:
+    from engine.runner_prefill import PrefillGraph
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -144,6 +147,8 @@ class SlotBatch:
     chunk at positions start.. (the slot and start given as Python ints)."""
 
     chunks = ()
+    valid: torch.Tensor | None = None   # a padded prompt chunk (engine/runner_prefill.py): 1 real row, 0 padding
+    keep: torch.Tensor | None = None    # and the rows that make its new conv window (qwen35)
 
     def __init__(self, runner: "Runner", positions: torch.Tensor, slots: torch.Tensor, decode: bool,
                  slot: int = -1, start: int = 0):
@@ -654,10 +659,15 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 act = (b.waves[w] >= 0).view((-1,) + (1,) * (ow.dim() - 1))
                 o = ow if o is None else torch.where(act, ow, o)
             return o
-        state = (cs[b.slot], S[b.slot]) if b.start > 0 else None
-        o, (c_new, S_new) = model.delta_net_rows(L, qkv, g, beta, state)
-        cs[b.slot].copy_(c_new)
-        S[b.slot].copy_(S_new)
+        # a prompt chunk of one slot, its state read and written through a device index (so a captured
+        # chunk serves every slot; a slot starting at 0 was reset to zeros); padding rows: decay 1, no update
+        if b.valid is not None:
+            g, beta = g * b.valid[:, None], beta * b.valid[:, None]
+        idx = b.slots[:1]
+        state = (cs.index_select(0, idx)[0], S.index_select(0, idx)[0])
+        o, (c_new, S_new) = model.delta_net_rows(L, qkv, g, beta, state, keep=b.keep)
+        cs.index_copy_(0, idx, c_new[None])
+        S.index_copy_(0, idx, S_new[None])
         return o
 
     # ----- steps -----
@@ -794,6 +804,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         return torch.cat(outs)
 
     def _prefill_graph(self, chunk: int) -> PrefillGraph:
+        from engine.runner_prefill import PrefillGraph   # (it builds on SlotBatch, from this module)
         g = self._prefill_graphs.get(chunk)
         if g is None:
             g = self._prefill_graphs[chunk] = PrefillGraph(self, chunk, capture=self.graphs_enabled)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.gdn import gdn_gates
+from engine.runner import SlotBatch
 
 if TYPE_CHECKING:
     from engine.runner import Runner
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class _Inputs:
-    """A chunk size's static device inputs: tokens, positions, the slot (as a device index), which rows
-    are real, and the conv-window rows to keep."""
+    """A chunk size's static device inputs: tokens, positions, every row's slot, which rows are real,
+    and the conv-window rows to keep."""
 
     def __init__(self, runner: Runner, chunk: int):
         dev = runner.device
@@ -40,7 +40,6 @@ class _Inputs:
         self.tokens = torch.zeros(chunk, dtype=torch.long, device=dev)
         self.positions = torch.zeros(chunk, dtype=torch.long, device=dev)
         self.slots = torch.zeros(chunk, dtype=torch.long, device=dev)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
         self.valid = torch.zeros(chunk, dtype=torch.float32, device=dev)
         k = runner.spec.ssm_d_conv - 1 if runner.conv_state else 0
         self.keep = torch.zeros(k, dtype=torch.long, device=dev)
@@ -53,41 +52,24 @@ class _Inputs:
         valid = torch.zeros(c)
         valid[:n] = 1.0
         tok = torch.zeros(c, dtype=torch.long)
-        tok[:n] = tokens.cpu() if tokens.is_cuda else tokens
+        tok[:n] = tokens.cpu()
         for dst, src in ((self.tokens, tok), (self.positions, pos), (self.valid, valid),
                          (self.keep, torch.arange(n, n + len(self.keep)))):
             dst.copy_(src, non_blocking=True)
         self.slots.fill_(slot)
-        self.slot.fill_(slot)
 
 
-class PaddedBatch:
-    """The model's batch in a padded prompt chunk (SlotBatch's interface): static positions and slots;
-    attention handed to the PrefillGraph (a split point), the delta rule over the padded rows."""
-
-    chunks = ()
-    decode = False
-    waves = None
+class PaddedBatch(SlotBatch):
+    """The model's batch in a padded prompt chunk: the static inputs, and attention handed to the
+    PrefillGraph (a split point); the runner's delta rule masks the padding rows (valid, keep)."""
 
     def __init__(self, graph: "PrefillGraph"):
-        self.graph, self.runner, self.inp = graph, graph.runner, graph.inp
-        self.positions, self.slots = self.inp.positions, self.inp.slots
-        self.rope: dict = {}
+        inp = graph.inp
+        super().__init__(graph.runner, inp.positions, inp.slots, decode=False)
+        self.graph, self.valid, self.keep = graph, inp.valid, inp.keep
 
     def attend(self, il, q, k, v, scale, window):
         return self.graph.split(il, q, k, v, scale, window)
-
-    def delta_net(self, il, model, L, qkv, alpha_x, beta_x):
-        r, inp = self.runner, self.inp
-        cs, S = r.conv_state[il], r.ssm_state[il]
-        g, beta = gdn_gates(alpha_x, beta_x, L["dt"].dense, L["a"].dense)
-        mask = inp.valid[:, None]
-        g, beta = g * mask, beta * mask                   # padding rows: decay 1, no update
-        state = (cs.index_select(0, inp.slot)[0], S.index_select(0, inp.slot)[0])
-        o, (c_new, S_new) = model.delta_net_rows(L, qkv, g, beta, state, keep=inp.keep)
-        cs.index_copy_(0, inp.slot, c_new[None])
-        S.index_copy_(0, inp.slot, S_new[None])
-        return o
 
 
 class PrefillGraph:
@@ -102,13 +84,13 @@ class PrefillGraph:
         self.out: torch.Tensor | None = None    # the attention output all layers share (static)
         self.x: torch.Tensor | None = None      # the last segment's hidden rows (static)
         self._capturing: torch.cuda.CUDAGraph | None = None
+        self._shared: dict[tuple, torch.Tensor] = {}   # (role, shape, dtype) -> a q, k or v buffer
         self._real = None                   # the running chunk's SlotBatch (eager attention)
         self._n = 0                         # and its real rows
 
     def run(self, tokens: torch.Tensor, start: int, slot: int) -> torch.Tensor:
         """The chunk's hidden rows [n, n_embd] (a view of a static buffer when replayed: use it before the
         next chunk)."""
-        from engine.runner import SlotBatch
         n = len(tokens)
         if not 0 < n <= self.chunk:
             raise ValueError(f"a chunk of {n} tokens for graphs of {self.chunk}")
@@ -155,8 +137,7 @@ class PrefillGraph:
         """Layer il's static q, k, v: views of buffers all attention layers share (they run one after
         another), made at the first chunk; the attention output likewise."""
         if il not in self.qkv:
-            shared = getattr(self, "_shared", {})
-            self._shared = shared
+            shared = self._shared
             views = []
             for role, t in enumerate((q, k, v)):
                 key = (role, tuple(t.shape), t.dtype)
