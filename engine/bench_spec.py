@@ -9,10 +9,16 @@ Verify cost (--verify-rows, for the GPU machine): the time of one decode step th
 each of 1 and 4 sequences (1 + k rows per sequence, as the GPU path runs them: Runner.decode with rows of
 one slot, then Runner.cut_back), against a step of one row per sequence, at position 256.
 
+MTP drafting cost (--verify-rows, a model with the MTP block): the time the block takes after a step
+whose k drafts were all accepted (its rows of the fed token and the k drafts in one forward, then k - 1
+chained forwards of one row, each with the LM head), as the GPU path runs it (engine/spec/mtp.py on
+Runner.hidden), and the speedup at the published MTP acceptance with that cost and the measured
+(k+1)-row step: tokens per step / ((step of k+1 rows + MTP) / step of one row).
+
 Modelled (with --rows-json, a `hivejet bench decode` result): a step verifying k drafts costs what a
 (k+1)-row step costs in that table, so speedup = tokens per step / (cost of k+1 rows / cost of 1 row),
 at the acceptance rates published for DFlash (Qwen3-8B, code, temperature 0: about 6.5 tokens per step
-with blocks of 16) and MTP (about 73 % per draft with 3 drafts).
+with blocks of 16) and MTP (about 73 % per draft with 3 drafts); drafting time not counted.
 """
 from __future__ import annotations
 
@@ -23,10 +29,13 @@ from pathlib import Path
 EDIT_FILE = Path(__file__).resolve().parent / "prefix.py"
 
 
-def _prompt() -> list[dict]:
-    code = EDIT_FILE.read_text()[:1500]
+WARMUP_FILE = Path(__file__).resolve().parent / "pacing.py"   # (another file: the n-gram pool learns nothing)
+
+
+def _prompt(path: Path = EDIT_FILE, old: str = "common_prefix", new: str = "shared_prefix") -> list[dict]:
+    code = path.read_text()[:1500]
     return [{"role": "user", "content": "Here is a file:\n```python\n" + code + "\n```\nRewrite it exactly, but "
-             "rename `common_prefix` to `shared_prefix`. Output only the code."}]
+             f"rename `{old}` to `{new}`. Output only the code."}]
 
 
 def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", "ngram", "mtp"),
@@ -44,12 +53,16 @@ def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", 
         except EngineError as e:
             rows.append(dict(spec=mode, error=str(e)))
             continue
-        try:
+        try:   # a short untimed request first: kernels compiled for the drafter's shapes are not timed
+            # (resident_tokens=0: the timed request computes its whole prompt again)
+            eng.submit(Request(messages=_prompt(WARMUP_FILE, "PrefillPacer", "ChunkPacer"),
+                               sampling=SamplingParams(max_tokens=16, temperature=0.0))).result()
+            before = dict(eng.stats()["totals"])
             t0 = time.perf_counter()
             _, ids, _ = eng.submit(Request(messages=_prompt(), sampling=SamplingParams(max_tokens=n_tokens,
                                                                                         temperature=0.0))).result()
             secs = time.perf_counter() - t0
-            tot = eng.stats()["totals"]
+            tot = {k: v - before.get(k, 0) for k, v in eng.stats()["totals"].items()}
         finally:
             eng.shutdown()   # (frees its device memory: the next mode's engine sizes its KV pool to what is free)
         if base is None:
@@ -61,7 +74,10 @@ def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", 
     return rows
 
 
-def verify_costs(model: str, device: str = "cuda", drafts=(0, 4, 8, 16), seqs=(1, 4), pos: int = 256,
+MTP_ACCEPTANCE = 0.73   # published per-draft acceptance of Qwen3.5's MTP block with 3 drafts
+
+
+def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 16), seqs=(1, 4), pos: int = 256,
                  reps: int = 10) -> list[dict]:
     """ms of a decode step with 1 + k rows for each of `seqs` sequences at position `pos` (all drafts
     rejected and cut back after every step, so each step starts from the same state), and its cost
@@ -103,6 +119,60 @@ def verify_costs(model: str, device: str = "cuda", drafts=(0, 4, 8, 16), seqs=(1
         m.close()
 
 
+def mtp_costs(model: str, device: str = "cuda", drafts=(1, 2, 3, 4), pos: int = 256, reps: int = 10) -> list[dict]:
+    """ms the MTP block takes after a step whose k drafts were all accepted (k + 1 rows written, k - 1
+    chained drafts), on the runner's output-normed hidden rows, for each k; [] without the block."""
+    import torch
+
+    from engine.kv.pool import KVPool
+    from engine.models import open_model
+    from engine.runner import Runner
+    from engine.spec.mtp import CatchUp, MtpState, catch_up
+    m = open_model(model)
+    try:
+        if getattr(m, "mtp", None) is None:
+            return []
+        dev = torch.device(device)
+        r = Runner(m, device=dev, n_slots=1, max_ctx=pos + max(drafts) + 16)
+        toks = [1 + (7 * j) % 100 for j in range(pos + max(drafts) + 2)]
+        r.prefill(0, toks[:pos + max(drafts) + 1], hidden=True)
+        hid = r.hidden.clone()
+        st = MtpState(m.new_mtp_kv(pool=KVPool(block_size=16, device=dev)))
+        catch_up(m, [CatchUp(st, toks[:pos + 1], 0, hid[:pos], pos, 0)])   # rows of positions 0..pos
+
+        def sync():
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        out = []
+        for k in drafts:
+            def step():
+                st.valid = pos + 1                     # (the same rows again each time)
+                catch_up(m, [CatchUp(st, toks[:pos + k + 2], pos, hid[pos:pos + k + 1], k + 1, k)])
+            step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                step()
+            sync()
+            out.append(dict(drafts=k, rows=k + 1, ms=(time.perf_counter() - t0) / reps * 1e3))
+        return out
+    finally:
+        m.close()
+
+
+def mtp_speedup(verify: list[dict], mtp: list[dict], k: int = 3, alpha: float = MTP_ACCEPTANCE) -> dict | None:
+    """The single-sequence speedup of MTP drafting at acceptance alpha with k drafts, from measured costs:
+    a step of k + 1 rows plus the MTP block's work, against a one-row step."""
+    base = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == 0), None)
+    step = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == k), None)
+    draft = next((c["ms"] for c in mtp if c["drafts"] == k), None)
+    if None in (base, step, draft):
+        return None
+    tokens = sum(alpha ** i for i in range(k + 1))
+    return dict(drafts=k, acceptance=alpha, tokens_per_step=tokens, step_ms=step, mtp_ms=draft, one_row_ms=base,
+                speedup=tokens * base / (step + draft))
+
+
 def modelled(rows_table: list[dict]) -> list[dict]:
     cost = {r["rows"]: r["ms"] / rows_table[0]["ms"] for r in rows_table}
 
@@ -130,6 +200,16 @@ def run(args) -> dict:
         for r in res["verify"]:
             print(f"verify: {r['seqs']} sequence(s) x {r['drafts']:2d} drafts = {r['rows']:3d} rows: "
                   f"{r['ms']:8.2f} ms/step, {r['vs_no_drafts']:.2f}x the step without drafts")
+        res["mtp_costs"] = mtp_costs(args.model, args.device if args.device != "auto" else "cuda")
+        for c in res["mtp_costs"]:
+            print(f"MTP block after {c['drafts']} accepted drafts ({c['rows']} rows, {c['drafts'] - 1} chained): "
+                  f"{c['ms']:.2f} ms")
+        res["mtp_speedup"] = mtp_speedup(res["verify"], res["mtp_costs"])
+        if res["mtp_speedup"]:
+            u = res["mtp_speedup"]
+            print(f"MTP at {u['acceptance']:.0%} per draft, {u['drafts']} drafts: {u['tokens_per_step']:.2f} tokens "
+                  f"per {u['step_ms']:.2f} + {u['mtp_ms']:.2f} ms against {u['one_row_ms']:.2f} ms per token: "
+                  f"{u['speedup']:.2f}x")
     for r in res["measured"]:
         if "error" in r:
             print(f"{r['spec']:12s} not run: {r['error']}")

@@ -35,7 +35,6 @@ from engine.scheduler_gpu import RunnerScheduler
 from engine.spec import SPEC_MODES
 from engine.spec.adaptive import DraftLength, StepCosts
 from engine.spec.engine_spec import SpeculationMixin, _acceptance_by_drafter
-from engine.spec.mtp import CatchUp, catch_up
 from engine.spec.ngram import SharedNgramPool
 from kernels.quant.ref import ROW_BLOCK
 from engine.sampling import Sampler, SamplingParams, StopChecker
@@ -285,6 +284,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
         self.runner = None            # engine/runner.py: the GPU path (static KV/state slots, CUDA graphs)
         self._resident = ResidentCache(config.resident_tokens)
         self._pool_tokens = None      # the CPU pool's token limit (None on the GPU path)
+        self._dflash = None           # engine/spec/dflash.py: the DFlash drafter
+        if "dflash" in self._spec_kinds:
+            self._open_dflash(config.spec_drafter)   # (before the GPU path's graphs: they keep its features)
         if config.device != "cpu" or config.static_slots:
             self._open_runner()
         if self.runner is None:
@@ -293,13 +295,8 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 budget = config.kv_memory or _default_kv_memory()
                 pool.set_limit(max(256, budget // max(pool.bytes_per_token(), 1)))
                 self._pool_tokens = pool.max_tokens
-        self._dflash = None           # engine/spec/dflash.py: the DFlash drafter (CPU path only)
         self._costs = StepCosts()     # engine/spec/adaptive.py: measured step / drafting times
         self._draft_s = 0.0           # avoidable drafting seconds of the current step
-        if self.runner is None and "dflash" in self._spec_kinds:
-            self._open_dflash(config.spec_drafter)
-        # the GPU path verifies n-gram drafts only (RunnerScheduler._runner_spec_kinds); what it cannot do
-        # is said once, and stats() reports it too
         self.spec_active = self._spec_kinds if self.runner is None else self._runner_spec_kinds()
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)
@@ -486,11 +483,21 @@ class Engine(RunnerScheduler, SpeculationMixin):
                     prefill_pacing=dict(share=self._pacer.share, chunks_held=self._pacer.held),
                     spec=dict(mode=self.config.spec, active=bool(self.spec_active),
                               drafters=_acceptance_by_drafter(self._totals),
-                              adaptive=self.config.spec_adaptive, costs=self._costs.summary()),
+                              adaptive=self.config.spec_adaptive, costs=self._costs.summary(),
+                              mtp_pool=self._mtp_pool_stats()),
                     resident=dict(conversations=len(self._resident.entries) + len(getattr(self, "_parked", {})),
                                   tokens=self._resident.n_tokens + sum(len(t) for t in getattr(self, "_parked", {}).values()),
                                   budget=self._resident.budget, evicted=self._resident.evicted),
                     kv_pool=self._pool_stats())
+
+    def _mtp_pool_stats(self) -> dict | None:
+        """GPU path with MTP drafts: the MTP block's KV pool (blocks used of all, its cache type)."""
+        pool = getattr(self, "_mtp_pool", None)
+        if pool is None:
+            return None
+        used = sum(g.n_used for g in pool.groups)
+        return dict(cache_type=pool.cache_type_k, blocks_used=used, blocks=pool.groups[0].capacity if pool.groups
+                    else pool._n_blocks, parked_states=len(self._parked_mtp))
 
     def _pool_stats(self) -> dict | None:
         """GPU path: the shared KV pool's blocks (used, free, shared by several slots), in tokens too (what
@@ -615,6 +622,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
             s.kv = self.model.new_kv()
         s.n_computed = s.cached = 0
         s.drafts = []
+        if s.mtp is not None:   # (a new state when it runs again)
+            s.mtp.release()
+            s.mtp = None
         s.t_start = None
         self._totals["preempted"] += 1
 
@@ -747,21 +757,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
         if self._spec_kinds:
             self._adapt_draft_lengths(decode)
         if mtp:
-            items = []
-            for (s, c), h in zip(plan, hidden):
-                if s.mtp is None or s.kv is None:
-                    continue
-                k = self._model_drafts_wanted(s)
-                dl = s.adapt.get("mtp") if self.config.spec_adaptive else None
-                items.append(CatchUp(s.mtp, s.tokens, c.start, h, s.n_computed - c.start, k,
-                                     defer=dl is not None and dl.backed_off))
-            timing = {}
-            catch_up(self.model, items, timing)
-            if timing:
-                self._costs.add_draft("mtp", timing["chain_s"], timing["chain_rows"])
-                self._draft_s += timing["chain_s"]
+            self._mtp_catch_up([(s, c.start, h) for (s, c), h in zip(plan, hidden) if s.kv is not None])
         if self._dflash is not None:
-            self._dflash_step(plan)
+            self._dflash_step([(s, c.start, c.features) for s, c in plan if s.kv is not None])
         if self._spec_kinds and decode and len(decode) == len(plan):   # decode rows only: T(rows)
             self._costs.add_step(rows, time.monotonic() - t0 - self._draft_s)
         self._last_step = {"rows": rows, "seqs": len(plan), "ms": round(1000 * (time.monotonic() - t0), 2)}
@@ -833,15 +831,22 @@ class Engine(RunnerScheduler, SpeculationMixin):
             else:
                 s.kv.release()
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
+        mtp_parked = False
         if getattr(s, "slot", None) is not None:
             if self._ahead is not None and s.id in self._ahead.decode:
                 self._discard_ahead_row(s)
             if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
                 self._parked[s.slot] = s.tokens[:s.n_computed]   # resident (its blocks kept) until evicted
+                if s.mtp is not None:   # (the step's MTP catch-up still writes its last rows)
+                    self._parked_mtp[s.slot] = s.mtp
+                    mtp_parked = True
             else:
                 self.runner.release(s.slot)
                 self._free_slots.append(s.slot)
             s.slot = None
+        if s.mtp is not None and not mtp_parked:
+            s.mtp.release()
+            s.mtp = None
         now = time.monotonic()
         t_first = s.t_first or now
         n_gen = s.n_generated

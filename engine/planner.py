@@ -377,6 +377,7 @@ class Plan:
     seq_ctx: int = 0                # the most tokens one sequence may hold: min(training context, pool)
     checkpoints: int = 0            # recurrent-state checkpoints for prefix sharing (qwen35): the engine's
                                     # default, as many one-slot states as fit in 2 % of the KV, at most 64
+    mtp: int = 0                    # the MTP block's own KV when drafting with it (--spec mtp)
 
     @property
     def pool_tokens(self) -> int:
@@ -385,7 +386,8 @@ class Plan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.recurrent + self.prep + self.checkpoints + self.workspace + self.vision
+        return (self.weights + self.kv + self.recurrent + self.prep + self.checkpoints + self.workspace
+                + self.vision + self.mtp)
 
     @property
     def allocated(self) -> int:
@@ -405,15 +407,33 @@ class Plan:
                 "slots": self.n_seqs, "pool_tokens": self.pool_tokens, "seq_ctx": self.seq_ctx,
                 "weights": self.weights, "kv": self.kv, "recurrent": self.recurrent,
                 "prep": self.prep, "checkpoints": self.checkpoints, "workspace": self.workspace,
-                "vision": self.vision, "total": self.total,
+                "vision": self.vision, "mtp": self.mtp, "total": self.total,
                 "allocated": self.allocated}
 
 
+def mtp_cache_type(kv_type: str, kv_type_v: str | None = None) -> str:
+    """The GPU path's cache type for the MTP block's own KV (K and V): f16 beside float caches, q8_0 beside
+    compressed ones (its one layer goes through the torch codecs: q8_0 keeps them cheap, near lossless)."""
+    return "f16" if {kv_type, kv_type_v or kv_type} <= {"f16", "bf16", "f32"} else "q8_0"
+
+
+def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, n_seqs: int, kv_type: str, kv_type_v: str | None = None) -> int:
+    """The MTP block's KV on the GPU path (engine/scheduler_gpu.py: _open_mtp_pool): its rows mirror the
+    pool's, in 16-token blocks, plus 4 blocks per slot (and the scratch slot) for draft rows and copies."""
+    if not facts.n_layer_nextn:
+        return 0
+    t = mtp_cache_type(kv_type, kv_type_v)
+    blocks = -(-pool_tokens // SLOT_BLOCK_TOKENS) + (n_seqs + 1) * 4
+    per_token = facts.n_head_kv * (head_bytes(facts.head_dim, t) + head_bytes(facts.head_dim_v, t))
+    return facts.n_layer_nextn * per_token * blocks * SLOT_BLOCK_TOKENS
+
+
 def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vram: int | None = None,
-         kv_type_v: str | None = None, step_tokens: int = STEP_TOKENS) -> Plan:
+         kv_type_v: str | None = None, step_tokens: int = STEP_TOKENS, mtp: bool = False) -> Plan:
     """GPU memory of the runner with `n_seqs` slots sharing a KV pool of `n_seqs x ctx` tokens (K in
     kv_type, V in kv_type_v, default the same), prompt chunks of `step_tokens`. One sequence may hold
-    up to min(training context, the pool) tokens: the key preconditioning is sized for that."""
+    up to min(training context, the pool) tokens: the key preconditioning is sized for that. mtp: drafting
+    with the model's MTP block (its own KV counted)."""
     if ctx <= 0:
         raise ValueError("context must be positive")
     kv_type_v = kv_type_v or kv_type
@@ -426,7 +446,8 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
                 kv=kv, recurrent=n_seqs * facts.recurrent_bytes, checkpoints=checkpoints,
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
-                prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx)
+                prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx,
+                mtp=mtp_kv_bytes(facts, n_seqs * ctx, n_seqs, kv_type, kv_type_v) if mtp else 0)
 
 
 def seq_context(facts: ModelFacts, ctx: int, n_seqs: int = 1) -> int:
@@ -543,6 +564,8 @@ def format_plan(p: Plan) -> str:
             ("state checkpoints", p.checkpoints), ("workspace", p.workspace)]
     if p.vision:
         rows.append(("vision projector", p.vision))
+    if p.mtp:
+        rows.append((f"MTP block's KV ({mtp_cache_type(p.kv_type, p.kv_type_v or None)})", p.mtp))
     rows += [("total", p.total), ("allocated by torch (total - CUDA context - graph pool)", p.allocated)]
     out = [f"context {p.ctx} tokens x {p.n_seqs} slot(s): a KV pool of {p.pool_tokens} tokens they share; "
            f"one sequence may use up to {p.seq_ctx}"]
@@ -563,6 +586,8 @@ def add_plan_args(parser) -> None:
     parser.add_argument("--seqs", type=int, default=1, help="parallel sequences (the GPU path's slots)")
     parser.add_argument("--ctx", type=int, default=None, help="print the breakdown of one plan: this context "
                                                                "per sequence, the --kv type (default f16)")
+    parser.add_argument("--mtp", action="store_true", help="with --ctx: drafting with the model's MTP block "
+                                                           "(--spec mtp): count its own KV")
 
 
 def run_plan(args) -> int:
@@ -589,7 +614,11 @@ def run_plan(args) -> int:
         return 1
     kv_v = getattr(args, "kv_v", None)
     if getattr(args, "ctx", None):
-        print(format_plan(plan(facts, args.ctx, args.kv or "f16", max(1, args.seqs), vram, kv_v)))
+        if getattr(args, "mtp", False) and not facts.n_layer_nextn:
+            print(f"error: {facts.name} has no MTP block", file=sys.stderr)
+            return 2
+        print(format_plan(plan(facts, args.ctx, args.kv or "f16", max(1, args.seqs), vram, kv_v,
+                               mtp=getattr(args, "mtp", False))))
         return 0
     print(format_table(facts, vram, kv_types=[args.kv] if args.kv else None, n_seqs=max(1, args.seqs),
                        kv_type_v=kv_v))

@@ -41,7 +41,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -61,6 +61,18 @@ if TYPE_CHECKING:
     from engine.runner_prefill import PrefillGraph
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeGraph(NamedTuple):
+    """A captured decode step: its static inputs (tokens, positions, slots) and outputs (logits, the rows'
+    output-normed hidden states, and their hidden states at the model's capture_layers or None)."""
+    graph: object
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    features: torch.Tensor | None
 
 
 def _wave_bucket(waves: list | None) -> int:
@@ -281,6 +293,10 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._decode_dot = cfg["dot"] if self.device.type == "cuda" and not f32 else "ieee"
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
         self._graphs: dict[tuple, tuple] = {}          # (rows bucket, waves, centers) -> decode graph
+        self.hidden: torch.Tensor | None = None        # the last step's output-normed hidden rows (decode, prefill)
+        self.features: torch.Tensor | None = None      # and its rows at the model's capture_layers (DFlash)
+        self._step_hidden: torch.Tensor | None = None
+        self._step_features: torch.Tensor | None = None
         self._graph_pool = None
         # prompt chunks padded to the chunk size and, with graphs, captured between attention layers
         # (engine/runner_prefill.py); default: with the decode graphs
@@ -672,21 +688,33 @@ class Runner(AttentionMixin, KeyPrepMixin):
 
     # ----- steps -----
     def _hidden(self, tokens: torch.Tensor, b: SlotBatch) -> torch.Tensor:
+        """The rows' last hidden states; their states after the model's capture_layers (a DFlash
+        drafter's context) go to `_step_features` (inside a capture: the graph's buffer)."""
         m = self.model
         x = m.embed(tokens)
         m.prepare(b)
+        taken = {}
         for il in range(self.spec.n_layer):
             x = m.layer(il, x, b)
+            if il in m.capture_layers:
+                taken[il] = x
+        self._step_features = m.features_of(taken) if taken else None
         return x
 
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows' output-normed hidden states: what the LM head reads, and the MTP block too."""
+        return rms_norm(x, self.model.output_norm.dense, self.spec.rms_eps)
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        return m.lm_head(rms_norm(x, m.output_norm.dense, self.spec.rms_eps))
+        return self.model.lm_head(self._normed(x))
 
     def _decode_eager(self, tokens, positions, slots, waves=None, centers: bool = True) -> torch.Tensor:
+        """A decode step's logits; its output-normed hidden rows are left in `_step_hidden` (inside a
+        capture: the graph's buffer, kept with it)."""
         b = SlotBatch(self, positions, slots, decode=True)
         b.waves, b.centers = waves, centers
-        return self._head(self._hidden(tokens, b))
+        self._step_hidden = h = self._normed(self._hidden(tokens, b))
+        return self.model.lm_head(h)
 
     def _draft_waves(self, slots: list[int], positions: list[int]) -> list[list[int]] | None:
         """Recurrent models, a step with several rows of one slot (a token and its drafts, at consecutive
@@ -763,10 +791,13 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._live[slot] = n
 
     @torch.inference_mode()
-    def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False,
+                hidden: bool = False) -> torch.Tensor:
         """Feed one slot's tokens at positions start.. in chunks; returns the last row's logits [1, vocab]
         (all rows' with all_logits). start == 0 starts the slot over (reset). Takes the blocks the
-        positions need first (PoolFullError when the pool cannot give them, before anything is written)."""
+        positions need first (PoolFullError when the pool cannot give them, before anything is written).
+        hidden: every row's output-normed hidden state [n, n_embd] goes to `self.hidden` (the MTP block's
+        input, engine/spec/mtp.py), its states at the model's capture_layers to `self.features` (DFlash)."""
         self._check_slot(slot)
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         n = len(tokens)
@@ -775,7 +806,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._check_free(self.blocks_needed(slot, start, start + n) - (self.held_alone(slot) if start == 0 else 0))
         if start == 0:
             self.reset(slot)
-        outs = []
+        outs, normed, feats = [], [], []
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             self.reserve(slot, start + hi, start + lo)
@@ -794,6 +825,10 @@ class Runner(AttentionMixin, KeyPrepMixin):
                     x = self._hidden(tokens[lo:hi].to(self.device), b)
                 if all_logits:
                     outs.append(self._head(x))
+                if hidden:
+                    normed.append(self._normed(x))
+                    if self._step_features is not None:   # (a static buffer when replayed: copied)
+                        feats.append(self._step_features[:hi - lo].clone())
             finally:
                 PREFILL_ROWS.reset(flag)
             self._grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live)
@@ -801,6 +836,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 # the last row only, with the decode rows' matmul: the prefill matmul would first make an
                 # fp16 copy of the whole output matrix (2.5 GB for a 248K vocabulary)
                 outs.append(self._head(x[-1:]))
+        if hidden:
+            self.hidden = normed[0] if len(normed) == 1 else torch.cat(normed)
+            self.features = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
         return torch.cat(outs)
 
     def _prefill_graph(self, chunk: int) -> PrefillGraph:
@@ -830,7 +868,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def decode(self, slots, tokens, positions) -> torch.Tensor:
         """One step: slots[r]'s token tokens[r] at positions[r] (lists or device tensors), each
         sequence one row. Returns logits [len(slots), vocab] (a view of the graph's output buffer on
-        CUDA: read it before the next step)."""
+        CUDA: read it before the next step); the rows' output-normed hidden states are in `self.hidden`,
+        their states at the model's capture_layers in `self.features` (likewise views)."""
         n = len(slots)
         if n == 0:
             return torch.zeros(0, self.spec.vocab_size, device=self.device)
@@ -844,17 +883,21 @@ class Runner(AttentionMixin, KeyPrepMixin):
         if not self.graphs_enabled or n > BUCKETS[-1]:
             dev = self.device
             wv = None if waves is None else torch.tensor(waves, dtype=torch.long, device=dev)
-            return self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
-                                      torch.as_tensor(positions, device=dev).long(),
-                                      torch.as_tensor(slots, device=dev).long(), wv, centers)
+            logits = self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
+                                        torch.as_tensor(positions, device=dev).long(),
+                                        torch.as_tensor(slots, device=dev).long(), wv, centers)
+            self.hidden, self.features = self._step_hidden, self._step_features
+            return logits
         B = next(bk for bk in BUCKETS if bk >= n)
         key = (B, _wave_bucket(waves), centers)
-        graph, tok, pos, sl, out = self._graph(*key)
+        g = self._graph(*key)
         self.fill(B, slots, tokens, positions, waves, centers)
-        graph.replay()
+        g.graph.replay()
         if waves is not None:
             self._replay_inputs.update(self._graph_replay[key])
-        return out[:n]
+        self.hidden = g.hidden[:n]
+        self.features = g.features[:n] if g.features is not None else None
+        return g.logits[:n]
 
     def _needs_centers(self, slots: list[int], positions: list[int]) -> bool:
         """Whether a decode step has a row in a segment whose key center is not made yet (then the step
@@ -898,7 +941,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot; waves
         past the step's own and padding rows are in no wave)."""
         key = (B, _wave_bucket(waves), centers)
-        _, tok, pos, sl, _ = self._graphs[key]
+        g = self._graphs[key]
+        tok, pos, sl = g.tokens, g.positions, g.slots
         n = len(slots)
         tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)
         pos[:n].copy_(torch.as_tensor(positions), non_blocking=True)
@@ -912,8 +956,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
             wv.fill_(-1)
             wv[:len(waves), :n].copy_(torch.tensor(waves, dtype=torch.long), non_blocking=True)
 
-    def _graph(self, B: int, W: int = 0, centers: bool = False) -> tuple:
-        """Bucket B's decode graph (graph, tokens, positions, slots, logits); W > 0: the one for steps
+    def _graph(self, B: int, W: int = 0, centers: bool = False) -> DecodeGraph:
+        """Bucket B's decode graph; W > 0: the one for steps
         with draft rows of recurrent models, W waves (its wave table in _graph_waves); centers: the one
         for steps that make a key center (rotated K types, a row at a new segment). Captured at first
         use."""
@@ -941,7 +985,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         if W:
             self._graph_waves[key] = wv
             self._graph_replay[key] = dict(self._replay_inputs)   # (the runner's buffers, filled by replays)
-        g = self._graphs[key] = (graph, tok, pos, sl, out)
+        g = self._graphs[key] = DecodeGraph(graph, tok, pos, sl, out, self._step_hidden, self._step_features)
         return g
 
     def capture(self, buckets=BUCKETS) -> None:

@@ -83,6 +83,7 @@ class PrefillGraph:
         self.qkv: dict[int, tuple] = {}     # attention layer -> its static q, k, v (a view of shared buffers)
         self.out: torch.Tensor | None = None    # the attention output all layers share (static)
         self.x: torch.Tensor | None = None      # the last segment's hidden rows (static)
+        self.features: torch.Tensor | None = None   # and their states at the model's capture_layers
         self._capturing: torch.cuda.CUDAGraph | None = None
         self._shared: dict[tuple, torch.Tensor] = {}   # (role, shape, dtype) -> a q, k or v buffer
         self._real = None                   # the running chunk's SlotBatch (eager attention)
@@ -104,6 +105,7 @@ class PrefillGraph:
                     g.replay()
                     if i < len(self.splits):
                         self._attend(*self.splits[i])
+                r._step_features = self.features
                 return self.x[:n]
             x = r._hidden(inp.tokens, PaddedBatch(self))
             if self.capture_ok:
@@ -172,7 +174,7 @@ class PrefillGraph:
                 x = r._hidden(self.inp.tokens, PaddedBatch(self))
                 self._capturing.capture_end()
                 self.segments.append(self._capturing)
-                self.x = x
+                self.x, self.features = x, r._step_features
         except Exception as e:   # (a kernel that cannot be captured: the eager path works the same)
             if self._capturing is not None:
                 try:
@@ -180,7 +182,7 @@ class PrefillGraph:
                 except Exception:
                     pass
             log.warning("prompt chunks of %d tokens stay eager: capturing them failed (%s)", self.chunk, e)
-            self.segments, self.splits, self.x, self.capture_ok = [], [], None, False
+            self.segments, self.splits, self.x, self.features, self.capture_ok = [], [], None, None, False
         finally:
             self._capturing = None
             torch.cuda.current_stream(dev).wait_stream(side)

@@ -108,6 +108,8 @@ class RunnerScheduler:
                 pool = c.ctx_pool_tokens
             elif dev.type == "cuda":
                 self.model.to_device(dev)
+                if self._dflash is not None:
+                    self._dflash.to_device(dev)
                 free, _ = torch.cuda.mem_get_info(dev)
                 budget = free - max(int(0.1 * free), self._step_workspace(want))
                 pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
@@ -130,6 +132,7 @@ class RunnerScheduler:
             self.model.close()
             raise
         self.ctx_size = min(self.ctx_size, self.runner.max_ctx)
+        self._open_mtp_pool(dev)
         self._clock = StepClock(self._pacer, dev)
         if dev.type == "cuda":
             # every decode graph a step can need, now: captured lazily, the first step with 4 (16) agents
@@ -147,22 +150,50 @@ class RunnerScheduler:
         self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
 
     def _runner_spec_kinds(self) -> set[str]:
-        """The drafters the GPU path runs: n-gram drafts, verified as extra decode rows of their sequence
-        in the same step (its rows attend to the drafts before them; rejected rows are cut off, recurrent
-        states rolled back: Runner.cut_back; with key preconditioning, within one segment: Runner.draft_room).
-        MTP and DFlash alone: none, with a warning (they need the target's hidden states)."""
-        kinds = self._spec_kinds
-        if not kinds:
-            return set()
-        if "ngram" not in kinds:
-            log.warning("speculative decoding (%s) runs on the CPU path only here: MTP and DFlash drafts need "
-                        "the target's hidden states, which the %s path does not keep yet; it decodes without "
-                        "drafts", self.config.spec, self.config.device)
-            return set()
-        if kinds - {"ngram"}:
-            log.warning("speculative decoding: the %s path drafts with n-grams only (MTP and DFlash need the "
-                        "target's hidden states, which it does not keep yet)", self.config.device)
-        return {"ngram"}
+        """The drafters the GPU path runs: all of them (n-gram, MTP, DFlash), their drafts verified as extra
+        decode rows of their sequence in the same step (its rows attend to the drafts before them; rejected
+        rows are cut off, recurrent states rolled back: Runner.cut_back; with key preconditioning, within
+        one segment: Runner.draft_room). The MTP block reads the rows' output-normed hidden states
+        (Runner.hidden) and keeps its one layer's KV in its own pool on the device (_open_mtp_pool); a
+        DFlash drafter reads their states at its target layers (Runner.features), its weights and context
+        on the device."""
+        return set(self._spec_kinds)
+
+    def _mtp_cache_type(self) -> str:
+        """The GPU path's MTP cache type for K and V (engine/planner.py: mtp_cache_type)."""
+        from engine.planner import mtp_cache_type
+        from kernels.kvcodec import cache_type_name
+        c = self.config
+        return mtp_cache_type(cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k))
+
+    def _drafter_bytes_per_token(self) -> int:
+        """Bytes the model drafters' caches add per pool token on the GPU path: the MTP block's KV, a
+        DFlash drafter's context K/V (bfloat16 on the device; its weights are on the device before the fit,
+        so counted in the free memory)."""
+        n = self._mtp_bytes_per_token()
+        if self._dflash is not None:
+            n += self._dflash.context_bytes_per_token()
+        return n
+
+    def _mtp_bytes_per_token(self) -> int:
+        """Bytes the MTP block's cache adds per pool token on the GPU path (0 without MTP drafts)."""
+        if "mtp" not in self._spec_kinds:
+            return 0
+        from kernels.kvcodec import get_codec
+        codec, s = get_codec(self._mtp_cache_type()), self.spec
+        return s.n_head_kv * (codec.row_bytes(s.head_dim) + codec.row_bytes(s.head_dim_v))
+
+    def _open_mtp_pool(self, dev: torch.device) -> None:
+        """The MTP block's KV pool on the device: as many 16-token blocks as the main pool, plus room for
+        every slot's draft rows and copied blocks (its rows mirror the main rows; the fit counted them)."""
+        self._mtp_pool = None
+        self._parked_mtp: dict[int, object] = {}   # parked slot -> the MTP state of its conversation
+        if "mtp" not in self._spec_kinds:
+            return
+        from engine.kv.pool import KVPool
+        extra = (self.config.max_seqs + 1) * 4   # (engine/planner.py: mtp_kv_bytes counts the same)
+        self._mtp_pool = KVPool(cache_type_k=self._mtp_cache_type(), block_size=RUNNER_BLOCK, device=dev,
+                                n_blocks=self.runner.pool.n_blocks + extra)
 
     def _step_workspace(self, ctx: int) -> int:
         """What a step allocates beyond the pool and the slots' state (engine/planner.py activation_bytes:
@@ -182,7 +213,7 @@ class RunnerScheduler:
         from engine.runner import slot_bytes_per_token, slot_fixed_bytes
         c = self.config
         types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
-        per_token = max(1, slot_bytes_per_token(self.model, **types))
+        per_token = max(1, slot_bytes_per_token(self.model, **types) + self._drafter_bytes_per_token())
 
         def fits(blocks: int) -> bool:
             tokens = blocks * RUNNER_BLOCK
@@ -201,7 +232,8 @@ class RunnerScheduler:
         is shared with the new slot (Runner.find_prefix / share_prefix: a multiple of prefill_chunk, its
         blocks referenced, recurrent states from a checkpoint), and only the rest is computed, with the
         numbers a cold run gives. Else a free slot, else the least recently parked one. A sequence back
-        from a pre-emption needs all its tokens but the last again (s.target)."""
+        from a pre-emption needs all its tokens but the last again (s.target). With MTP drafts, the MTP
+        block's cache comes along: the parked conversation's own, or a fork of the donor's (_mtp_from)."""
         r, pc = self.runner, self.config.prefill_chunk
         best, n, whole = None, 0, False
         prompt = s.tokens[:s.target]
@@ -224,11 +256,13 @@ class RunnerScheduler:
         if best is not None and not whole and (n < r.block_size or (match is not None and n - pc < match.n)):
             best, n = None, 0
         if match is not None and match.n > n:
+            s.mtp = self._mtp_from(s, match.src, match.n, take=False)
             if self._free_slots:
                 s.slot = self._free_slots.pop()
             else:   # the least recently parked slot other than the donor (the donor itself when it is the only one)
                 s.slot = next((p for p in self._parked if p != match.src), match.src)
                 del self._parked[s.slot]
+                self._drop_parked_mtp(s.slot)
             if match.src in self._parked:
                 self._parked.move_to_end(match.src)   # just used: evicted last
             r.share_prefix(match, s.slot)              # (drops what s.slot held before)
@@ -237,6 +271,8 @@ class RunnerScheduler:
             self._totals["shared_tokens"] += match.n
         elif best is not None:
             del self._parked[best]
+            s.mtp = self._mtp_from(s, best, n, take=True)
+            self._drop_parked_mtp(best)
             s.slot = best
             r.truncate(best, n)                        # the blocks after the common part go back to the pool
             s.n_computed = s.cached = n
@@ -245,7 +281,33 @@ class RunnerScheduler:
             s.slot = self._free_slots.pop()
         else:
             s.slot, _ = self._parked.popitem(last=False)
+            self._drop_parked_mtp(s.slot)
             r.release(s.slot)
+
+    def _mtp_from(self, s: _Sequence, slot: int, n: int, take: bool):
+        """The MTP state for s starting from the first n positions of the conversation in `slot`: with
+        take, the parked conversation's own state (s continues it), else a fork of the parked or running
+        donor's; rows before n kept, h_{n-1} known (MtpState.resume_at). None when MTP does not draft for
+        s or the state cannot resume there (s then drafts with n-grams only, if at all)."""
+        if self._mtp_pool is None or not self._spec_ok(s):
+            return None
+        if take:
+            st = self._parked_mtp.pop(slot, None)
+            if st is not None and not st.resume_at(n):
+                st.release()
+                st = None
+        else:
+            donor = self._parked_mtp.get(slot) or next(
+                (q.mtp for q in self._running if q.slot == slot and q.mtp is not None), None)
+            st = donor.fork(n) if donor is not None else None
+        self._totals["mtp_resumed" if st is not None else "mtp_not_resumed"] += 1
+        return st
+
+    def _drop_parked_mtp(self, slot: int) -> None:
+        """A parked slot is taken or evicted: its MTP rows go back to the MTP pool."""
+        st = self._parked_mtp.pop(slot, None) if self._mtp_pool is not None else None
+        if st is not None:
+            st.release()
 
     def _runner_has_room(self, s: _Sequence) -> bool:
         """GPU path: whether the pool's free blocks, plus those only parked conversations hold, can take all of
@@ -290,12 +352,20 @@ class RunnerScheduler:
         clock = self._clock.start()
         step = _RunnerStep()
         host, host_lg = [], []   # the host Sampler's rows: their sequences, their logits (device rows)
-        spec = self._launch_decode(dec, prev, step, host, host_lg) if dec else []
+        mtp_rows = []            # (sequence, first position, output-normed hidden rows) for the MTP block
+        dflash_rows = []         # (sequence, first position, rows at the drafter's target layers)
+        spec = self._launch_decode(dec, prev, step, host, host_lg, mtp_rows, dflash_rows) if dec else []
         self._complete_runner(prev)   # the previous step's tokens, while this step's decode runs
+        verified = [(s, 1 + len(s.drafts), len(s.drafts)) for s in dec]   # (rows, drafts: before verifying)
         rows = len(dec) + sum(len(s.drafts) for s in dec)
         firsts, first_lg = [], []
         for s, lo, hi in chunks:
-            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc)
+            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc,
+                            hidden=s.mtp is not None or s.dflash is not None)
+            if s.mtp is not None:
+                mtp_rows.append((s, lo, r.hidden))
+            if s.dflash is not None:
+                dflash_rows.append((s, lo, r.features))
             s.n_computed = hi
             rows += hi - lo
             if hi == s.n_prompt and s.n_generated == 0:   # (a recomputed sequence samples nothing here)
@@ -317,9 +387,14 @@ class RunnerScheduler:
                 self._on_logits(s, lg)
         for seq, start, lg in spec:   # drafts: accepted as the target would have decoded them, the rest cut off
             self._verify_drafts(seq, start, lg.cpu())
+        if self.spec_active and dec:
+            self._adapt_draft_lengths(verified)   # (the next drafts' lengths, before the MTP block drafts them)
+        if mtp_rows:
+            self._mtp_rows_catch_up(mtp_rows)
+        if dflash_rows:
+            self._dflash_rows_step(dflash_rows)
         if self.spec_active and dec and not chunks:
             self._costs.add_step(rows, time.monotonic() - t0 - self._draft_s)
-            self._adapt_draft_lengths([(s, 1 + len(s.drafts), len(s.drafts)) for s in dec])
         if self.config.overlap_steps and not self.spec_active:
             self._inflight = step
         else:
@@ -329,11 +404,13 @@ class RunnerScheduler:
         self._totals["steps"] += 1
 
     def _launch_decode(self, dec: list, prev: _RunnerStep | None, step: _RunnerStep, host: list,
-                       host_lg: list) -> list:
+                       host_lg: list, mtp_rows: list, dflash_rows: list) -> list:
         """Launch the step's decode call: every generating sequence's row, and after it the rows of its
         drafts (positions p, p+1, .. of its slot; overlap is off then). Device-chosen rows go to `step`,
-        host-sampled rows to host / host_lg; returns (sequence, its first row's position, its rows' logits)
-        of the sequences with drafts, verified once the step's other work is done."""
+        host-sampled rows to host / host_lg, the hidden rows of sequences with an MTP state to mtp_rows,
+        those with a DFlash state their target-layer rows to dflash_rows;
+        returns (sequence, its first row's position, its rows' logits) of the sequences with drafts,
+        verified once the step's other work is done."""
         r = self.runner
         spec = []
         pos = [s.n_computed for s in dec]
@@ -364,15 +441,50 @@ class RunnerScheduler:
         for i, s in enumerate(dec):
             if s.drafts:
                 spec.append((s, pos[i], logits[row0[i]:row0[i] + 1 + len(s.drafts)].float()))
+            rows = slice(row0[i], row0[i] + 1 + len(s.drafts))   # (views of the graph's buffers: read
+            if s.mtp is not None:                                # before the next decode call)
+                mtp_rows.append((s, pos[i], r.hidden[rows]))
+            if s.dflash is not None:
+                dflash_rows.append((s, pos[i], r.features[rows]))
         step.decode = {s.id for s in step.seqs}
         self._ahead = step
         return spec
+
+    def _mtp_rows_catch_up(self, mtp_rows: list) -> None:
+        """The MTP block after a GPU-path step (SpeculationMixin._mtp_catch_up). Its pool is sized to
+        mirror the main pool, so running out is not expected; if it happens the sequences lose their MTP
+        drafts (n-gram drafts go on), nothing else."""
+        from engine.kv.pool import PoolFullError
+        try:
+            self._mtp_catch_up(mtp_rows)
+        except PoolFullError as e:
+            log.warning("MTP cache full (%s): MTP drafting stops for %d sequences", e, len(mtp_rows))
+            for s, _, _ in mtp_rows:
+                if s.mtp is not None:
+                    if s.slot is None:
+                        self._parked_mtp = {k: v for k, v in self._parked_mtp.items() if v is not s.mtp}
+                    s.mtp.release()
+                    s.mtp = None
+            self._totals["mtp_pool_full"] += 1
+
+    def _dflash_rows_step(self, dflash_rows: list) -> None:
+        """The DFlash drafter after a GPU-path step (SpeculationMixin._dflash_step), for the sequences still
+        running. Its contexts grow on the device beside the pool (counted per token in the fit); should the
+        device still run out, the sequences lose their DFlash drafts (others go on), nothing else."""
+        rows = [(s, start, f) for s, start, f in dflash_rows if s.slot is not None]
+        try:
+            self._dflash_step(rows)
+        except torch.OutOfMemoryError:
+            log.warning("out of GPU memory for DFlash contexts: DFlash drafting stops for %d sequences", len(rows))
+            for s, _, _ in rows:
+                s.dflash = None
+            self._totals["dflash_out_of_memory"] += 1
 
     def _device_row(self, s: _Sequence) -> bool:
         """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only;
         a sequence that drafts is verified on the host)."""
         return (self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
-                and s.drafter is None)
+                and s.drafter is None and s.mtp is None and s.dflash is None)
 
     def _decode_inputs(self, dec: list[_Sequence], prev: _RunnerStep | None):
         """The decode rows' input tokens: a sequence's last token on the host, or the id the previous
@@ -436,9 +548,10 @@ class RunnerScheduler:
         rows = len(dec)
         budget -= rows
         drafting = 0
-        for s in dec:   # n-gram drafts (spec_active): rows after the sequence's own, while graphs have room
+        for s in dec:   # drafts (spec_active): rows after the sequence's own, while graphs have room
             s.drafts, s.draft_q, s.draft_src = [], None, ""
-            if s.drafter is not None and (not self.spec.recurrent_layers or drafting < RECURRENT_DRAFTERS):
+            if (s.drafter is not None or s.mtp is not None or s.dflash is not None) and (
+                    not self.spec.recurrent_layers or drafting < RECURRENT_DRAFTERS):
                 room = min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
                            s.params.max_tokens - s.n_generated - 1, RUNNER_MAX_ROWS - rows, max(0, budget),
                            self.runner.draft_room(s.n_computed))
@@ -496,6 +609,7 @@ class RunnerScheduler:
         if not self._parked:
             return False
         slot, _ = self._parked.popitem(last=False)
+        self._drop_parked_mtp(slot)
         self.runner.release(slot)
         self._free_slots.append(slot)
         self._totals["parked_evicted"] += 1

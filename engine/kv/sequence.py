@@ -289,8 +289,9 @@ class SequenceKV:
             self._add_centers(layer, kp, start, k)
             k = self._prep_keys(layer, start, k)
         pos = torch.arange(start, start + n)
-        blk = t.tensor()[pos // bs].to(g.k[layer].device)
-        slot = (pos % bs).to(blk.device)
+        # (non_blocking: host-to-device copies of small index tensors need not wait for the device)
+        blk = t.tensor()[pos // bs].to(g.k[layer].device, non_blocking=True)
+        slot = (pos % bs).to(blk.device, non_blocking=True)
         g.k[layer][blk, slot] = p.codec_k.encode(k)
         g.v[layer][blk, slot] = p.codec_v.encode(v)
         return t
@@ -300,7 +301,7 @@ class SequenceKV:
         bs, g = self.pool.block_size, t.group
         fb = t.first_kept
         nb = -(-end // bs)
-        ids = t.tensor()[fb:nb].to(g.k[layer].device)
+        ids = t.tensor()[fb:nb].to(g.k[layer].device, non_blocking=True)
         first = fb * bs
         kp = g.k[layer][ids].flatten(0, 1)[: end - first]
         vp = g.v[layer][ids].flatten(0, 1)[: end - first]

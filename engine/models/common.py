@@ -429,12 +429,16 @@ class DecoderModel:
         """Give each chunk its rows of the hidden states after `capture_layers`, concatenated in that
         order: [n, len(capture_layers) * n_embd]. These are HF's hidden_states[il + 1] (the residual
         stream after layer il), which for the last layer is the output-normed final state."""
-        last = self.spec.n_layer - 1
-        if last in taken:
-            taken[last] = rms_norm(taken[last], self.output_norm.dense, self.spec.rms_eps)
-        feats = torch.cat([taken[il] for il in self.capture_layers], dim=-1)
+        feats = self.features_of(taken)
         for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
             c.features = feats[lo:hi]
+
+    def features_of(self, taken: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The rows' hidden states after `capture_layers` (taken: layer -> rows), concatenated in that order,
+        the last layer's output-normed (keep_features; the GPU path's Runner uses it too)."""
+        last = self.spec.n_layer - 1
+        return torch.cat([rms_norm(taken[il], self.output_norm.dense, self.spec.rms_eps) if il == last
+                          else taken[il] for il in self.capture_layers], dim=-1)
 
     def prepare(self, batch: Batch) -> None:
         """Per-step work shared by all layers (e.g. RoPE tables for the batch's positions)."""

@@ -377,9 +377,11 @@ class Qwen35Model(DecoderModel):
     # ------------------------------------------------------------------------------------------
     # MTP (NextN) block
 
-    def new_mtp_kv(self, dtype: torch.dtype | None = None) -> SequenceKV:
-        """The MTP block's own KV cache (one layer, its own pool) for one sequence: `dtype` for K and V,
-        else the model's cache types."""
+    def new_mtp_kv(self, dtype: torch.dtype | None = None, pool=None) -> SequenceKV:
+        """The MTP block's own KV cache (one layer) for one sequence: in `pool` (the GPU path's MTP pool,
+        shared by its sequences), else its own pool with `dtype` for K and V, else the model's cache types."""
+        if pool is not None:
+            return SequenceKV(1, pool=pool)
         if dtype is not None:
             return SequenceKV(1, dtype)
         return SequenceKV(1, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
@@ -399,7 +401,9 @@ class Qwen35Model(DecoderModel):
         hid = torch.cat(hidden, dim=0) if hidden else torch.zeros(0, s.n_embd)
         if hid.shape != (len(batch.tokens), s.n_embd):
             raise ValueError(f"hidden rows {tuple(hid.shape)} do not match {len(batch.tokens)} tokens")
-        e = M["embed"].rows(batch.tokens)
+        # (the GPU path: the rows live on the device; copies that need not wait for it)
+        batch.positions = batch.positions.to(hid.device, non_blocking=True)
+        e = M["embed"].rows(batch.tokens.to(hid.device, non_blocking=True))
         e = rms_norm(e, M["enorm"].dense, s.rms_eps)
         hn = rms_norm(hid.float(), M["hnorm"].dense, s.rms_eps)
         x = M["eh_proj"].matmul(torch.cat([e, hn], dim=-1))
@@ -414,5 +418,5 @@ class Qwen35Model(DecoderModel):
         rows, slices = batch.logit_rows()
         if len(rows) == 0:
             return [x.new_zeros((0, s.vocab_size)) for _ in chunks], h_out
-        logits = M["head"].matmul(out[rows])
+        logits = M["head"].matmul(out[rows.to(out.device, non_blocking=True)])
         return [logits[sl] for sl in slices], h_out

@@ -336,11 +336,12 @@ class _Tensors:
 
 
 class DFlashDrafter:
-    """The drafter's weights (float32) and its forward passes; the target model supplies embeddings,
-    the LM head and the context features."""
+    """The drafter's weights (float32; bfloat16 on a GPU: `to_device`) and its forward passes; the target
+    model supplies embeddings, the LM head and the context features."""
 
     def __init__(self, cfg: DFlashConfig, tensors: dict[str, torch.Tensor], source: str):
         self.cfg, self.source = cfg, source
+        self.device = torch.device("cpu")
         c = cfg
         if not c.target_layer_ids:
             raise DFlashError(f"{source}: target_layer_ids is empty")
@@ -402,10 +403,40 @@ class DFlashDrafter:
     def new_state(self) -> DFlashState:
         return DFlashState(self.cfg.n_layer)
 
+    def to_device(self, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Put the weights on `device` as `dtype` (the GPU path: half the bytes of float32, tensor-core
+        products); activations stay float32 between the products, the context K/V is kept as `dtype`."""
+        self.device = torch.device(device)
+        self.fc = self.fc.to(device, dtype)
+        self.hidden_norm, self.norm = self.hidden_norm.to(device), self.norm.to(device)
+        for L in self.layers:
+            for name, t in L.items():
+                if t is not None:
+                    L[name] = t.to(device, dtype if t.ndim == 2 else torch.float32)
+        self.rope.to_device(self.device)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def context_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes a sequence's context K and V take per position (all layers) when kept as `dtype`."""
+        c = self.cfg
+        return c.n_layer * 2 * c.n_head_kv * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def _tensors(self):
+        yield from (self.fc, self.hidden_norm, self.norm)
+        for L in self.layers:
+            yield from (t for t in L.values() if t is not None)
+
     # ----- building blocks -----
     @staticmethod
-    def _lin(x: torch.Tensor, L: dict, name: str) -> torch.Tensor:
-        return F.linear(x, L[name], L.get(name + "_bias"))
+    def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T (+ b) in w's dtype, back as float32 (a no-op cast on the CPU's float32 weights)."""
+        return F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype)).float()
+
+    @classmethod
+    def _lin(cls, x: torch.Tensor, L: dict, name: str) -> torch.Tensor:
+        return cls._mm(x, L[name], L.get(name + "_bias"))
 
     def _heads(self, x: torch.Tensor, L: dict, name: str, n_heads: int, cos, sin) -> torch.Tensor:
         """Projection `name` (q or k) split into heads, per-head RMSNorm, rope."""
@@ -419,8 +450,8 @@ class DFlashDrafter:
         start, B = st.length, q.shape[0]
         window = c.sliding_window if c.sliding[il] else 0
         lo = max(0, start - window + 1) if window else 0       # older context rows are outside every window
-        keys = torch.cat([st.keys[il].rows(lo, start), k]) if start > lo else k
-        vals = torch.cat([st.values[il].rows(lo, start), v]) if start > lo else v
+        keys = torch.cat([st.keys[il].rows(lo, start).float(), k]) if start > lo else k
+        vals = torch.cat([st.values[il].rows(lo, start).float(), v]) if start > lo else v
         qp = torch.arange(start, start + B)
         kp = torch.cat([torch.arange(lo, start), qp])
         seen = torch.ones(B, kp.shape[0], dtype=torch.bool)
@@ -432,7 +463,8 @@ class DFlashDrafter:
                 seen &= (kp[None, :] - qp[:, None]) < window
         rep = c.n_head // c.n_head_kv                          # GQA: query head h reads KV head h // rep
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
-                                             vals.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=seen,
+                                             vals.repeat_interleave(rep, 1).transpose(0, 1),
+                                             attn_mask=seen.to(q.device, non_blocking=True),
                                              scale=c.head_dim ** -0.5)
         return out.transpose(0, 1)
 
@@ -444,12 +476,14 @@ class DFlashDrafter:
         items = [(st, f) for st, f in items if f.shape[0]]
         if not items:
             return
-        c = self.cfg
-        ctx = rms_norm(F.linear(torch.cat([f.float() for _, f in items]), self.fc), self.hidden_norm, c.rms_eps)
-        cos, sin = self.rope.cos_sin(torch.cat([torch.arange(st.length, st.length + f.shape[0]) for st, f in items]))
+        c, dev, kept = self.cfg, self.device, self.fc.dtype    # (the context K/V kept in the weights' dtype)
+        feats = torch.cat([f.to(dev, non_blocking=True).float() for _, f in items])
+        ctx = rms_norm(self._mm(feats, self.fc), self.hidden_norm, c.rms_eps)
+        pos = torch.cat([torch.arange(st.length, st.length + f.shape[0]) for st, f in items])
+        cos, sin = self.rope.cos_sin(pos.to(dev, non_blocking=True))
         for il, L in enumerate(self.layers):
-            k = self._heads(ctx, L, "k", c.n_head_kv, cos, sin)
-            v = self._lin(ctx, L, "v").view(ctx.shape[0], c.n_head_kv, c.head_dim)
+            k = self._heads(ctx, L, "k", c.n_head_kv, cos, sin).to(kept)
+            v = self._lin(ctx, L, "v").view(ctx.shape[0], c.n_head_kv, c.head_dim).to(kept)
             off = 0
             for st, f in items:
                 n = f.shape[0]
@@ -465,11 +499,13 @@ class DFlashDrafter:
         Returns each block's final normed hidden rows [block_size, n_embd]."""
         c = self.cfg
         B = c.block_size
+        dev = self.device
         ids = torch.tensor([t for tok in tokens for t in [tok] + [c.mask_token_id] * (B - 1)])
-        x = target.tok_embd.rows(ids).float()
+        x = target.tok_embd.rows(ids.to(dev, non_blocking=True)).float()
         if c.input_embedding_scale != 1.0:
             x = x * c.input_embedding_scale
-        cos, sin = self.rope.cos_sin(torch.cat([torch.arange(st.length, st.length + B) for st in states]))
+        pos = torch.cat([torch.arange(st.length, st.length + B) for st in states])
+        cos, sin = self.rope.cos_sin(pos.to(dev, non_blocking=True))
         for il, L in enumerate(self.layers):
             h = rms_norm(x, L["input_norm"], c.rms_eps)
             q = self._heads(h, L, "q", c.n_head, cos, sin)
@@ -479,7 +515,7 @@ class DFlashDrafter:
                            for i, st in enumerate(states)])
             x = x + self._lin(a.reshape(x.shape[0], c.n_head * c.head_dim), L, "o")
             h = rms_norm(x, L["post_norm"], c.rms_eps)
-            x = x + F.linear(silu_mul(F.linear(h, L["gate"]), F.linear(h, L["up"])), L["down"])
+            x = x + self._mm(silu_mul(self._mm(h, L["gate"]), self._mm(h, L["up"])), L["down"])
         h = rms_norm(x, self.norm, c.rms_eps)
         return [h[i * B:(i + 1) * B] for i in range(len(states))]
 
@@ -515,7 +551,8 @@ def propose(drafter: DFlashDrafter, target, reqs: list[DraftRequest]) -> None:
         return
     hidden = drafter.block_hidden(target, [r.state for r in reqs], [r.token for r in reqs])
     ks = [min(r.k, drafter.cfg.block_size - 1) for r in reqs]
-    lg = drafter.logits(target, torch.cat([h[1:1 + k] for h, k in zip(hidden, ks)]))
+    # (to the host at once: the requests' samplers and generators live there)
+    lg = drafter.logits(target, torch.cat([h[1:1 + k] for h, k in zip(hidden, ks)])).float().cpu()
     off = 0
     for r, k in zip(reqs, ks):
         _choose(r, lg[off:off + k])

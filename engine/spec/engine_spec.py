@@ -15,14 +15,13 @@ import torch
 from engine.gguf.reader import GGUFError
 from engine.spec.adaptive import MAX_DEFERRED, DraftLength, choose_k, expected_tokens
 from engine.spec.dflash import DFlashError, DraftRequest, load_drafter, propose
-from engine.spec.mtp import MtpState
+from engine.spec.mtp import CatchUp, MtpState, catch_up
 from engine.spec.ngram import NgramDrafter
 from engine.spec.verify import accept_or_resample
 from engine.types import EngineError
 
 if TYPE_CHECKING:
     from engine.engine import _Sequence
-    from engine.models.common import SeqChunk
 
 log = logging.getLogger("hivejet.engine")
 
@@ -60,14 +59,15 @@ class SpeculationMixin:
 
     def _attach_drafters(self, s: _Sequence) -> None:
         """The drafters of the engine's spec mode for a sequence starting to run. A sequence that starts
-        from a reused prefix gets no model drafter: the resident cache keeps no MTP rows or DFlash
-        context (n-gram drafts still work)."""
+        from a reused prefix gets no model drafter on the CPU path: its resident cache keeps no MTP rows
+        or DFlash context (n-gram drafts still work); the GPU path keeps MTP rows with its parked
+        conversations (RunnerScheduler._mtp_from)."""
         s.spec_k = self.config.spec_max_drafts
         if "ngram" in self.spec_active:
             s.drafter = NgramDrafter(pool=self._ngram_pool)
             s.drafter.extend(s.tokens)
-        if s.cached == 0 and "mtp" in self.spec_active:
-            s.mtp = MtpState(self.model.new_mtp_kv())
+        if s.mtp is None and s.cached == 0 and "mtp" in self.spec_active:   # (GPU path: _take_slot may
+            s.mtp = self._new_mtp_state()                                     # have given it a kept one)
         if s.cached == 0 and self._dflash is not None:
             s.dflash = self._dflash.new_state()
         k_max = self.config.spec_max_drafts
@@ -79,6 +79,33 @@ class SpeculationMixin:
             for name, dl in s.adapt.items():
                 dl.decide(choose_k(dl.alpha, dl.k_max, self._costs.step_time, n + 1,
                                    lambda k, name=name: self._costs.draft_time(name, k), others_tokens=n))
+
+    def _new_mtp_state(self) -> MtpState:
+        """An empty MTP cache: the CPU path's in a pool of its own, the GPU path's in the shared MTP pool
+        on the device, keeping h_{p-1} at every chunk end (where another conversation may share a prefix)."""
+        if self.runner is None:
+            return MtpState(self.model.new_mtp_kv())
+        return MtpState(self.model.new_mtp_kv(pool=self._mtp_pool), mark_every=self.config.prefill_chunk)
+
+    def _mtp_catch_up(self, rows: list) -> None:
+        """After a step: the MTP rows of every position that became final, then the next drafts
+        (engine/spec/mtp.py: catch_up). rows: (sequence, its first row's position, its rows' output-normed
+        hidden states) for the step's sequences; those without an MTP state are skipped. A finished
+        sequence whose state stays with its parked slot writes its rows too (held back when few), so a
+        follow-up can resume from it."""
+        items = []
+        for s, start, h in rows:
+            if s.mtp is None:
+                continue
+            k = self._model_drafts_wanted(s)
+            dl = s.adapt.get("mtp") if self.config.spec_adaptive else None
+            items.append(CatchUp(s.mtp, s.tokens, start, h, s.n_computed - start, k,
+                                 defer=(dl is not None and dl.backed_off) or not self._alive(s)))
+        timing = {}
+        catch_up(self.model, items, timing)
+        if timing:
+            self._costs.add_draft("mtp", timing["chain_s"], timing["chain_rows"])
+            self._draft_s += timing["chain_s"]
 
     def _spec_ok(self, s: _Sequence) -> bool:
         """Drafts for this sequence: on, no grammar constraint (it must see every token), no
@@ -100,7 +127,7 @@ class SpeculationMixin:
         """Drafts to ask the MTP block / DFlash drafter for after this step: what the next step can
         verify (the draft length, the context and max_tokens left), 0 when s is not generating or
         takes n-gram drafts next."""
-        if s.kv is None or s.n_computed < s.n_prompt or self._ngram_first(s):
+        if not self._alive(s) or s.n_computed < s.n_prompt or self._ngram_first(s):
             return 0
         return max(0, min(self._draft_len(s), self.ctx_size - len(s.tokens) - 1,
                           s.params.max_tokens - s.n_generated - 1))
@@ -175,32 +202,33 @@ class SpeculationMixin:
             return d, (st.q[:len(d)] if st.q is not None else None), "dflash"
         return [], None, ""
 
-    def _dflash_step(self, plan: list[tuple[_Sequence, SeqChunk]]) -> None:
+    def _dflash_step(self, rows: list) -> None:
         """After a step: append to each DFlash context the target's hidden states of the positions that
         became final (prompt rows, the fed token and accepted drafts; never rejected drafts), then draft
-        the block after the last sampled token of every generating sequence."""
+        the block after the last sampled token of every generating sequence. rows: (sequence, its first
+        row's position, its rows' features at the drafter's target layers) for the step's live sequences."""
         grow, reqs = [], []
-        for s, c in plan:
+        for s, start, features in rows:
             st = s.dflash
-            if st is None or s.kv is None or c.features is None:
+            if st is None or features is None:
                 continue
             held, st.deferred = st.deferred, None      # (rows put off while drafting is backed off)
             n_held = 0 if held is None else held.shape[0]
-            lo, hi = st.length + n_held - c.start, s.n_computed - c.start   # rows new to the context / still final
-            new = c.features[lo:hi] if 0 <= lo < hi else None
-            rows = new if held is None else held if new is None else torch.cat([held, new])
-            if rows is None:
+            lo, hi = st.length + n_held - start, s.n_computed - start   # rows new to the context / still final
+            new = features[lo:hi] if 0 <= lo < hi else None
+            ctx = new if held is None else held if new is None else torch.cat([held, new])
+            if ctx is None:
                 continue
             dl = s.adapt.get("dflash") if self.config.spec_adaptive else None
             if (dl is not None and dl.backed_off and self._model_drafts_wanted(s) == 0
-                    and rows.shape[0] <= MAX_DEFERRED):
-                st.deferred = rows.clone() if rows is new else rows
+                    and ctx.shape[0] <= MAX_DEFERRED):
+                st.deferred = ctx.clone() if ctx is new else ctx
                 continue
-            grow.append((st, rows))
+            grow.append((st, ctx))
         self._dflash.extend(grow)
-        for s, c in plan:
+        for s, _, _ in rows:
             st = s.dflash
-            if st is None or s.kv is None:
+            if st is None:
                 continue
             k = self._model_drafts_wanted(s)
             if k and st.length == s.n_computed == len(s.tokens) - 1:

@@ -39,7 +39,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         masked |= (qpos - kpos) >= window
     for lo, hi in bidirectional or ():
         masked &= ~((qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi))
-    scores.masked_fill_(masked.to(scores.device), float("-inf"))
+    scores.masked_fill_(masked.to(scores.device, non_blocking=True), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vh                      # [Hkv, g, T, Dv]
     return out.permute(2, 0, 1, 3).reshape(T, H, v.shape[-1])
 

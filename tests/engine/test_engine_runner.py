@@ -143,29 +143,37 @@ def test_parked_slot_serves_the_follow_up(tmp_path, arch):
         cold.shutdown()
 
 
-def test_runner_path_drafts_with_ngrams_only(tmp_path, caplog):
-    """The GPU path verifies n-gram drafts (tests/engine/test_spec_ngram.py), not MTP ones (they need the
-    target's hidden states): a chain drafts with n-grams there and says so, MTP alone decodes without
-    drafts and says why; the tokens are those of spec off either way."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_runner_path_drafters(tmp_path, device):
+    """The GPU path (static slots on the CPU, and CUDA) drafts with every drafter and chain: n-grams, the
+    MTP block (tests/engine/test_spec_mtp.py has more) and a DFlash drafter reading the runner's rows at
+    its target layers; the tokens are those of spec off every way, and the derived synthetic DFlash
+    drafter's drafts are accepted often."""
+    from engine.spec.dflash_synth import synthetic_drafter, write_gguf
     from engine.synth import write_synthetic
     path = tmp_path / "mtp.gguf"
     write_synthetic(path, "qwen35", "tiny", seed=3, mtp=True)
-    cfg = dict(model=str(path), ctx_size=128, max_seqs=2, prefill_chunk=16, static_slots=True)
-    prompt = [1 + (5 * j) % 300 for j in range(20)] * 2
-    plain = Engine(EngineConfig(**cfg))
-    try:
-        want = plain.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1]
-        for mode, active, said in (("mtp+ngram", True, "n-grams only"), ("mtp", False, "CPU path only")):
-            caplog.clear()
-            with caplog.at_level("WARNING", logger="hivejet.engine"):
-                eng = Engine(EngineConfig(**cfg, spec=mode))
-            try:
-                assert said in caplog.text and eng.stats()["spec"]["active"] is active
-                assert eng.submit(Request(prompt_ids=prompt, sampling=_greedy(8, ignore_eos=True))).result()[1] == want
-            finally:
-                eng.shutdown()
-    finally:
-        plain.shutdown()
+    drafter = write_gguf(tmp_path / "drafter.gguf", *synthetic_drafter(path, seed=1))
+    cfg = dict(model=str(path), ctx_size=160, max_seqs=3, prefill_chunk=16, static_slots=True, device=device,
+               spec_drafter=str(drafter))
+    prompts = [[1 + (5 * j) % 300 for j in range(20)] * 2, [7 + (3 * j) % 200 for j in range(37)]]
+
+    def run(mode):
+        eng = Engine(EngineConfig(**cfg, spec=mode))
+        try:
+            assert eng.spec_active == set(mode.split("+")) - {"off"}
+            hs = [eng.submit(Request(prompt_ids=p, sampling=_greedy(24, ignore_eos=True))) for p in prompts]
+            return [h.result()[1] for h in hs], eng.stats()["spec"]["drafters"]
+        finally:
+            eng.shutdown()
+    want, _ = run("off")
+    for mode in ("mtp+ngram", "mtp", "dflash", "dflash+ngram"):
+        out, by = run(mode)
+        assert out == want, mode
+        first = mode.split("+")[0]
+        assert by[first]["drafted"] > 0, (mode, by)
+        if first == "dflash":
+            assert by["dflash"]["accepted"] > 0, by
 
 
 # --- tokens chosen on the device, and the next step launched before the host streams them ------------------

@@ -185,3 +185,23 @@ def test_prompt_attention_workspace_matches_the_runner():
     assert P.prompt_attention_bytes(f, 1000, "q8_0") == 1000 * 64 * 14
     assert P.prompt_attention_bytes(f, 100_000, "f32") == 0
     assert P.activation_bytes(f, 100_000, "f16") - P.activation_bytes(f, 0, "f16") == 100_000 * 64 * 2
+
+
+@pytest.mark.parametrize("kv", ["f16", "turbo3_tcq"])
+def test_mtp_kv_matches_the_engines_pool(tmp_path, kv):
+    """`hivejet plan --mtp` counts the MTP block's KV as the GPU path allocates it (a pool mirroring the
+    main one's blocks, q8_0 beside compressed caches), and only when asked."""
+    from engine.kv.pool import KVPool, LayerKV
+    path = tmp_path / "q27mtp.gguf"
+    write_synthetic(path, "qwen35", "27b-q4_k_m", header_only=True, mtp=True)
+    f = P.model_facts(path)
+    assert f.n_layer_nextn == 1
+    ctx, seqs = 4096, 2
+    with_mtp, without = P.plan(f, ctx, kv, seqs, mtp=True), P.plan(f, ctx, kv, seqs)
+    assert without.mtp == 0 and with_mtp.total - without.total == with_mtp.mtp > 0
+    t = P.mtp_cache_type(kv)
+    assert t == ("f16" if kv == "f16" else "q8_0")
+    blocks = seqs * ctx // 16 + (seqs + 1) * 4
+    pool = KVPool(cache_type_k=t, block_size=16, n_blocks=blocks, device="cpu")
+    pool.add_layer(0, LayerKV(f.n_head_kv, f.head_dim, f.head_dim_v))
+    assert pool.nbytes() == with_mtp.mtp
