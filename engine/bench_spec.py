@@ -77,7 +77,7 @@ def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", 
 MTP_ACCEPTANCE = 0.73   # published per-draft acceptance of Qwen3.5's MTP block with 3 drafts
 
 
-def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 16), seqs=(1, 4), pos: int = 256,
+def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 15, 16), seqs=(1, 4), pos: int = 256,
                  reps: int = 10) -> list[dict]:
     """ms of a decode step with 1 + k rows for each of `seqs` sequences at position `pos` (all drafts
     rejected and cut back after every step, so each step starts from the same state), and its cost
@@ -160,6 +160,78 @@ def mtp_costs(model: str, device: str = "cuda", drafts=(1, 2, 3, 4), pos: int = 
         m.close()
 
 
+DFLASH_TOKENS_PER_STEP = 6.5   # published for DFlash on Qwen3-8B, code, temperature 0, blocks of 16
+
+
+def dflash_costs(model: str, device: str = "cuda", drafter: str | None = None, pos: int = 256, reps: int = 10,
+                 drafts=(15,)) -> list[dict]:
+    """ms a DFlash drafter takes after a step whose k drafts were all accepted: k + 1 rows into its context,
+    then one block of block_size rows and the LM head on its k drafts (`drafter`: a real one; default a
+    random drafter of 5 Qwen3-style layers, 32 heads of 128, n_ff 3 x n_embd, on the target's layers)."""
+    import torch
+
+    from engine.models import open_model
+    from engine.runner import Runner
+    from engine.sampling import Sampler, SamplingParams
+    from engine.spec.dflash import DFlashConfig, DFlashDrafter, DraftRequest, load_drafter, propose
+    from engine.spec.dflash_synth import synthetic_drafter
+    m = open_model(model)
+    try:
+        if drafter:
+            d = load_drafter(drafter)
+        else:
+            config, tensors = synthetic_drafter(model, n_layer=5, derived=False, n_head=32, head_dim=128,
+                                                n_ff=3 * m.spec.n_embd)
+            d = DFlashDrafter(DFlashConfig.from_hf(config, "synthetic"), tensors, "synthetic")
+            del tensors
+        d.check_target(m)
+        m.capture_layers = d.cfg.target_layer_ids
+        dev = torch.device(device)
+        r = Runner(m, device=dev, n_slots=1, max_ctx=pos + max(drafts) + 16)
+        d.to_device(dev)
+        toks = [1 + (7 * j) % 100 for j in range(pos + max(drafts) + 2)]
+        r.prefill(0, toks[:pos + max(drafts) + 1], hidden=True)
+        feats = r.features.clone()
+        st = d.new_state()
+        d.extend([(st, feats[:pos])])
+        sampler = Sampler(SamplingParams(temperature=0.0), m.spec.vocab_size)
+
+        def sync():
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        out = []
+        for k in drafts:
+            def step():
+                st.length = pos
+                for rows in st.keys + st.values:
+                    rows.n = pos
+                d.extend([(st, feats[pos:pos + k + 1])])
+                propose(d, m, [DraftRequest(st, toks[pos + k + 1], k, sampler, toks[:pos + k + 2])])
+            step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                step()
+            sync()
+            out.append(dict(drafts=k, ms=(time.perf_counter() - t0) / reps * 1e3,
+                            weight_gb=d.weight_bytes() / 1e9, layers=d.cfg.n_layer))
+        return out
+    finally:
+        m.close()
+
+
+def dflash_speedup(verify: list[dict], costs: list[dict], k: int = 15,
+                   tokens: float = DFLASH_TOKENS_PER_STEP) -> dict | None:
+    """The single-sequence speedup of DFlash at the published tokens per step, from measured costs."""
+    base = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == 0), None)
+    step = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == k), None)
+    draft = next((c["ms"] for c in costs if c["drafts"] == k), None)
+    if None in (base, step, draft):
+        return None
+    return dict(drafts=k, tokens_per_step=tokens, step_ms=step, dflash_ms=draft, one_row_ms=base,
+                speedup=tokens * base / (step + draft))
+
+
 def mtp_speedup(verify: list[dict], mtp: list[dict], k: int = 3, alpha: float = MTP_ACCEPTANCE) -> dict | None:
     """The single-sequence speedup of MTP drafting at acceptance alpha with k drafts, from measured costs:
     a step of k + 1 rows plus the MTP block's work, against a one-row step."""
@@ -204,6 +276,15 @@ def run(args) -> dict:
         for c in res["mtp_costs"]:
             print(f"MTP block after {c['drafts']} accepted drafts ({c['rows']} rows, {c['drafts'] - 1} chained): "
                   f"{c['ms']:.2f} ms")
+        res["dflash_costs"] = dflash_costs(args.model, args.device if args.device != "auto" else "cuda",
+                                           getattr(args, "spec_drafter", None))
+        for c in res["dflash_costs"]:
+            print(f"DFlash drafter ({c['layers']} layers, {c['weight_gb']:.2f} GB) after {c['drafts']} accepted "
+                  f"drafts: {c['ms']:.2f} ms")
+        res["dflash_speedup"] = u = dflash_speedup(res["verify"], res["dflash_costs"])
+        if u:
+            print(f"DFlash at {u['tokens_per_step']} tokens per step: {u['step_ms']:.2f} + {u['dflash_ms']:.2f} ms "
+                  f"against {u['one_row_ms']:.2f} ms per token: {u['speedup']:.2f}x")
         res["mtp_speedup"] = mtp_speedup(res["verify"], res["mtp_costs"])
         if res["mtp_speedup"]:
             u = res["mtp_speedup"]

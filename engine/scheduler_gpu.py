@@ -389,16 +389,17 @@ class RunnerScheduler:
             self._verify_drafts(seq, start, lg.cpu())
         if self.spec_active and dec:
             self._adapt_draft_lengths(verified)   # (the next drafts' lengths, before the MTP block drafts them)
+        if self.config.overlap_steps and not self.spec_active:
+            self._inflight = step
+        else:
+            self._complete_runner(step)
+        # the model drafters after every token of the step is known (device-chosen ones included)
         if mtp_rows:
             self._mtp_rows_catch_up(mtp_rows)
         if dflash_rows:
             self._dflash_rows_step(dflash_rows)
         if self.spec_active and dec and not chunks:
             self._costs.add_step(rows, time.monotonic() - t0 - self._draft_s)
-        if self.config.overlap_steps and not self.spec_active:
-            self._inflight = step
-        else:
-            self._complete_runner(step)
         self._last_step = {"rows": rows, "seqs": len(dec) + len(chunks),
                            "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
@@ -481,10 +482,11 @@ class RunnerScheduler:
             self._totals["dflash_out_of_memory"] += 1
 
     def _device_row(self, s: _Sequence) -> bool:
-        """GPU path: whether s's tokens are chosen on the device (device_sampling and nothing host-only;
-        a sequence that drafts is verified on the host)."""
+        """GPU path: whether s's token of this step is chosen on the device (device_sampling and nothing
+        host-only; rows with drafts are verified on the host, a drafting sequence's step without drafts
+        (its drafter backed off) is not)."""
         return (self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
-                and s.drafter is None and s.mtp is None and s.dflash is None)
+                and not s.drafts)
 
     def _decode_inputs(self, dec: list[_Sequence], prev: _RunnerStep | None):
         """The decode rows' input tokens: a sequence's last token on the host, or the id the previous

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -452,9 +453,10 @@ class DFlashDrafter:
         lo = max(0, start - window + 1) if window else 0       # older context rows are outside every window
         keys = torch.cat([st.keys[il].rows(lo, start).float(), k]) if start > lo else k
         vals = torch.cat([st.values[il].rows(lo, start).float(), v]) if start > lo else v
-        qp = torch.arange(start, start + B)
-        kp = torch.cat([torch.arange(lo, start), qp])
-        seen = torch.ones(B, kp.shape[0], dtype=torch.bool)
+        dev = q.device   # (the mask made where it is used: no copy to the device per layer)
+        qp = torch.arange(start, start + B, device=dev)
+        kp = torch.cat([torch.arange(lo, start, device=dev), qp])
+        seen = torch.ones(B, kp.shape[0], dtype=torch.bool, device=dev)
         if c.causal[il]:
             seen &= kp[None, :] <= qp[:, None]
         if window:
@@ -464,7 +466,7 @@ class DFlashDrafter:
         rep = c.n_head // c.n_head_kv                          # GQA: query head h reads KV head h // rep
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
                                              vals.repeat_interleave(rep, 1).transpose(0, 1),
-                                             attn_mask=seen.to(q.device, non_blocking=True),
+                                             attn_mask=seen,
                                              scale=c.head_dim ** -0.5)
         return out.transpose(0, 1)
 
@@ -551,12 +553,25 @@ def propose(drafter: DFlashDrafter, target, reqs: list[DraftRequest]) -> None:
         return
     hidden = drafter.block_hidden(target, [r.state for r in reqs], [r.token for r in reqs])
     ks = [min(r.k, drafter.cfg.block_size - 1) for r in reqs]
-    # (to the host at once: the requests' samplers and generators live there)
-    lg = drafter.logits(target, torch.cat([h[1:1 + k] for h, k in zip(hidden, ks)])).float().cpu()
+    lg = drafter.logits(target, torch.cat([h[1:1 + k] for h, k in zip(hidden, ks)]))
+    plain = [_plain_greedy(r.sampler.params) for r in reqs]
+    top = lg.argmax(-1).tolist()   # plain greedy drafts: the argmax rows, read at once
+    # the others through their samplers, on the host at once (their generators live there)
+    host = lg.float().cpu() if not all(plain) else None
     off = 0
-    for r, k in zip(reqs, ks):
-        _choose(r, lg[off:off + k])
+    for r, k, p in zip(reqs, ks, plain):
+        if p:
+            r.state.drafts, r.state.q = top[off:off + k], None
+        else:
+            _choose(r, host[off:off + k])
         off += k
+
+
+def _plain_greedy(params) -> bool:
+    """Greedy with nothing that changes the logits (bias, penalties): its drafts are the rows' argmax (the
+    first maximal index, as the Sampler takes it)."""
+    from engine.sample_device import samples_on_device
+    return params.greedy and samples_on_device(dataclasses.replace(params, logprobs=None))
 
 
 def _choose(r: DraftRequest, logits: torch.Tensor) -> None:

@@ -39,8 +39,11 @@ def hf_to_gguf_name(name: str) -> str:
 
 
 def synthetic_drafter(target_path, *, seed: int = 0, n_layer: int = 2, block_size: int = 16,
-                      derived: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, {z-lab tensor name: float32 tensor}) of a drafter for the GGUF at target_path."""
+                      derived: bool = True, n_head: int = 4, head_dim: int | None = None,
+                      n_ff: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, {z-lab tensor name: float32 tensor}) of a drafter for the GGUF at target_path.
+    n_head / head_dim / n_ff: the layers' shape (default 4 heads of n_embd / 4, n_ff n_embd / 2; the
+    derived drafter needs n_head x head_dim = n_embd)."""
     from engine.models import open_model
     m = open_model(target_path)
     try:
@@ -51,7 +54,10 @@ def synthetic_drafter(target_path, *, seed: int = 0, n_layer: int = 2, block_siz
         out_norm = m.output_norm.dense.float().clone()
     finally:
         m.close()
-    n_head, head_dim, n_ff = 4, E // 4, E // 2
+    head_dim = head_dim or E // n_head
+    n_ff = n_ff or E // 2
+    if derived and n_head * head_dim != E:
+        raise ValueError("a derived drafter needs n_head x head_dim = the target's n_embd")
     ids = sorted({0, s.n_layer // 2} | ({s.n_layer - 1} if s.n_layer > 2 else set()))
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": E,
