@@ -188,6 +188,7 @@ class RunnerScheduler:
         every slot's draft rows and copied blocks (its rows mirror the main rows; the fit counted them)."""
         self._mtp_pool = None
         self._parked_mtp: dict[int, object] = {}   # parked slot -> the MTP state of its conversation
+        self._parked_dflash: dict[int, object] = {}   # parked slot -> its DFlash context
         if "mtp" not in self._spec_kinds:
             return
         from engine.kv.pool import KVPool
@@ -262,7 +263,7 @@ class RunnerScheduler:
             else:   # the least recently parked slot other than the donor (the donor itself when it is the only one)
                 s.slot = next((p for p in self._parked if p != match.src), match.src)
                 del self._parked[s.slot]
-                self._drop_parked_mtp(s.slot)
+                self._drop_parked_drafters(s.slot)
             if match.src in self._parked:
                 self._parked.move_to_end(match.src)   # just used: evicted last
             r.share_prefix(match, s.slot)              # (drops what s.slot held before)
@@ -272,7 +273,8 @@ class RunnerScheduler:
         elif best is not None:
             del self._parked[best]
             s.mtp = self._mtp_from(s, best, n, take=True)
-            self._drop_parked_mtp(best)
+            s.dflash = self._dflash_from(s, best, n)
+            self._drop_parked_drafters(best)
             s.slot = best
             r.truncate(best, n)                        # the blocks after the common part go back to the pool
             s.n_computed = s.cached = n
@@ -281,7 +283,7 @@ class RunnerScheduler:
             s.slot = self._free_slots.pop()
         else:
             s.slot, _ = self._parked.popitem(last=False)
-            self._drop_parked_mtp(s.slot)
+            self._drop_parked_drafters(s.slot)
             r.release(s.slot)
 
     def _mtp_from(self, s: _Sequence, slot: int, n: int, take: bool):
@@ -303,11 +305,24 @@ class RunnerScheduler:
         self._totals["mtp_resumed" if st is not None else "mtp_not_resumed"] += 1
         return st
 
-    def _drop_parked_mtp(self, slot: int) -> None:
-        """A parked slot is taken or evicted: its MTP rows go back to the MTP pool."""
+    def _dflash_from(self, s: _Sequence, slot: int, n: int):
+        """The DFlash context for s continuing the parked conversation in `slot` from position n (its
+        context rows before n kept: DFlashState.resume_at), or None. (A prefix shared from another
+        conversation gets none: its context would have to be copied.)"""
+        st = self._parked_dflash.pop(slot, None)
+        if st is None or self._dflash is None or not self._spec_ok(s):
+            return None
+        ok = st.resume_at(n)
+        self._totals["dflash_resumed" if ok else "dflash_not_resumed"] += 1
+        return st if ok else None
+
+    def _drop_parked_drafters(self, slot: int) -> None:
+        """A parked slot is taken or evicted: its MTP rows go back to the MTP pool, its DFlash context is
+        dropped."""
         st = self._parked_mtp.pop(slot, None) if self._mtp_pool is not None else None
         if st is not None:
             st.release()
+        self._parked_dflash.pop(slot, None)
 
     def _runner_has_room(self, s: _Sequence) -> bool:
         """GPU path: whether the pool's free blocks, plus those only parked conversations hold, can take all of
@@ -470,15 +485,17 @@ class RunnerScheduler:
 
     def _dflash_rows_step(self, dflash_rows: list) -> None:
         """The DFlash drafter after a GPU-path step (SpeculationMixin._dflash_step), for the sequences still
-        running. Its contexts grow on the device beside the pool (counted per token in the fit); should the
-        device still run out, the sequences lose their DFlash drafts (others go on), nothing else."""
-        rows = [(s, start, f) for s, start, f in dflash_rows if s.slot is not None]
+        running or parked (a finished sequence's context kept with its slot takes its last rows). Its
+        contexts grow on the device beside the pool (counted per token in the fit); should the device
+        still run out, the sequences lose their DFlash drafts (others go on), nothing else."""
+        rows = dflash_rows
         try:
             self._dflash_step(rows)
         except torch.OutOfMemoryError:
             log.warning("out of GPU memory for DFlash contexts: DFlash drafting stops for %d sequences", len(rows))
             for s, _, _ in rows:
                 s.dflash = None
+            self._parked_dflash.clear()
             self._totals["dflash_out_of_memory"] += 1
 
     def _device_row(self, s: _Sequence) -> bool:
@@ -611,7 +628,7 @@ class RunnerScheduler:
         if not self._parked:
             return False
         slot, _ = self._parked.popitem(last=False)
-        self._drop_parked_mtp(slot)
+        self._drop_parked_drafters(slot)
         self.runner.release(slot)
         self._free_slots.append(slot)
         self._totals["parked_evicted"] += 1

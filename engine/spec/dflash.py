@@ -312,6 +312,22 @@ class DFlashState:
         self.deferred: torch.Tensor | None = None   # features of positions length.. not yet appended (the
         # engine puts the context off while drafting is backed off, engine/spec/adaptive.py)
 
+    def resume_at(self, n: int) -> bool:
+        """Keep the context of positions < n for a follow-up request whose target KV holds exactly those
+        (a context row depends on its own position's target states only); False when positions below n
+        are neither in the context nor held back (the caller drops the state)."""
+        held = 0 if self.deferred is None else self.deferred.shape[0]
+        if self.length + held < n:
+            return False
+        if self.length >= n:
+            for rows in self.keys + self.values:
+                rows.n = min(rows.n, n)
+            self.length, self.deferred = n, None
+        else:
+            self.deferred = self.deferred[:n - self.length]
+        self.drafts, self.q, self.position = [], None, -1
+        return True
+
 
 class _Tensors:
     """Takes the drafter's tensors by name with shape checks; what is left over is an error."""

@@ -68,7 +68,7 @@ class SpeculationMixin:
             s.drafter.extend(s.tokens)
         if s.mtp is None and s.cached == 0 and "mtp" in self.spec_active:   # (GPU path: _take_slot may
             s.mtp = self._new_mtp_state()                                     # have given it a kept one)
-        if s.cached == 0 and self._dflash is not None:
+        if s.dflash is None and s.cached == 0 and self._dflash is not None:   # (GPU path: may be kept one)
             s.dflash = self._dflash.new_state()
         k_max = self.config.spec_max_drafts
         s.adapt = {name: DraftLength(min(k_max, self._dflash.cfg.block_size - 1) if name == "dflash" else k_max)

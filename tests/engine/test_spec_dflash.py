@@ -297,3 +297,40 @@ def test_command_line_and_bench(pair, capsys):
     rows = {r["spec"]: r for r in measure(str(pair.target), n_tokens=12, modes=("off",), drafter=str(pair.gguf))}
     assert set(rows) == {"off", "dflash", "dflash+ngram"}
     assert all(r["same_as_off"] for r in rows.values()) and rows["dflash"]["drafted"] > 0
+
+
+def test_gpu_path_follow_up_keeps_the_dflash_context(pair):
+    """The GPU path (static slots on the CPU): a finished conversation's DFlash context stays with its
+    parked slot, and the follow-up request that continues it drafts from it at once (resume_at: rows of
+    the cached positions kept); the tokens are those of spec off."""
+    follow = [5, 6, 7, 8]
+
+    def serve(spec):
+        eng = Engine(EngineConfig(model=str(pair.target), spec=spec, spec_drafter=str(pair.gguf), ctx_size=256,
+                                  prefill_chunk=16, static_slots=True, max_seqs=2, state_checkpoints=4))
+        try:
+            greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+            first = eng.submit(Request(prompt_ids=PROMPTS[1], sampling=greedy)).result()[1]
+            second = eng.submit(Request(prompt_ids=PROMPTS[1] + first + follow, sampling=greedy)).result()[1]
+            return [first, second], eng.stats()["totals"]
+        finally:
+            eng.shutdown()
+
+    off, _ = serve("off")
+    on, totals = serve("dflash")
+    assert on == off
+    assert totals["dflash_resumed"] == 1 and totals["cached_tokens"] > len(PROMPTS[1]), totals
+    assert totals["dflash_accepted"] > 0
+
+
+def test_dflash_state_resume():
+    """DFlashState.resume_at keeps the context rows before n (truncating, or taking held-back rows)."""
+    from engine.spec.dflash import DFlashState
+    st = DFlashState(2)
+    for rows in st.keys + st.values:
+        rows.append(torch.arange(10.0)[:, None])
+    st.length = 10
+    assert st.resume_at(6) and st.length == 6 and all(r.n == 6 for r in st.keys + st.values)
+    st.deferred = torch.zeros(3, 4)                      # positions 6, 7, 8 held back
+    assert not st.resume_at(10)
+    assert st.resume_at(8) and st.length == 6 and st.deferred.shape[0] == 2

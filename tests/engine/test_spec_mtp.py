@@ -211,5 +211,5 @@ def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
     parked_blocks = sum(st.kv.n_blocks() for st in eng._parked_mtp.values())
     assert pool.groups[0].n_used <= parked_blocks and parked_blocks > 0
     for slot in list(eng._parked_mtp):
-        eng._drop_parked_mtp(slot)
+        eng._drop_parked_drafters(slot)
     assert pool.groups[0].n_used == 0
