@@ -139,22 +139,12 @@ def mtp_costs(model: str, device: str = "cuda", drafts=(1, 2, 3, 4), pos: int = 
         hid = r.hidden.clone()
         st = MtpState(m.new_mtp_kv(pool=KVPool(block_size=16, device=dev)))
         catch_up(m, [CatchUp(st, toks[:pos + 1], 0, hid[:pos], pos, 0)])   # rows of positions 0..pos
-
-        def sync():
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
         out = []
         for k in drafts:
             def step():
                 st.valid = pos + 1                     # (the same rows again each time)
                 catch_up(m, [CatchUp(st, toks[:pos + k + 2], pos, hid[pos:pos + k + 1], k + 1, k)])
-            step()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                step()
-            sync()
-            out.append(dict(drafts=k, rows=k + 1, ms=(time.perf_counter() - t0) / reps * 1e3))
+            out.append(dict(drafts=k, rows=k + 1, ms=_time_ms(step, dev, reps)))
         return out
     finally:
         m.close()
@@ -195,10 +185,6 @@ def dflash_costs(model: str, device: str = "cuda", drafter: str | None = None, p
         st = d.new_state()
         d.extend([(st, feats[:pos])])
         sampler = Sampler(SamplingParams(temperature=0.0), m.spec.vocab_size)
-
-        def sync():
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
         out = []
         for k in drafts:
             def step():
@@ -207,42 +193,52 @@ def dflash_costs(model: str, device: str = "cuda", drafter: str | None = None, p
                     rows.n = pos
                 d.extend([(st, feats[pos:pos + k + 1])])
                 propose(d, m, [DraftRequest(st, toks[pos + k + 1], k, sampler, toks[:pos + k + 2])])
-            step()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                step()
-            sync()
-            out.append(dict(drafts=k, ms=(time.perf_counter() - t0) / reps * 1e3,
-                            weight_gb=d.weight_bytes() / 1e9, layers=d.cfg.n_layer))
+            out.append(dict(drafts=k, ms=_time_ms(step, dev, reps), weight_gb=d.weight_bytes() / 1e9,
+                            layers=d.cfg.n_layer))
         return out
     finally:
         m.close()
 
 
-def dflash_speedup(verify: list[dict], costs: list[dict], k: int = 15,
-                   tokens: float = DFLASH_TOKENS_PER_STEP) -> dict | None:
-    """The single-sequence speedup of DFlash at the published tokens per step, from measured costs."""
+def _time_ms(step, dev, reps: int) -> float:
+    """ms per call of step() (after one untimed call), the device's work included."""
+    import torch
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def _speedup(verify: list[dict], costs: list[dict], k: int, tokens: float) -> dict | None:
+    """One sequence's speedup with k drafts giving `tokens` per step: tokens x the one-row step over the
+    (k+1)-row step plus the drafter's measured work (costs: {drafts, ms})."""
     base = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == 0), None)
     step = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == k), None)
     draft = next((c["ms"] for c in costs if c["drafts"] == k), None)
     if None in (base, step, draft):
         return None
-    return dict(drafts=k, tokens_per_step=tokens, step_ms=step, dflash_ms=draft, one_row_ms=base,
+    return dict(drafts=k, tokens_per_step=tokens, step_ms=step, drafter_ms=draft, one_row_ms=base,
                 speedup=tokens * base / (step + draft))
+
+
+def dflash_speedup(verify: list[dict], costs: list[dict], k: int = 15,
+                   tokens: float = DFLASH_TOKENS_PER_STEP) -> dict | None:
+    """The single-sequence speedup of DFlash at the published tokens per step, from measured costs."""
+    return _speedup(verify, costs, k, tokens)
 
 
 def mtp_speedup(verify: list[dict], mtp: list[dict], k: int = 3, alpha: float = MTP_ACCEPTANCE) -> dict | None:
     """The single-sequence speedup of MTP drafting at acceptance alpha with k drafts, from measured costs:
     a step of k + 1 rows plus the MTP block's work, against a one-row step."""
-    base = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == 0), None)
-    step = next((v["ms"] for v in verify if v["seqs"] == 1 and v["drafts"] == k), None)
-    draft = next((c["ms"] for c in mtp if c["drafts"] == k), None)
-    if None in (base, step, draft):
-        return None
-    tokens = sum(alpha ** i for i in range(k + 1))
-    return dict(drafts=k, acceptance=alpha, tokens_per_step=tokens, step_ms=step, mtp_ms=draft, one_row_ms=base,
-                speedup=tokens * base / (step + draft))
+    u = _speedup(verify, mtp, k, sum(alpha ** i for i in range(k + 1)))
+    return None if u is None else dict(u, acceptance=alpha)
 
 
 def modelled(rows_table: list[dict]) -> list[dict]:
@@ -283,13 +279,13 @@ def run(args) -> dict:
                   f"drafts: {c['ms']:.2f} ms")
         res["dflash_speedup"] = u = dflash_speedup(res["verify"], res["dflash_costs"])
         if u:
-            print(f"DFlash at {u['tokens_per_step']} tokens per step: {u['step_ms']:.2f} + {u['dflash_ms']:.2f} ms "
+            print(f"DFlash at {u['tokens_per_step']} tokens per step: {u['step_ms']:.2f} + {u['drafter_ms']:.2f} ms "
                   f"against {u['one_row_ms']:.2f} ms per token: {u['speedup']:.2f}x")
         res["mtp_speedup"] = mtp_speedup(res["verify"], res["mtp_costs"])
         if res["mtp_speedup"]:
             u = res["mtp_speedup"]
             print(f"MTP at {u['acceptance']:.0%} per draft, {u['drafts']} drafts: {u['tokens_per_step']:.2f} tokens "
-                  f"per {u['step_ms']:.2f} + {u['mtp_ms']:.2f} ms against {u['one_row_ms']:.2f} ms per token: "
+                  f"per {u['step_ms']:.2f} + {u['drafter_ms']:.2f} ms against {u['one_row_ms']:.2f} ms per token: "
                   f"{u['speedup']:.2f}x")
     for r in res["measured"]:
         if "error" in r:
