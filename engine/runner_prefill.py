@@ -108,8 +108,10 @@ class PrefillGraph:
                 r._step_features = self.features
                 return self.x[:n]
             x = r._hidden(inp.tokens, PaddedBatch(self))
+            feats = r._step_features
             if self.capture_ok:
                 self._capture()
+            r._step_features = feats   # (this chunk's, not the capture's buffer: nothing ran in it yet)
             return x[:n]
         finally:
             self._real = None

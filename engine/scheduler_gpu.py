@@ -121,6 +121,8 @@ class RunnerScheduler:
             blocks = max(1, pool // RUNNER_BLOCK)
             self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, n_blocks=blocks, block_size=RUNNER_BLOCK,
                                  max_ctx=min(want, blocks * RUNNER_BLOCK), **types)
+            if self._dflash is not None and self._dflash.device != dev:   # (ctx_pool_tokens: no fit above)
+                self._dflash.to_device(dev)
             if one_ckpt:
                 n = c.state_checkpoints if c.state_checkpoints >= 0 else \
                     min(64, int(ckpt_share * self.runner.kv_bytes()) // one_ckpt)

@@ -100,3 +100,59 @@ def test_captured_chunks_equal_eager_padded_chunks(tiny, arch, ct):
                 assert (x - y).abs().max() <= 0.02 * y.abs().max()
     finally:
         model.close()
+
+
+def _features(r: Runner, toks: list[int], chunk: int) -> list[torch.Tensor]:
+    """A DFlash drafter's view of a prompt and two decode steps: the runner's rows at capture_layers."""
+    r.prefill(0, toks, chunk=chunk, hidden=True)
+    out = [r.features.float().cpu()]
+    for i, t in enumerate((5, 7)):
+        r.decode([0], [t], [len(toks) + i])
+        out.append(r.features.float().cpu())
+    return out
+
+
+def test_runner_features_are_the_models(tiny):
+    """The rows' hidden states at the model's capture_layers (what a DFlash drafter reads on the GPU path)
+    from prompt chunks, plain and padded, and decode steps: those of the CPU path's forward (keep_features),
+    the last layer output-normed."""
+    from engine.models.common import SeqChunk
+    model = open_model(tiny("qwen35"))
+    try:
+        model.capture_layers = (0, 2, model.spec.n_layer - 1)
+        toks = _prompt(48, 4)
+        kv = model.new_kv(torch.float32)
+        ref = []
+        for lo, n in ((0, 48), (48, 1), (49, 1)):
+            c = SeqChunk(torch.tensor((toks + [5, 7])[lo:lo + n]), lo, kv, "last")
+            model.forward([c])
+            ref.append(c.features)
+        for padded in (False, True):
+            r = Runner(model, device="cpu", n_slots=1, max_ctx=128, cache_type="f32", padded_prefill=padded)
+            got = _features(r, toks, 16)
+            for a, b in zip(got, ref):
+                assert a.shape == b.shape
+                assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
+    finally:
+        model.capture_layers = ()
+        model.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_chunks_keep_the_drafters_features(tiny):
+    """The features of the chunk that is run eagerly and then captured are that chunk's (not the new
+    graph's buffer), and replayed chunks and decode graphs give the eager ones bit for bit."""
+    model = open_model(tiny("qwen35"))
+    try:
+        model.capture_layers = (0, 2, model.spec.n_layer - 1)
+        runs = {}
+        for mode in ("graphs", "eager"):
+            r = Runner(model, device="cuda", n_slots=1, max_ctx=256, graphs=mode == "graphs", padded_prefill=True)
+            runs[mode] = _features(r, _prompt(40, 5), 32) + _features(r, _prompt(70, 6), 32)
+            r.close()
+        for a, b in zip(runs["graphs"], runs["eager"]):
+            assert torch.equal(a, b)
+    finally:
+        model.capture_layers = ()
+        model.close()
