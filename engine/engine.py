@@ -832,7 +832,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
             else:
                 s.kv.release()
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
-        mtp_parked = dflash_parked = False
+        mtp_parked = False
         if getattr(s, "slot", None) is not None:
             if self._ahead is not None and s.id in self._ahead.decode:
                 self._discard_ahead_row(s)
@@ -843,7 +843,6 @@ class Engine(RunnerScheduler, SpeculationMixin):
                     mtp_parked = True
                 if s.dflash is not None:   # (likewise the DFlash context)
                     self._parked_dflash[s.slot] = s.dflash
-                    dflash_parked = True
             else:
                 self.runner.release(s.slot)
                 self._free_slots.append(s.slot)
@@ -851,8 +850,6 @@ class Engine(RunnerScheduler, SpeculationMixin):
         if s.mtp is not None and not mtp_parked:
             s.mtp.release()
             s.mtp = None
-        if not dflash_parked:
-            s.dflash = None
         now = time.monotonic()
         t_first = s.t_first or now
         n_gen = s.n_generated

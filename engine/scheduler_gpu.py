@@ -490,7 +490,8 @@ class RunnerScheduler:
         running or parked (a finished sequence's context kept with its slot takes its last rows). Its
         contexts grow on the device beside the pool (counted per token in the fit); should the device
         still run out, the sequences lose their DFlash drafts (others go on), nothing else."""
-        rows = dflash_rows
+        parked = {id(st) for st in self._parked_dflash.values()}
+        rows = [(s, start, f) for s, start, f in dflash_rows if s.slot is not None or id(s.dflash) in parked]
         try:
             self._dflash_step(rows)
         except torch.OutOfMemoryError:
