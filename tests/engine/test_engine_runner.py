@@ -155,7 +155,7 @@ def test_runner_path_drafters(tmp_path, device):
     write_synthetic(path, "qwen35", "tiny", seed=3, mtp=True)
     drafter = write_gguf(tmp_path / "drafter.gguf", *synthetic_drafter(path, seed=1))
     cfg = dict(model=str(path), ctx_size=160, max_seqs=3, prefill_chunk=16, static_slots=True, device=device,
-               spec_drafter=str(drafter))
+               spec_drafter=str(drafter), spec_adaptive=False, spec_max_drafts=4)   # (fixed lengths: deterministic)
     prompts = [[1 + (5 * j) % 300 for j in range(20)] * 2, [7 + (3 * j) % 200 for j in range(37)]]
 
     def run(mode):
