@@ -272,7 +272,8 @@ def test_sampled_distribution_with_dflash(pair, slots):
     for spec in ("off", "dflash"):
         eng = Engine(EngineConfig(model=str(pair.target), spec=spec, spec_drafter=str(pair.dir), ctx_size=256,
                                   max_seqs=16, resident_tokens=0, spec_max_drafts=3, max_queue=n + 16,
-                                  static_slots=slots, prefill_chunk=64 if slots else 512))
+                                  static_slots=slots, prefill_chunk=64 if slots else 512,
+                                  spec_adaptive=not slots))   # (GPU path: fixed lengths, no timing)
         try:
             hs = [eng.submit(Request(prompt_ids=PROMPTS[0], sampling=SamplingParams(
                 max_tokens=4, temperature=0.8, top_k=4, top_p=1.0, min_p=0.0, seed=seed, ignore_eos=True)))
@@ -307,7 +308,8 @@ def test_gpu_path_follow_up_keeps_the_dflash_context(pair):
 
     def serve(spec):
         eng = Engine(EngineConfig(model=str(pair.target), spec=spec, spec_drafter=str(pair.gguf), ctx_size=256,
-                                  prefill_chunk=16, static_slots=True, max_seqs=2, state_checkpoints=4))
+                                  prefill_chunk=16, static_slots=True, max_seqs=2, state_checkpoints=4,
+                                  spec_adaptive=False, spec_max_drafts=4))
         try:
             greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
             first = eng.submit(Request(prompt_ids=PROMPTS[1], sampling=greedy)).result()[1]

@@ -47,7 +47,8 @@ def test_sampled_distribution_with_mtp(mtp_model, slots):
     for spec in ("off", "mtp"):
         eng = Engine(EngineConfig(model=str(mtp_model), spec=spec, ctx_size=256, max_seqs=16, resident_tokens=0,
                                   spec_max_drafts=3, max_queue=n + 16, static_slots=slots,
-                                  prefill_chunk=64 if slots else 512))
+                                  prefill_chunk=64 if slots else 512,
+                                  spec_adaptive=not slots))   # (GPU path: fixed lengths, no timing)
         try:
             hs = [eng.submit(Request(prompt_ids=PROMPTS[0], sampling=SamplingParams(
                 max_tokens=4, temperature=0.8, top_k=4, top_p=1.0, min_p=0.0, seed=seed, ignore_eos=True)))
