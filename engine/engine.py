@@ -832,22 +832,19 @@ class Engine(RunnerScheduler, SpeculationMixin):
             else:
                 s.kv.release()
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
-        mtp_parked = False
+        parked = False
         if getattr(s, "slot", None) is not None:
             if self._ahead is not None and s.id in self._ahead.decode:
                 self._discard_ahead_row(s)
             if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
                 self._parked[s.slot] = s.tokens[:s.n_computed]   # resident (its blocks kept) until evicted
-                if s.mtp is not None:   # (the step's MTP catch-up still writes its last rows)
-                    self._parked_mtp[s.slot] = s.mtp
-                    mtp_parked = True
-                if s.dflash is not None:   # (likewise the DFlash context)
-                    self._parked_dflash[s.slot] = s.dflash
+                self._park_drafters(s)
+                parked = True
             else:
                 self.runner.release(s.slot)
                 self._free_slots.append(s.slot)
             s.slot = None
-        if s.mtp is not None and not mtp_parked:
+        if s.mtp is not None and not parked:
             s.mtp.release()
             s.mtp = None
         now = time.monotonic()

@@ -417,14 +417,19 @@ def mtp_cache_type(kv_type: str, kv_type_v: str | None = None) -> str:
     return "f16" if {kv_type, kv_type_v or kv_type} <= {"f16", "bf16", "f32"} else "q8_0"
 
 
+def mtp_token_bytes(n_head_kv: int, head_dim: int, head_dim_v: int, kv_type: str, kv_type_v: str | None = None) -> int:
+    """K + V bytes of one position in one MTP block's cache on the GPU path (mtp_cache_type)."""
+    t = mtp_cache_type(kv_type, kv_type_v)
+    return n_head_kv * (head_bytes(head_dim, t) + head_bytes(head_dim_v, t))
+
+
 def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, n_seqs: int, kv_type: str, kv_type_v: str | None = None) -> int:
     """The MTP block's KV on the GPU path (engine/scheduler_gpu.py: _open_mtp_pool): its rows mirror the
     pool's, in 16-token blocks, plus 4 blocks per slot (and the scratch slot) for draft rows and copies."""
     if not facts.n_layer_nextn:
         return 0
-    t = mtp_cache_type(kv_type, kv_type_v)
     blocks = -(-pool_tokens // SLOT_BLOCK_TOKENS) + (n_seqs + 1) * 4
-    per_token = facts.n_head_kv * (head_bytes(facts.head_dim, t) + head_bytes(facts.head_dim_v, t))
+    per_token = mtp_token_bytes(facts.n_head_kv, facts.head_dim, facts.head_dim_v, kv_type, kv_type_v)
     return facts.n_layer_nextn * per_token * blocks * SLOT_BLOCK_TOKENS
 
 

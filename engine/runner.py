@@ -292,7 +292,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         f32 = "f32" in (self.codec_k.name, self.codec_v.name)
         self._decode_dot = cfg["dot"] if self.device.type == "cuda" and not f32 else "ieee"
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
-        self._graphs: dict[tuple, tuple] = {}          # (rows bucket, waves, centers) -> decode graph
+        self._graphs: dict[tuple, DecodeGraph] = {}    # (rows bucket, waves, centers) -> decode graph
         self.hidden: torch.Tensor | None = None        # the last step's output-normed hidden rows (decode, prefill)
         self.features: torch.Tensor | None = None      # and its rows at the model's capture_layers (DFlash)
         self._step_hidden: torch.Tensor | None = None

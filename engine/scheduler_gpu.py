@@ -161,12 +161,10 @@ class RunnerScheduler:
         on the device."""
         return set(self._spec_kinds)
 
-    def _mtp_cache_type(self) -> str:
-        """The GPU path's MTP cache type for K and V (engine/planner.py: mtp_cache_type)."""
-        from engine.planner import mtp_cache_type
+    def _cache_types(self) -> tuple[str, str]:
         from kernels.kvcodec import cache_type_name
         c = self.config
-        return mtp_cache_type(cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k))
+        return cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k)
 
     def _drafter_bytes_per_token(self) -> int:
         """Bytes the model drafters' caches add per pool token on the GPU path: the MTP block's KV, a
@@ -181,9 +179,9 @@ class RunnerScheduler:
         """Bytes the MTP block's cache adds per pool token on the GPU path (0 without MTP drafts)."""
         if "mtp" not in self._spec_kinds:
             return 0
-        from kernels.kvcodec import get_codec
-        codec, s = get_codec(self._mtp_cache_type()), self.spec
-        return s.n_head_kv * (codec.row_bytes(s.head_dim) + codec.row_bytes(s.head_dim_v))
+        from engine.planner import mtp_token_bytes
+        s = self.spec
+        return mtp_token_bytes(s.n_head_kv, s.head_dim, s.head_dim_v, *self._cache_types())
 
     def _open_mtp_pool(self, dev: torch.device) -> None:
         """The MTP block's KV pool on the device: as many 16-token blocks as the main pool, plus room for
@@ -194,9 +192,10 @@ class RunnerScheduler:
         if "mtp" not in self._spec_kinds:
             return
         from engine.kv.pool import KVPool
+        from engine.planner import mtp_cache_type
         extra = (self.config.max_seqs + 1) * 4   # (engine/planner.py: mtp_kv_bytes counts the same)
-        self._mtp_pool = KVPool(cache_type_k=self._mtp_cache_type(), block_size=RUNNER_BLOCK, device=dev,
-                                n_blocks=self.runner.pool.n_blocks + extra)
+        self._mtp_pool = KVPool(cache_type_k=mtp_cache_type(*self._cache_types()), block_size=RUNNER_BLOCK,
+                                device=dev, n_blocks=self.runner.pool.n_blocks + extra)
 
     def _step_workspace(self, ctx: int) -> int:
         """What a step allocates beyond the pool and the slots' state (engine/planner.py activation_bytes:
@@ -306,6 +305,14 @@ class RunnerScheduler:
             st = donor.fork(n) if donor is not None else None
         self._totals["mtp_resumed" if st is not None else "mtp_not_resumed"] += 1
         return st
+
+    def _park_drafters(self, s: _Sequence) -> None:
+        """s finished and its slot is parked: its MTP state and DFlash context stay with the slot (the step's
+        upkeep still writes its last rows) for a follow-up (_mtp_from, _dflash_from)."""
+        if s.mtp is not None:
+            self._parked_mtp[s.slot] = s.mtp
+        if s.dflash is not None:
+            self._parked_dflash[s.slot] = s.dflash
 
     def _dflash_from(self, s: _Sequence, slot: int, n: int):
         """The DFlash context for s continuing the parked conversation in `slot` from position n (its
