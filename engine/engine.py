@@ -198,6 +198,7 @@ class _Sequence:
         self.spec_k = 0                      # current draft length (spec_adaptive=False: from acceptance only)
         self.adapt: dict[str, DraftLength] = {}   # per drafter: acceptance, next k, back-off (spec_adaptive)
         self.spec_src: str | None = None     # the drafter of its next step (for stats())
+        self.ngram_wait = 0                  # steps before the next n-gram lookup (GPU path, after a miss)
         self.drafted = self.accepted = 0     # draft tokens proposed / accepted so far
         self.spec_by = collections.Counter()  # "<drafter>_drafted" / "<drafter>_accepted" counts
         self.checkpoints: dict[int, dict] = {}   # recurrent-state snapshots by length (engine/prefix.py)

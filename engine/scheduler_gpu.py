@@ -365,7 +365,14 @@ class RunnerScheduler:
         self._draft_s = 0.0   # (drafting time of this step: not the model's, for the adaptive draft lengths)
         r, pc = self.runner, self.config.prefill_chunk
         while True:
-            room = self._make_room(*self._plan_runner(prev), drain=prev is not None)
+            plan = self._plan_runner(prev)
+            if prev is not None and any(s.drafts for s in plan[0]):
+                # drafts follow the newest token, so the previous step's must be on the host first (an
+                # overlapped step is only launched when no sequence was to draft next: see below)
+                self._complete_runner(prev)
+                prev = None
+                continue
+            room = self._make_room(*plan, drain=prev is not None)
             if room is not None:
                 break
             # short of free blocks: the previous step's tokens first, then the plan the engine makes without
@@ -413,8 +420,9 @@ class RunnerScheduler:
             self._verify_drafts(seq, start, lg.cpu())
         if self.spec_active and dec:
             self._adapt_draft_lengths(verified)   # (the next drafts' lengths, before the MTP block drafts them)
-        if self.config.overlap_steps and not self.spec_active:
+        if self.config.overlap_steps and not self._drafts_next():
             self._inflight = step
+            self._totals["overlapped_steps"] += 1
         else:
             self._complete_runner(step)
         # the model drafters after every token of the step is known (device-chosen ones included)
@@ -428,10 +436,17 @@ class RunnerScheduler:
                            "ms": round(1000 * (time.monotonic() - t0), 2)}
         self._totals["steps"] += 1
 
+    def _drafts_next(self) -> bool:
+        """Whether a running sequence may draft in the next step. Drafts need the newest token on the host,
+        so only then is a step not overlapped with the next: a sequence whose drafter is backed off
+        (engine/spec/adaptive.py) decodes like one without drafts, its drafter's upkeep deferred."""
+        return bool(self.spec_active) and any(
+            s.adapt and self._draft_len(s) > 0 for s in self._running)
+
     def _launch_decode(self, dec: list, prev: _RunnerStep | None, step: _RunnerStep, host: list,
                        host_lg: list, mtp_rows: list, dflash_rows: list) -> list:
         """Launch the step's decode call: every generating sequence's row, and after it the rows of its
-        drafts (positions p, p+1, .. of its slot; overlap is off then). Device-chosen rows go to `step`,
+        drafts (positions p, p+1, .. of its slot; the previous step's tokens are read then). Device-chosen rows go to `step`,
         host-sampled rows to host / host_lg, the hidden rows of sequences with an MTP state to mtp_rows,
         those with a DFlash state their target-layer rows to dflash_rows;
         returns (sequence, its first row's position, its rows' logits) of the sequences with drafts,
@@ -439,7 +454,7 @@ class RunnerScheduler:
         r = self.runner
         spec = []
         pos = [s.n_computed for s in dec]
-        if any(s.drafts for s in dec):   # drafts: rows p, p+1, .. of the same slot (overlap is off)
+        if any(s.drafts for s in dec):   # drafts: rows p, p+1, .. of the same slot (prev is read: _runner_step)
             first = self._decode_inputs(dec, None)
             slots, toks, poss, row0 = [], [], [], []
             for s, p, t in zip(dec, pos, first):

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hivejet.engine")
 
+NGRAM_RECHECK = 4   # GPU path: steps between n-gram lookups while they find nothing (3 of 4 steps overlapped)
+
 
 def _acceptance_by_drafter(counts) -> dict:
     """{drafter: {drafted, accepted, acceptance}} from "<drafter>_drafted" / "<drafter>_accepted" counts."""
@@ -142,7 +144,10 @@ class SpeculationMixin:
         """The draft length of s's next step: its drafter's adaptive k (spec_adaptive), else spec_k."""
         if not self.config.spec_adaptive:
             return s.spec_k
-        dl = s.adapt.get(self._draft_source(s))
+        src = self._draft_source(s)
+        if src == "ngram" and s.ngram_wait > 0:   # (no match lately: looked up again in a few steps)
+            return 0
+        dl = s.adapt.get(src)
         return dl.k if dl is not None else 0
 
     def _adapt_draft_lengths(self, decode: list) -> None:
@@ -154,6 +159,8 @@ class SpeculationMixin:
         live = [(s, n, nd) for s, n, nd in decode if self._alive(s) and s.adapt]
         if not self.config.spec_adaptive or not live:
             return
+        for s, _, _ in live:
+            s.ngram_wait = max(0, s.ngram_wait - 1)
         costs = self._costs
         mine = {}
         for s, n, nd in live:   # each one's share of the step as it ran: rows, expected tokens, drafting time
@@ -191,6 +198,10 @@ class SpeculationMixin:
             t0 = time.perf_counter()
             d = s.drafter.propose(room)
             dt = time.perf_counter() - t0
+            if not d and self.runner is not None and self.config.overlap_steps:
+                # the GPU path overlaps steps that draft nothing; a lookup needs the newest token on the
+                # host, so after one that found no match the next waits a few (overlapped) steps
+                s.ngram_wait = NGRAM_RECHECK
             self._costs.add_draft("ngram", dt, 1)
             self._draft_s += dt
             return d, None, "ngram"

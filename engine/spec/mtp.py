@@ -100,18 +100,22 @@ def catch_up(model, items: list[CatchUp], timing: dict | None = None) -> None:
     for it in items:
         st = it.state
         st.drafts = []
-        last = min(it.start + it.n_final, len(it.tokens) - 1)      # the newest position with x_p known
+        top = it.start + it.n_final                              # the newest position with h_{p-1} known
+        last = min(top, len(it.tokens) - 1)                       # ... and with x_p known
         p0 = st.valid
-        if last < p0:
+        if top < p0:
             continue
         held = st.deferred
         st.deferred = None
         rows = list(held) if held is not None else []
-        for p in range(p0 + len(rows), last + 1):                 # h_{p-1}: zeros before the first token
+        for p in range(p0 + len(rows), top + 1):                  # h_{p-1}: zeros before the first token
             rows.append(it.hidden[p - 1 - it.start] if p > 0 else it.hidden.new_zeros(it.hidden.shape[1]))
-        if it.defer and it.k == 0 and len(rows) <= MAX_DEFERRED:
+        if (it.defer and it.k == 0 and len(rows) <= MAX_DEFERRED) or last < p0:
             st.deferred = torch.stack(rows)
             continue
+        # the rows whose token is not on the host yet (an overlapped step's, engine/scheduler_gpu.py) wait
+        rows, later = rows[:last + 1 - p0], rows[last + 1 - p0:]
+        st.deferred = torch.stack(later) if later else None
         st.kv.truncate(p0)
         st.tail = (last, rows[-1].clone())
         if st.mark_every:

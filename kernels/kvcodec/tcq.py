@@ -10,7 +10,7 @@ minimises sum_t (u_t - codebook[state_t])^2; the stream holds k*127 + L bits (th
 bits, then k new bits per value). The scale s = |y| / |codebook[states]| keeps the original norm.
 
 Layout: 128 values in 52 bytes (3-bit: fp16 s + 50 bytes of stream, 390 bits used) or in 36 bytes
-(2-bit: fp16 s + 34 bytes, 262 bits used). The unused tail bits are zero; decoding reads 3 bytes
+(2-bit: fp16 s + 34 bytes, 262 bits used). The unused tail bits are zero; decoding reads up to 4 bytes
 at byte (k*t)/8, which stays inside the group.
 The codebooks (one float per state) are trained by train_codebooks.py.
 """

@@ -176,6 +176,59 @@ def test_runner_path_drafters(tmp_path, device):
             assert by["dflash"]["accepted"] > 0, by
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_backed_off_drafters_overlap_steps(tmp_path, device, monkeypatch):
+    """A sequence whose drafter is backed off (the adaptive length chose 0 drafts; here forced) decodes like
+    one without drafts: its steps are overlapped (the next launched before the host reads the tokens) and
+    the drafter's upkeep is deferred, yet every probe drafts exactly what it drafts without overlap (the
+    MTP rows and DFlash context written late are the same), and the tokens are those of spec off. An n-gram
+    lookup that finds nothing waits a few steps, which are overlapped."""
+    import engine.spec.engine_spec as es
+    from engine.spec.dflash_synth import synthetic_drafter, write_gguf
+    from engine.synth import write_synthetic
+    path = tmp_path / "mtp.gguf"
+    write_synthetic(path, "qwen35", "tiny", seed=3, mtp=True)
+    drafter = write_gguf(tmp_path / "drafter.gguf", *synthetic_drafter(path, seed=1))
+    monkeypatch.setattr(es, "choose_k", lambda *a, **k: 0)      # drafting never pays: back off, probe now and then
+    seen = []                                                   # (tokens known, drafts) at every drafting call
+    real_catch_up, real_propose = es.catch_up, es.propose
+
+    def catch_up(model, items, timing=None):
+        real_catch_up(model, items, timing)
+        seen.extend((len(it.tokens), list(it.state.drafts)) for it in items if it.state.drafts)
+
+    def propose(d, model, reqs):
+        real_propose(d, model, reqs)
+        seen.extend((len(r.history), list(r.state.drafts)) for r in reqs)
+    monkeypatch.setattr(es, "catch_up", catch_up)
+    monkeypatch.setattr(es, "propose", propose)
+    prompts = [[1 + (5 * j) % 300 for j in range(20)] * 2, [7 + (3 * j) % 200 for j in range(37)]]
+
+    def run(mode, overlap):
+        seen.clear()
+        eng = Engine(EngineConfig(model=str(path), ctx_size=200, max_seqs=3, prefill_chunk=16, static_slots=True,
+                                  device=device, spec_drafter=str(drafter), spec=mode, spec_max_drafts=4,
+                                  overlap_steps=overlap))
+        try:
+            hs = [eng.submit(Request(prompt_ids=p, sampling=_greedy(60, ignore_eos=True))) for p in prompts]
+            return [h.result()[1] for h in hs], eng.stats()["totals"], sorted(seen)
+        finally:
+            eng.shutdown()
+    want, _, _ = run("off", True)
+    for mode in ("mtp", "dflash", "ngram"):
+        out, totals, drafts = run(mode, True)
+        assert out == want, mode
+        assert totals["drafted_tokens"] > 0, (mode, totals)     # the first step and the probes
+        out2, totals2, drafts2 = run(mode, False)
+        assert out2 == want and "overlapped_steps" not in totals2
+        if mode == "ngram":   # a lookup that finds nothing waits 3 overlapped steps (63 steps in all)
+            assert totals["overlapped_steps"] > 30, totals
+            continue
+        assert totals["overlapped_steps"] > 50, (mode, totals)
+        assert drafts == drafts2, mode
+        assert totals["drafted_tokens"] == totals2["drafted_tokens"], mode
+
+
 # --- tokens chosen on the device, and the next step launched before the host streams them ------------------
 # (engine/sample_device.py; EngineConfig.device_sampling / overlap_steps; docs/ARCHITECTURE.md, GPU path)
 

@@ -234,3 +234,21 @@ def test_prefill_precision_option():
     _close(b, a, 3e-3)
     for i in range(9):
         _close(a[i], plain_attention(q[i], c.K[0], c.V[0], 20 + i, 0.1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [("f16", "f16"), ("q8_0", "q8_0"), ("turbo4", "turbo4"), ("turbo3_tcq", "turbo3_tcq"),
+                                  ("turbo2_tcq", "turbo2_tcq")], ids=_ids)
+def test_gpu_decode_at_the_27b_shape(pair):
+    """On CUDA with the engine's decode settings (f16 tensor-core dots, 64 split-K programs): the 27B's
+    attention shape (24 query heads, 4 KV heads of 256) over 3000 keys, against a plain softmax."""
+    H, hkv, d = 24, 4, 256
+    lens = [3000, 1111]
+    c = Cache(*pair, 16, hkv, d, lens, seed=5)
+    q = torch.randn(len(lens), H, d, generator=torch.Generator().manual_seed(2))
+    scale = d ** -0.5
+    dev = torch.device("cuda")
+    out = paged_decode_attention(q.to(dev), c.k.to(dev), c.v.to(dev), c.tables.to(dev), torch.tensor(lens, device=dev),
+                                 c.ck, c.cv, scale, d, n_split=64, precision="f16").cpu()
+    for b, n in enumerate(lens):
+        _close(out[b], plain_attention(q[b], c.K[b], c.V[b], n - 1, scale), tol=2e-3)
