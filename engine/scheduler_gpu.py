@@ -142,6 +142,8 @@ class RunnerScheduler:
             top = next((b for b in BUCKETS if b >= c.max_seqs), BUCKETS[-1])
             try:
                 self.runner.capture([b for b in BUCKETS if b <= top])
+                if self._runner_spec_kinds() and c.spec_max_drafts > 0:   # (drafts of recurrent models: graphs of their own)
+                    self.runner.capture_drafting(1 + c.spec_max_drafts)
                 self.runner.capture_prefill(c.prefill_chunk)   # (prompt chunks: engine/runner_prefill.py)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 self.model.close()

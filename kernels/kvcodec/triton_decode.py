@@ -34,12 +34,12 @@ if HAVE_TRITON:
             w = w | (tl.load(bp + 3, mask=mw, other=0).to(tl.int32) << 24)
         s = _f16_at(rp + (grp * GB)[None, :], mw)
         MASK: tl.constexpr = (1 << L) - 1
-        # the 8 states as a new trailing axis; nested joins take them in bit-reversed order so that the
-        # flattened index is the value's (as kernels/quant/packed.py's _load_fields)
-        st = tl.join(tl.join(tl.join(w & MASK, (w >> 4 * KB) & MASK), tl.join((w >> 2 * KB) & MASK, (w >> 6 * KB) & MASK)),
-                     tl.join(tl.join((w >> KB) & MASK, (w >> 5 * KB) & MASK), tl.join((w >> 3 * KB) & MASK, (w >> 7 * KB) & MASK)))
-        v = tl.load(cb_ptr + st) * s[:, :, None, None, None]
-        return tl.reshape(v, (v.shape[0], D))
+        # the 8 states as a trailing axis by broadcast shifts. (Built with nested tl.join instead, as
+        # kernels/quant/packed.py builds its tiles, the values were right on their own and through an fp32
+        # dot, but an fp16 tensor-core dot of them gave wrong results on the H200: Triton 3.6.)
+        st = (w[:, :, None] >> (KB * tl.arange(0, 8))[None, None, :]) & MASK
+        v = tl.load(cb_ptr + st) * s[:, :, None]
+        return tl.reshape(v, (w.shape[0], D))
 
     @triton.jit
     def load_values(base_ptr, row_off, offs_d, mask, cb_ptr, CODEC: tl.constexpr, D0=0):

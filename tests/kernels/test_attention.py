@@ -240,8 +240,9 @@ def test_prefill_precision_option():
 @pytest.mark.parametrize("pair", [("f16", "f16"), ("q8_0", "q8_0"), ("turbo4", "turbo4"), ("turbo3_tcq", "turbo3_tcq"),
                                   ("turbo2_tcq", "turbo2_tcq")], ids=_ids)
 def test_gpu_decode_at_the_27b_shape(pair):
-    """On CUDA with the engine's decode settings (f16 tensor-core dots, 64 split-K programs): the 27B's
-    attention shape (24 query heads, 4 KV heads of 256) over 3000 keys, against a plain softmax."""
+    """On CUDA with the engine's settings (decode: f16 tensor-core dots, 64 split-K programs; prompt chunks:
+    tf32 dots): the 27B's attention shape (24 query heads, 4 KV heads of 256) over 3000 keys, against a
+    plain softmax. (A decoder whose values were right went wrong only in an fp16 tensor-core dot.)"""
     H, hkv, d = 24, 4, 256
     lens = [3000, 1111]
     c = Cache(*pair, 16, hkv, d, lens, seed=5)
@@ -252,3 +253,12 @@ def test_gpu_decode_at_the_27b_shape(pair):
                                  c.ck, c.cv, scale, d, n_split=64, precision="f16").cpu()
     for b, n in enumerate(lens):
         _close(out[b], plain_attention(q[b], c.K[b], c.V[b], n - 1, scale), tol=2e-3)
+    # prompt chunks as the runner runs them (tf32 tensor-core dots): each sequence's last 24 positions
+    starts = [n - 24 for n in lens]
+    qp = torch.randn(48, H, d, generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 24, 48])
+    out = paged_prefill_attention(qp.to(dev), c.k.to(dev), c.v.to(dev), c.tables.to(dev), cu.to(dev),
+                                  torch.tensor(starts, device=dev), c.ck, c.cv, scale, d, precision="tf32").cpu()
+    for b in range(2):
+        for i in range(0, 24, 5):
+            _close(out[24 * b + i], plain_attention(qp[24 * b + i], c.K[b], c.V[b], starts[b] + i, scale), tol=2e-3)
