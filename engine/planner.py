@@ -378,6 +378,7 @@ class Plan:
     checkpoints: int = 0            # recurrent-state checkpoints for prefix sharing (qwen35): the engine's
                                     # default, as many one-slot states as fit in 2 % of the KV, at most 64
     mtp: int = 0                    # the MTP block's own KV when drafting with it (--spec mtp)
+    drafter: int = 0                # a DFlash drafter's weights and context K/V (--spec dflash)
 
     @property
     def pool_tokens(self) -> int:
@@ -387,7 +388,7 @@ class Plan:
     @property
     def total(self) -> int:
         return (self.weights + self.kv + self.recurrent + self.prep + self.checkpoints + self.workspace
-                + self.vision + self.mtp)
+                + self.vision + self.mtp + self.drafter)
 
     @property
     def allocated(self) -> int:
@@ -407,7 +408,7 @@ class Plan:
                 "slots": self.n_seqs, "pool_tokens": self.pool_tokens, "seq_ctx": self.seq_ctx,
                 "weights": self.weights, "kv": self.kv, "recurrent": self.recurrent,
                 "prep": self.prep, "checkpoints": self.checkpoints, "workspace": self.workspace,
-                "vision": self.vision, "mtp": self.mtp, "total": self.total,
+                "vision": self.vision, "mtp": self.mtp, "drafter": self.drafter, "total": self.total,
                 "allocated": self.allocated}
 
 
@@ -433,12 +434,20 @@ def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, n_seqs: int, kv_type: str,
     return facts.n_layer_nextn * per_token * blocks * SLOT_BLOCK_TOKENS
 
 
+def drafter_bytes(drafter, pool_tokens: int) -> int:
+    """A DFlash drafter (engine/spec/dflash.py: DFlashDrafter) on the GPU path: its weights as the engine
+    holds them (bfloat16 matrices) and its context K/V (bfloat16) for every pool token, as the engine's
+    memory fit reserves it (engine/scheduler_gpu.py: _drafter_bytes_per_token)."""
+    return drafter.device_weight_bytes() + drafter.context_bytes_per_token() * pool_tokens
+
+
 def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vram: int | None = None,
-         kv_type_v: str | None = None, step_tokens: int = STEP_TOKENS, mtp: bool = False) -> Plan:
+         kv_type_v: str | None = None, step_tokens: int = STEP_TOKENS, mtp: bool = False,
+         drafter=None) -> Plan:
     """GPU memory of the runner with `n_seqs` slots sharing a KV pool of `n_seqs x ctx` tokens (K in
     kv_type, V in kv_type_v, default the same), prompt chunks of `step_tokens`. One sequence may hold
     up to min(training context, the pool) tokens: the key preconditioning is sized for that. mtp: drafting
-    with the model's MTP block (its own KV counted)."""
+    with the model's MTP block (its own KV counted); drafter: a loaded DFlash drafter (drafter_bytes)."""
     if ctx <= 0:
         raise ValueError("context must be positive")
     kv_type_v = kv_type_v or kv_type
@@ -452,7 +461,8 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
                 prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx,
-                mtp=mtp_kv_bytes(facts, n_seqs * ctx, n_seqs, kv_type, kv_type_v) if mtp else 0)
+                mtp=mtp_kv_bytes(facts, n_seqs * ctx, n_seqs, kv_type, kv_type_v) if mtp else 0,
+                drafter=drafter_bytes(drafter, n_seqs * ctx) if drafter is not None else 0)
 
 
 def seq_context(facts: ModelFacts, ctx: int, n_seqs: int = 1) -> int:
@@ -571,6 +581,8 @@ def format_plan(p: Plan) -> str:
         rows.append(("vision projector", p.vision))
     if p.mtp:
         rows.append((f"MTP block's KV ({mtp_cache_type(p.kv_type, p.kv_type_v or None)})", p.mtp))
+    if p.drafter:
+        rows.append(("DFlash drafter (weights, context K/V)", p.drafter))
     rows += [("total", p.total), ("allocated by torch (total - CUDA context - graph pool)", p.allocated)]
     out = [f"context {p.ctx} tokens x {p.n_seqs} slot(s): a KV pool of {p.pool_tokens} tokens they share; "
            f"one sequence may use up to {p.seq_ctx}"]
@@ -593,6 +605,9 @@ def add_plan_args(parser) -> None:
                                                                "per sequence, the --kv type (default f16)")
     parser.add_argument("--mtp", action="store_true", help="with --ctx: drafting with the model's MTP block "
                                                            "(--spec mtp): count its own KV")
+    parser.add_argument("--drafter", default=None, metavar="DFLASH",
+                        help="with --ctx: drafting with this DFlash drafter (--spec dflash --spec-drafter "
+                             "DFLASH: a directory or GGUF): count its weights and context")
 
 
 def run_plan(args) -> int:
@@ -622,8 +637,20 @@ def run_plan(args) -> int:
         if getattr(args, "mtp", False) and not facts.n_layer_nextn:
             print(f"error: {facts.name} has no MTP block", file=sys.stderr)
             return 2
+        drafter = None
+        if getattr(args, "drafter", None):
+            from engine.spec.dflash import DFlashError, load_drafter
+            try:
+                drafter = load_drafter(args.drafter)
+            except (DFlashError, GGUFError, OSError) as e:
+                print(f"error: DFlash drafter: {e}", file=sys.stderr)
+                return 2
+            if drafter.cfg.hidden_size != facts.n_embd:
+                print(f"error: DFlash drafter {args.drafter}: its hidden size {drafter.cfg.hidden_size} differs "
+                      f"from the model's {facts.n_embd}: it was made for another model", file=sys.stderr)
+                return 2
         print(format_plan(plan(facts, args.ctx, args.kv or "f16", max(1, args.seqs), vram, kv_v,
-                               mtp=getattr(args, "mtp", False))))
+                               mtp=getattr(args, "mtp", False), drafter=drafter)))
         return 0
     print(format_table(facts, vram, kv_types=[args.kv] if args.kv else None, n_seqs=max(1, args.seqs),
                        kv_type_v=kv_v))

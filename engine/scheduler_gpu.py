@@ -261,6 +261,7 @@ class RunnerScheduler:
             best, n = None, 0
         if match is not None and match.n > n:
             s.mtp = self._mtp_from(s, match.src, match.n, take=False)
+            s.dflash = self._dflash_from(s, match.src, match.n, take=False)
             if self._free_slots:
                 s.slot = self._free_slots.pop()
             else:   # the least recently parked slot other than the donor (the donor itself when it is the only one)
@@ -276,7 +277,7 @@ class RunnerScheduler:
         elif best is not None:
             del self._parked[best]
             s.mtp = self._mtp_from(s, best, n, take=True)
-            s.dflash = self._dflash_from(s, best, n)
+            s.dflash = self._dflash_from(s, best, n, take=True)
             self._drop_parked_drafters(best)
             s.slot = best
             r.truncate(best, n)                        # the blocks after the common part go back to the pool
@@ -316,16 +317,25 @@ class RunnerScheduler:
         if s.dflash is not None:
             self._parked_dflash[s.slot] = s.dflash
 
-    def _dflash_from(self, s: _Sequence, slot: int, n: int):
-        """The DFlash context for s continuing the parked conversation in `slot` from position n (its
-        context rows before n kept: DFlashState.resume_at), or None. (A prefix shared from another
-        conversation gets none: its context would have to be copied.)"""
-        st = self._parked_dflash.pop(slot, None)
-        if st is None or self._dflash is None or not self._spec_ok(s):
+    def _dflash_from(self, s: _Sequence, slot: int, n: int, take: bool):
+        """The DFlash context for s starting from the first n positions of the conversation in `slot`: with
+        take, the parked conversation's own (s continues it; its rows before n kept: DFlashState.resume_at),
+        else a copy of the parked or running donor's rows before n (DFlashState.fork). None when DFlash
+        does not draft for s or the context does not reach n."""
+        if self._dflash is None or not self._spec_ok(s):
             return None
-        ok = st.resume_at(n)
-        self._totals["dflash_resumed" if ok else "dflash_not_resumed"] += 1
-        return st if ok else None
+        if take:
+            st = self._parked_dflash.pop(slot, None)
+            st = st if st is not None and st.resume_at(n) else None
+        else:
+            donor = self._parked_dflash.get(slot) or next(
+                (q.dflash for q in self._running if q.slot == slot and q.dflash is not None), None)
+            try:
+                st = donor.fork(n) if donor is not None else None
+            except torch.OutOfMemoryError:
+                st = None
+        self._totals["dflash_resumed" if st is not None else "dflash_not_resumed"] += 1
+        return st
 
     def _drop_parked_drafters(self, slot: int) -> None:
         """A parked slot is taken or evicted: its MTP rows go back to the MTP pool, its DFlash context is

@@ -328,6 +328,22 @@ class DFlashState:
         self.drafts, self.q, self.position = [], None, -1
         return True
 
+    def fork(self, n: int) -> "DFlashState | None":
+        """A new state with a copy of this context's positions < n (another conversation with the same
+        first n tokens: the same target states, so the same rows), or None when they are not all here."""
+        held = 0 if self.deferred is None else self.deferred.shape[0]
+        if self.length + held < n:
+            return None
+        other = DFlashState(len(self.keys))
+        keep = min(n, self.length)
+        for src, dst in zip(self.keys + self.values, other.keys + other.values):
+            if keep:
+                dst.append(src.rows(0, keep).clone())
+        other.length = keep
+        if keep < n:
+            other.deferred = self.deferred[:n - keep].clone()
+        return other
+
 
 class _Tensors:
     """Takes the drafter's tensors by name with shape checks; what is left over is an error."""
@@ -434,6 +450,12 @@ class DFlashDrafter:
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def device_weight_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """weight_bytes() once to_device(.., dtype) has run: the matrices as dtype, the rest float32 (the
+        memory planner counts a drafter without moving it)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return sum(t.numel() * (size if t.ndim == 2 else 4) for t in self._tensors())
 
     def context_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes a sequence's context K and V take per position (all layers) when kept as `dtype`."""

@@ -205,3 +205,34 @@ def test_mtp_kv_matches_the_engines_pool(tmp_path, kv):
     pool = KVPool(cache_type_k=t, block_size=16, n_blocks=blocks, device="cpu")
     pool.add_layer(0, LayerKV(f.n_head_kv, f.head_dim, f.head_dim_v))
     assert pool.nbytes() == with_mtp.mtp
+
+
+def test_dflash_drafter_counted(tmp_path, q27, capsys):
+    """`hivejet plan --ctx N --drafter D` counts a DFlash drafter as the GPU path holds it: its weights in
+    bfloat16 (what DFlashDrafter.to_device leaves) and its context K/V for every pool token (what the
+    engine's memory fit reserves); a drafter made for another model is a clear error."""
+    import torch
+
+    from engine.spec.dflash import load_drafter
+    from engine.spec.dflash_synth import synthetic_drafter, write_gguf
+    model = tmp_path / "tiny.gguf"
+    write_synthetic(model, "qwen35", "tiny", seed=2)
+    path = write_gguf(tmp_path / "drafter.gguf", *synthetic_drafter(model, seed=1))
+    d = load_drafter(path)
+    f = P.model_facts(model)
+    ctx, seqs = 1024, 2
+    with_d, without = P.plan(f, ctx, "f16", seqs, drafter=d), P.plan(f, ctx, "f16", seqs)
+    per_token = d.context_bytes_per_token()
+    assert per_token == d.cfg.n_layer * 2 * d.cfg.n_head_kv * d.cfg.head_dim * 2
+    d.to_device(torch.device("cpu"))
+    assert with_d.drafter == d.weight_bytes() + per_token * seqs * ctx
+    assert with_d.total - without.total == with_d.drafter and without.drafter == 0
+    ap = argparse.ArgumentParser()
+    P.add_plan_args(ap)
+    assert P.run_plan(ap.parse_args(["-m", str(model), "--ctx", str(ctx), "--seqs", str(seqs),
+                                     "--drafter", str(path)])) == 0
+    out = capsys.readouterr().out
+    assert "DFlash drafter" in out and f"{with_d.drafter:,}" in out and f"{with_d.total:,}" in out
+    assert P.run_plan(ap.parse_args(["-m", str(q27), "--ctx", "4096", "--drafter", str(path)])) == 2
+    assert "made for another model" in capsys.readouterr().err
+    assert P.run_plan(ap.parse_args(["-m", str(model), "--ctx", "4096", "--drafter", str(tmp_path / "none")])) == 2

@@ -325,6 +325,40 @@ def test_gpu_path_follow_up_keeps_the_dflash_context(pair):
     assert totals["dflash_accepted"] > 0
 
 
+def test_gpu_path_shared_prefix_forks_the_dflash_context(pair, monkeypatch):
+    """The GPU path (static slots on the CPU): a request that shares the first 32 tokens of a parked
+    conversation gets a copy of that conversation's DFlash context rows (DFlashState.fork) and drafts exactly
+    what it drafts when it computes its whole prompt itself; the tokens are the same too."""
+    import engine.spec.engine_spec as es
+    seen = []
+    real = es.propose
+
+    def propose(d, model, reqs):
+        real(d, model, reqs)
+        seen.extend((len(r.history), tuple(r.state.drafts)) for r in reqs)
+    monkeypatch.setattr(es, "propose", propose)
+    other = PROMPTS[1][:32] + [9, 10, 11, 12, 13]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def serve(donor_first):
+        eng = Engine(EngineConfig(model=str(pair.target), spec="dflash", spec_drafter=str(pair.gguf), ctx_size=256,
+                                  prefill_chunk=16, static_slots=True, max_seqs=2, state_checkpoints=4,
+                                  spec_adaptive=False, spec_max_drafts=4))
+        try:
+            if donor_first:
+                eng.submit(Request(prompt_ids=PROMPTS[1], sampling=greedy)).result()
+            seen.clear()
+            out = eng.submit(Request(prompt_ids=other, sampling=greedy)).result()[1]
+            return out, list(seen), eng.stats()["totals"]
+        finally:
+            eng.shutdown()
+
+    shared, drafts_shared, totals = serve(True)
+    fresh, drafts_fresh, _ = serve(False)
+    assert totals["shared_tokens"] == 32 and totals["dflash_resumed"] == 1, totals
+    assert shared == fresh and drafts_shared == drafts_fresh and drafts_shared
+
+
 def test_dflash_state_resume():
     """DFlashState.resume_at keeps the context rows before n (truncating, or taking held-back rows)."""
     from engine.spec.dflash import DFlashState
@@ -336,3 +370,19 @@ def test_dflash_state_resume():
     st.deferred = torch.zeros(3, 4)                      # positions 6, 7, 8 held back
     assert not st.resume_at(10)
     assert st.resume_at(8) and st.length == 6 and st.deferred.shape[0] == 2
+
+
+def test_dflash_state_fork():
+    """DFlashState.fork copies the context rows before n (and held-back rows), leaving the donor as it was."""
+    from engine.spec.dflash import DFlashState
+    st = DFlashState(2)
+    for rows in st.keys + st.values:
+        rows.append(torch.arange(10.0)[:, None])
+    st.length = 10
+    st.deferred = torch.ones(2, 4)                       # positions 10, 11 held back
+    a, b = st.fork(6), st.fork(11)
+    assert a.length == 6 and a.deferred is None and all(torch.equal(r.rows(0, r.n), torch.arange(6.0)[:, None])
+                                                        for r in a.keys + a.values)
+    assert b.length == 10 and b.deferred.shape[0] == 1 and st.fork(13) is None
+    a.keys[0].buf[0] = 99.0
+    assert st.keys[0].buf[0] == 0.0 and st.length == 10 and st.deferred.shape[0] == 2
