@@ -22,8 +22,8 @@ from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-seq
 from kernels import fused
 from kernels.attention import causal_attention
 from kernels.kvcodec import cache_type_name
-from kernels.quant import (check_supported, dequantize_rows, dequantized_tiles, matmul_row_invariant, matmul_tiles,
-                           quantized_matmul_ref, round_activations_like_llamacpp)
+from kernels.quant import (block_mins, check_supported, dequantize_rows, dequantized_tiles, matmul_row_invariant,
+                           matmul_tiles, q8_1_sum_error, quantized_matmul_ref, round_activations_like_llamacpp)
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # While the GPU path runs prompt rows (engine/runner.py's prefill): the chunk size, to which matmuls pad
@@ -119,13 +119,23 @@ class Weight:
         if self.qtype == QT.F32:
             y = matmul_row_invariant(x, self.raw.view(torch.float32).view(self.n_out, self.n_in))
         else:
+            err = q8_1_sum_error(x, self.qtype)
             x = round_activations_like_llamacpp(x, self.qtype)
             tiles = self._expanded()
             if tiles is not None:
                 y = matmul_tiles(x, tiles, self.n_out)
             else:
                 y = quantized_matmul_ref(x, self.raw, self.qtype, self.n_out, self.n_in)
+            if err is not None:   # the minimum times the activation block's sum as llama.cpp stores it
+                y = y + matmul_row_invariant(err, self._mins())
         return y if add is None else add + y
+
+    _mins_t = None
+
+    def _mins(self) -> torch.Tensor:
+        if self._mins_t is None:
+            self._mins_t = block_mins(self.raw, self.qtype, self.n_out, self.n_in)
+        return self._mins_t
 
     _tiles = None       # the matrix dequantized (float32 tiles), while the process's budget allows
 

@@ -96,7 +96,8 @@ def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Te
         q = q.repeat(1, Hv // Hk, 1)
         k = k.repeat(1, Hv // Hk, 1)
     q = q * D ** -0.5
-    St = S[sl].float() * g[rows].float().exp()[:, :, None, None]                      # [n, Hv, D, D]
+    decay = g[rows].double().exp().float()   # (float64: the same bits however many rows, as gdn_gates)
+    St = S[sl].float() * decay[:, :, None, None]                                       # [n, Hv, D, D]
     kv_mem = torch.einsum("nhkv,nhk->nhv", St, k)
     delta = (v - kv_mem) * beta[rows].float()[:, :, None]
     St = St + k[:, :, :, None] * delta[:, :, None, :]
@@ -232,7 +233,13 @@ def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch
 def gdn_gates(alpha_x: torch.Tensor, beta_x: torch.Tensor, dt_bias: torch.Tensor,
               a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of the gates from the raw projections: g = softplus(alpha_x + dt_bias) * a (the log
-    decay, <= 0), beta = sigmoid(beta_x), as engine/models/qwen35.py computes them."""
+    decay, <= 0), beta = sigmoid(beta_x), as engine/models/qwen35.py computes them. On the CPU in float64:
+    torch's vectorized and scalar exp/log differ in the last bit, and which one an element gets depends
+    on the tensor's size (a step of one row against several), so in float32 a row's gates moved with the
+    rows beside it; in float64 they round to the same float32 (kernels/quant/ref.py: matmul_row_invariant)."""
+    if alpha_x.device.type == "cpu" and alpha_x.dtype == torch.float32:
+        g, beta = gdn_gates(alpha_x.double(), beta_x.double(), dt_bias.double(), a.double())
+        return g.float(), beta.float()
     return F.softplus(alpha_x + dt_bias) * a, torch.sigmoid(beta_x)
 
 
