@@ -33,7 +33,8 @@ def _tokens(n: int, vocab: int, seed: int):
 
 def _decode_loop(runner, slot: int, token: int, pos: int, n: int) -> float:
     """n greedy decode steps of one slot, fed back on the device; returns seconds."""
-    graph, tok, posb, _, out = runner._graph(1)[:5]
+    g = runner._graph(1)
+    graph, tok, posb, out = g.graph, g.tokens, g.positions, g.logits
     runner.reserve(slot, pos + n)        # the replays below write positions pos.. without asking the runner
     runner.sync_tables()
     runner.fill(1, [slot], [token], [pos])
@@ -48,7 +49,7 @@ def _decode_loop(runner, slot: int, token: int, pos: int, n: int) -> float:
 
 
 def _row_step_ms(runner, B: int, pos: int, reps: int = 20) -> float:
-    graph, tok, posb, sl, out = runner._graph(B)[:5]
+    graph = runner._graph(B).graph
     for s in range(B):                   # blocks up to pos for each row's slot (never prefilled: any bytes)
         runner.reserve(s, pos + 1)
     runner.sync_tables()

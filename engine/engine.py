@@ -497,8 +497,8 @@ class Engine(RunnerScheduler, SpeculationMixin):
         if pool is None:
             return None
         used = sum(g.n_used for g in pool.groups)
-        return dict(cache_type=pool.cache_type_k, blocks_used=used, blocks=pool.groups[0].capacity if pool.groups
-                    else pool._n_blocks, parked_states=len(self._parked_mtp))
+        return dict(cache_type=pool.cache_type_k, blocks_used=used, blocks=pool.block_capacity(),
+                    parked_states=len(self._parked_mtp))
 
     def _pool_stats(self) -> dict | None:
         """GPU path: the shared KV pool's blocks (used, free, shared by several slots), in tokens too (what

@@ -96,7 +96,8 @@ def fill_kv(runner, lo: int, hi: int, seed: int = 0, pool: int = 4096) -> None:
 def decode_loop(runner, token: int, pos: int, n: int) -> tuple[float, list[int]]:
     """n greedy decode steps of slot 0 from position pos (graph replays, the argmax fed back on the
     device). Returns (seconds, tokens)."""
-    graph, tok, posb, _, out = runner._graph(1)[:5]
+    g = runner._graph(1)
+    graph, tok, posb, out = g.graph, g.tokens, g.positions, g.logits
     runner.reserve(0, pos + n)           # the replays below write positions pos.. without asking the runner
     runner.sync_tables()
     runner.fill(1, [0], [token], [pos])

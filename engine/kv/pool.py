@@ -194,6 +194,14 @@ class KVPool:
     def group(self, layer: int) -> LayerGroup:
         return self._group_of[layer]
 
+    def block_capacity(self) -> int | None:
+        """Blocks per layer: the first group's capacity, or what its groups will get before any layer is
+        added (None: grown on demand)."""
+        if self.groups:
+            return self.groups[0].capacity
+        n = self._n_blocks
+        return next(iter(n.values()), None) if isinstance(n, dict) else n
+
     def has_layer(self, layer: int) -> bool:
         return layer in self._group_of
 

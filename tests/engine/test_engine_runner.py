@@ -86,13 +86,20 @@ def test_slots_engine_every_cache_type_matches_cpu_engine(tmp_path, arch, kt, vt
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_engine_matches_cpu_path(smollm2_path, cpu_tokens):
-    eng = Engine(EngineConfig(model=str(smollm2_path), device="cuda", max_seqs=4, prefill_chunk=16))
-    try:
-        handles = [eng.submit(Request(messages=_chat(p), sampling=_greedy(12, ignore_eos=True))) for p in PROMPTS]
-        assert [h.result()[1] for h in handles] == cpu_tokens
-    finally:
-        eng.shutdown()
+def test_cuda_engine_matches_cpu_path(smollm2_path, monkeypatch):
+    """The Engine on CUDA gives the greedy tokens of the CPU path computing the same function: with the GPU's
+    fp16 matmul inputs (tests/engine/test_runner.py: fp16_activations) instead of llama.cpp's 8-bit ones."""
+    from tests.engine.test_runner import fp16_activations
+    fp16_activations(monkeypatch)
+    out = {}
+    for device in ("cpu", "cuda"):
+        eng = Engine(EngineConfig(model=str(smollm2_path), device=device, ctx_size=512, max_seqs=4, prefill_chunk=16))
+        try:
+            handles = [eng.submit(Request(messages=_chat(p), sampling=_greedy(12, ignore_eos=True))) for p in PROMPTS]
+            out[device] = [h.result()[1] for h in handles]
+        finally:
+            eng.shutdown()
+    assert out["cuda"] == out["cpu"]
 
 
 @pytest.mark.gpu
