@@ -22,8 +22,8 @@ from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-seq
 from kernels import fused
 from kernels.attention import causal_attention
 from kernels.kvcodec import cache_type_name
-from kernels.quant import (block_mins, check_supported, dequantize_rows, dequantized_tiles, matmul_row_invariant,
-                           matmul_tiles, q8_1_sum_error, quantized_matmul_ref, round_activations_like_llamacpp)
+from kernels.quant import (activations_like_llamacpp, block_mins, check_supported, dequantize_rows, dequantized_tiles,
+                           matmul_row_invariant, matmul_tiles, quantized_matmul_ref)
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # While the GPU path runs prompt rows (engine/runner.py's prefill): the chunk size, to which matmuls pad
@@ -119,8 +119,7 @@ class Weight:
         if self.qtype == QT.F32:
             y = matmul_row_invariant(x, self.raw.view(torch.float32).view(self.n_out, self.n_in))
         else:
-            err = q8_1_sum_error(x, self.qtype)
-            x = round_activations_like_llamacpp(x, self.qtype)
+            x, err = activations_like_llamacpp(x, self.qtype)
             tiles = self._expanded()
             if tiles is not None:
                 y = matmul_tiles(x, tiles, self.n_out)

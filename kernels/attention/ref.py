@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kvcodec import KVCodec
+from kernels.quant.ref import wide_matmul
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
@@ -25,12 +26,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     qh = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3)            # [Hkv, g, T, D]
     kh = k.permute(1, 0, 2)[:, None]                              # [Hkv, 1, S, D]
     vh = v.permute(1, 0, 2)[:, None]
-    # the products summed in float64 (exact there for float32 inputs): BLAS sums in an order that depends
-    # on T (a prompt's row against the same row alone), so in float32 a query's result moved with the number
-    # of queries beside it, and through the CPU path's 8-bit activation rounding that could move a logit
-    # by 0.4 (kernels/quant/ref.py: matmul_row_invariant does the same)
-    wide = torch.float64 if q.dtype == torch.float32 else q.dtype
-    scores = (qh.to(wide) @ kh.transpose(-1, -2).to(wide)).to(q.dtype)   # [Hkv, g, T, S]
+    # the products summed in float64 (wide_matmul): BLAS sums in an order that depends on T (a prompt's row
+    # against the same row alone), so in float32 a query's result moved with the number of queries beside
+    # it, and through the CPU path's 8-bit activation rounding that could move a logit by 0.4
+    scores = wide_matmul(qh, kh.transpose(-1, -2))                # [Hkv, g, T, S]
     # (in place: the same values as new tensors, two fewer passes over the largest tensor here)
     if seg_bias is not None:
         kseg = torch.arange(k_start, k_start + S, device=scores.device) // seg_len
@@ -45,7 +44,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     for lo, hi in bidirectional or ():
         masked &= ~((qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi))
     scores.masked_fill_(masked.to(scores.device, non_blocking=True), float("-inf"))
-    out = (torch.softmax(scores, dim=-1).to(wide) @ vh.to(wide)).to(q.dtype)   # [Hkv, g, T, Dv]
+    out = wide_matmul(torch.softmax(scores, dim=-1), vh)          # [Hkv, g, T, Dv]
     return out.permute(2, 0, 1, 3).reshape(T, H, v.shape[-1])
 
 

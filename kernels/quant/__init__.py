@@ -9,11 +9,12 @@ from kernels.quant.ref import (
     matmul_row_invariant,
     matmul_tiles,
     quantized_matmul_ref,
-    round_activations_like_llamacpp, q8_1_sum_error, block_mins,
+    activations_like_llamacpp,
+    block_mins,
     row_bytes,
 )
 
 __all__ = [
     "SUPPORTED_TYPES", "UnsupportedTypeError", "check_supported", "row_bytes",
-    "dequantize", "dequantize_rows", "dequantized_tiles", "matmul_tiles", "quantized_matmul_ref", "matmul_row_invariant", "round_activations_like_llamacpp", "q8_1_sum_error", "block_mins",
+    "dequantize", "dequantize_rows", "dequantized_tiles", "matmul_tiles", "quantized_matmul_ref", "matmul_row_invariant", "activations_like_llamacpp", "block_mins",
 ]

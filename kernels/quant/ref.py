@@ -428,21 +428,28 @@ def matmul_tiles(x: torch.Tensor, tiles, n_out: int) -> torch.Tensor:
 ROW_BLOCK = 16
 
 
+def wide_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b; float32 operands are multiplied and summed in float64 (the products are exact there) and the
+    result rounded back, so it hardly ever depends on the order BLAS sums in, which changes with the shapes
+    and the CPU's instruction set (docs/ACCURACY.md)."""
+    if a.dtype != torch.float32:
+        return a @ b
+    return (a.double() @ b.double()).float()
+
+
 def matmul_row_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w.T (float32) with every row computed by the same [ROW_BLOCK, K] x [K, N] product, so a
     row's result does not depend on M or on the other rows (BLAS picks different kernels, and so
     different summation orders, for different M). This is what keeps a sequence's tokens the same
-    whether it runs alone or beside others. Float32 inputs are multiplied and summed in float64 (their
-    products are exact there), so the float32 result hardly ever depends on the summation order, which
-    BLAS also changes with the CPU's instruction set: in float32, a 2-core AVX2 machine moved SmolLM2's
+    whether it runs alone or beside others. The products are summed in float64 (wide_matmul), since BLAS
+    also changes the summation order with the CPU's instruction set: in float32, a 2-core AVX2 machine moved SmolLM2's
     same-top-token rate against llama.cpp from 95.7 % to 94.6 % with the same code (docs/ACCURACY.md);
     it costs the demo model's CPU path ~13 %."""
     M, K = x.shape
     pad = (-M) % ROW_BLOCK
     if pad:
         x = torch.cat([x, x.new_zeros(pad, K)])
-    wide = torch.float64 if x.dtype == torch.float32 else x.dtype
-    y = torch.matmul(x.view(-1, ROW_BLOCK, K).to(wide), w.T.to(wide)).to(x.dtype)
+    y = wide_matmul(x.view(-1, ROW_BLOCK, K), w.T)
     return y.reshape(-1, w.shape[0])[:M]
 
 
@@ -460,30 +467,18 @@ _Q8_0_ACT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_
 _Q8_1_MIN_TYPES = frozenset({GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1})
 
 
-def q8_1_sum_error(x: torch.Tensor, qtype) -> torch.Tensor | None:
-    """For weights whose blocks have a minimum (Q4_1, Q5_1): llama.cpp multiplies the minimum m with the
-    activation block's sum s as stored in its Q8_1 block, fp16(d * sum(q)) with d the unrounded scale,
-    where x's rounded values (round_activations_like_llamacpp) sum to fp16(d) * sum(q). Returns
-    [M, K / 32] = stored s - that sum (add error @ mins.T to x @ W.T), None for other types."""
-    if GGMLQuantizationType(qtype) not in _Q8_1_MIN_TYPES:
-        return None
-    M, K = x.shape
-    b = x.reshape(M, K // 32, 32)
-    d = b.abs().amax(-1) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    qsum = torch.round(b * inv[..., None]).sum(-1)
-    d16 = d.to(torch.float16).to(torch.float32)
-    return (qsum * d).to(torch.float16).to(torch.float32) - qsum * d16
-
-
 def block_mins(raw: torch.Tensor, qtype, n_rows: int, n_cols: int) -> torch.Tensor:
     """The fp16 minimum m of every block of a Q4_1 / Q5_1 weight, float32 [n_rows, n_cols / 32]."""
     b = weight_rows(raw, qtype, n_rows, n_cols).reshape(-1, GGML_QUANT_SIZES[_as_qtype(qtype)][1])
     return _f16(b, 2).view(n_rows, n_cols // 32)
 
 
-def round_activations_like_llamacpp(x: torch.Tensor, qtype) -> torch.Tensor:
-    """x [M, K] float32 -> the values llama.cpp's CPU matmul actually multiplies with."""
+def activations_like_llamacpp(x: torch.Tensor, qtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [M, K] float32 -> (the values llama.cpp's CPU matmul actually multiplies with, and for weights
+    whose blocks have a minimum (Q4_1, Q5_1) the error of their block sums, else None). llama.cpp multiplies
+    such a minimum m with the activation block's sum as its Q8_1 block stores it, fp16(d * sum(q)) with d
+    the unrounded scale, where the rounded values sum to fp16(d) * sum(q): the error [M, K / 32] is the
+    stored sum less that (add error @ block_mins.T to x @ W.T)."""
     qtype = GGMLQuantizationType(qtype)
     M, K = x.shape
     if qtype in _Q8_0_ACT_TYPES:
@@ -492,7 +487,11 @@ def round_activations_like_llamacpp(x: torch.Tensor, qtype) -> torch.Tensor:
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         q = torch.round(b * inv)  # llama.cpp: roundf (half away from zero) vs torch half-to-even: ties are rare
         d16 = d.to(torch.float16).to(torch.float32)
-        return (q * d16).reshape(M, K)
+        err = None
+        if qtype in _Q8_1_MIN_TYPES:
+            qsum = q.sum(-1)
+            err = (qsum * d[..., 0]).to(torch.float16).to(torch.float32) - qsum * d16[..., 0]
+        return (q * d16).reshape(M, K), err
     if qtype in _Q8_K_ACT_TYPES:
         b = x.reshape(M, K // 256, 256)
         idx = b.abs().argmax(-1, keepdim=True)
@@ -500,7 +499,7 @@ def round_activations_like_llamacpp(x: torch.Tensor, qtype) -> torch.Tensor:
         iscale = torch.where(mx != 0, -127.0 / mx, torch.zeros_like(mx))
         q = torch.round(b * iscale).clamp(max=127)
         d = torch.where(iscale != 0, 1.0 / iscale, torch.zeros_like(iscale))
-        return (q * d).reshape(M, K)
+        return (q * d).reshape(M, K), None
     if qtype == GGMLQuantizationType.F16:
-        return x.to(torch.float16).to(torch.float32)
-    return x
+        return x.to(torch.float16).to(torch.float32), None
+    return x, None

@@ -475,8 +475,7 @@ def fp16_activations(monkeypatch):
     comparison tests the GPU's kernels rather than the two paths' rounding choices (8-bit rounding moves
     Gemma-3-270M's logits by 0.1-0.2, more than some of its greedy margins)."""
     import engine.models.common as common
-    monkeypatch.setattr(common, "round_activations_like_llamacpp", lambda x, qtype: x.to(torch.float16).float())
-    monkeypatch.setattr(common, "q8_1_sum_error", lambda x, qtype: None)   # (llama.cpp's Q8_1 block sums)
+    monkeypatch.setattr(common, "activations_like_llamacpp", lambda x, qtype: (x.to(torch.float16).float(), None))
 
 
 def _gpu_vs_cpu(path, n_new=64, prompt_len=24, seed=0, chunk=16, text=None):
