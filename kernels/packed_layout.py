@@ -1,13 +1,24 @@
 """Facts of the GPU's packed weight layout (kernels/quant/packed.py) that need no torch: which GGUF types
-are packed and how (values per scale group, extra high bits per value), how many rows and values a tile
-holds, and so how many bytes a matrix takes. engine/planner.py counts memory with these (it runs without
-torch); kernels/quant/packed.py packs with the same rules."""
+are packed and how (values per scale group, extra high bits per value, how the scales are stored), how
+many rows and values a tile holds, and so how many bytes a matrix takes. engine/planner.py counts memory
+with these (it runs without torch); kernels/quant/packed.py packs with the same rules."""
 from __future__ import annotations
 
-# GGUF type name -> (values per group, extra high bits) (tests check it against packed._PACKERS)
-PACKED_LAYOUT: dict[str, tuple[int, int]] = {
-    "Q4_0": (32, 0), "Q4_1": (32, 0), "Q5_0": (32, 1), "Q5_1": (32, 1), "Q8_0": (32, 8), "Q2_K": (16, 0),
-    "Q3_K": (16, 0), "Q4_K": (32, 0), "Q5_K": (32, 1), "Q6_K": (16, 2), "IQ4_NL": (32, 8), "IQ4_XS": (32, 8),
+# How a packed type stores its per-group scale (and min):
+#   "f16"        an fp16 scale per group (the min, if any, a fixed multiple of it: no bytes)
+#   "f16+min"    an fp16 scale and an fp16 min per group (Q4_1, Q5_1)
+#   "codes"      a signed 8-bit code per group and one fp16 factor d per tile row (its 256-value
+#                super-block): scale = d * code (Q3_K, Q6_K, IQ4_XS)
+#   "codes+min"  unsigned 8-bit (scale, min) code pairs per group and (d, dmin) per tile row:
+#                scale = d * sc, min = dmin * mn (Q2_K, Q4_K, Q5_K)
+SCALE_KINDS = ("f16", "f16+min", "codes", "codes+min")
+
+# GGUF type name -> (values per group, extra high bits, scale kind)
+PACKED_LAYOUT: dict[str, tuple[int, int, str]] = {
+    "Q4_0": (32, 0, "f16"), "Q4_1": (32, 0, "f16+min"), "Q5_0": (32, 1, "f16"), "Q5_1": (32, 1, "f16+min"),
+    "Q8_0": (32, 8, "f16"), "Q2_K": (16, 0, "codes+min"), "Q3_K": (16, 0, "codes"),
+    "Q4_K": (32, 0, "codes+min"), "Q5_K": (32, 1, "codes+min"), "Q6_K": (16, 2, "codes"),
+    "IQ4_NL": (32, 8, "f16"), "IQ4_XS": (32, 8, "codes"),
 }
 
 
@@ -26,13 +37,17 @@ def default_tile_k(k: int) -> int:
 
 def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
     """Bytes of an [n, k] matrix of a quantized GGUF type in the packed layout (4-bit plane + high
-    plane, or an int8 plane; fp16 scale and min per group; rows padded to whole tiles); None for types
+    plane, or an int8 plane; the scales as SCALE_KINDS says; rows padded to whole tiles); None for types
     that are not packed."""
     lay = PACKED_LAYOUT.get(qtype_name)
     if lay is None:
         return None
-    group, hi_bits = lay
+    group, hi_bits, kind = lay
     tile = default_tile_n(n)
     n = -(-n // tile) * tile
     planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8
-    return planes + 2 * 2 * n * (k // group)
+    groups = n * (k // group)
+    tile_rows = n * (k // default_tile_k(k))
+    scales = {"f16": 2 * groups, "f16+min": 4 * groups, "codes": groups + 2 * tile_rows,
+              "codes+min": 2 * groups + 4 * tile_rows}[kind]
+    return planes + scales

@@ -12,9 +12,9 @@ rest), and
 
     W[n, k] = scale[n, k // GROUP] * q[n, k] - minv[n, k // GROUP]
 
-Row-major, each of these would be (what `row_major` returns):
+with each group's scale and min as the type's scale kind (kernels/packed_layout.py) stores them.
+Row-major, the tensors would be (what `row_major` returns):
 
-    scale, minv  fp16 [N, K/GROUP]
     planes[0]    hi_bits in (0, 1, 2): the 4-bit plane, uint8 [N, K/2]: bits 0..3 of value 2j
                  in the low nibble of byte j, of value 2j+1 in the high nibble (as Packed4)
                  hi_bits == 8: the int8 plane, int8 [N, K]: q itself (signed)
@@ -22,6 +22,12 @@ Row-major, each of these would be (what `row_major` returns):
                  of the values, 8 // hi_bits values per byte; value v of byte j (v-th field of
                  hi_bits bits from the least significant end) is value j*(8 // hi_bits) + v.
                  q = low nibble | (high field << 4)
+    scale        "f16", "f16+min": fp16 [N, K/GROUP]; "codes": int8 codes [N, K/GROUP];
+                 "codes+min": uint8 [N, 2K/GROUP], (sc, mn) code pairs
+    minv         "f16+min" only: fp16 [N, K/GROUP]; the other kinds store no min (it is offset *
+                 scale, from codes, or 0)
+    supers       "codes": fp16 d [N, K/TILE_K]; "codes+min": fp16 (d, dmin) pairs [N, 2K/TILE_K]: the
+                 256-value super-block's factors, one per tile row (TILE_K divides 256)
 
 Stored, every one of them is cut into tiles of TILE_N rows x TILE_K values, each tile contiguous,
 tiles in (row band, K) order: a tensor [N_pad / TILE_N, K / TILE_K, TILE_N, bytes of TILE_K values]
@@ -30,36 +36,37 @@ contiguous tiles: on the H200 this moved 1.3-1.46 TB/s against 1.0-1.07 for row-
 same size (docs/PERFORMANCE.md). TILE_N is 128 for N >= 16384, else 64; TILE_K is 256, or the largest
 power of two >= 32 that divides K.
 
-Per type (d, dmin, m: the block's fp16 fields; sc, mn: its sub-block scale/min codes; "fp16
-product" marks a scale that is a product rounded to fp16, the only inexact step of the repacking;
-bits/value of the packed layout vs the GGUF type, bytes ratio = packed / GGUF):
+Per type (d, dmin, m: the block's fp16 fields; sc, mn: its sub-block scale/min codes; a product is
+computed exactly in float32 and rounded once to fp16, by the kernel as by `group_scales`: the only
+inexact step; bits/value of the packed layout vs the GGUF type, bytes ratio = packed / GGUF):
 
-    type    group  planes      q           scale              minv               bits/value  ratio
-    Q4_0    32     4-bit       0..15       d                  8*d                5 / 4.5     1.11
-    Q4_1    32     4-bit       0..15       d                  -m                 5 / 5       1.00
-    Q5_0    32     4-bit + 1   0..31       d                  16*d               6 / 5.5     1.09
-    Q5_1    32     4-bit + 1   0..31       d                  -m                 6 / 6       1.00
-    Q8_0    32     int8        -128..127   d                  0                  9 / 8.5     1.06
-    Q2_K    16     4-bit       0..3        d*sc (fp16 prod)   dmin*mn (fp16 prod) 6 / 2.625  2.29
-    Q3_K    16     4-bit       0..7        d*(sc-32) (prod)   4*scale            6 / 3.4375  1.75
-    Q4_K    32     4-bit       0..15       d*sc (fp16 prod)   dmin*mn (fp16 prod) 5 / 4.5    1.11
-    Q5_K    32     4-bit + 1   0..31       d*sc (fp16 prod)   dmin*mn (fp16 prod) 6 / 5.5    1.09
-    Q6_K    16     4-bit + 2   0..63       d*sc (fp16 prod)   32*scale           8 / 6.5625  1.22
-    IQ4_NL  32     int8        table[idx]  d                  0                  9 / 4.5     2.00
-    IQ4_XS  32     int8        table[idx]  d*(sc-32) (prod)   0                  9 / 4.25    2.12
+    type    group  planes      q           scale (kind)         minv          bits/value     ratio
+    Q4_0    32     4-bit       0..15       d (f16)              8*scale       4.5 / 4.5      1.00
+    Q4_1    32     4-bit       0..15       d (f16+min)          -m            5 / 5          1.00
+    Q5_0    32     4-bit + 1   0..31       d (f16)              16*scale      5.5 / 5.5      1.00
+    Q5_1    32     4-bit + 1   0..31       d (f16+min)          -m            6 / 6          1.00
+    Q8_0    32     int8        -128..127   d (f16)              0             8.5 / 8.5      1.00
+    Q2_K    16     4-bit       0..3        d*sc (codes+min)     dmin*mn       5.125 / 2.625  1.95
+    Q3_K    16     4-bit       0..7        d*(sc-32) (codes)    4*scale       4.5625 / 3.4375 1.33
+    Q4_K    32     4-bit       0..15       d*sc (codes+min)     dmin*mn       4.625 / 4.5    1.03
+    Q5_K    32     4-bit + 1   0..31       d*sc (codes+min)     dmin*mn       5.625 / 5.5    1.02
+    Q6_K    16     4-bit + 2   0..63       d*sc (codes)         32*scale      6.5625 / 6.5625 1.00
+    IQ4_NL  32     int8        table[idx]  d (f16)              0             8.5 / 4.5      1.89
+    IQ4_XS  32     int8        table[idx]  d*(sc-32) (codes)    0             8.3125 / 4.25  1.96
 
 (Q3_K: GGUF's x = d*(sc-32) * (q_low - 4*(1 - hbit)) = scale * (q_low | hbit << 2) - 4*scale.
 Q6_K: x = d*sc*(q - 32). IQ4: the non-linear codebook value, kernels.quant.ref._IQ4_KVALUES[idx],
-is stored, so the kernel needs no table lookup.) Offsets folded into minv (4*scale, 8*d, 16*d,
-32*scale) are exact in fp16. Where no product is rounded (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
-and the others whenever d*sc happens to be exact in fp16), `dequant_packed_ref` is bit-identical
-to kernels.quant.ref.dequantize (= gguf.quants.dequantize); otherwise each scale/min is within
-fp16 rounding (2^-11 relative) of the exact one. The fp16 scales must not overflow (|d*sc| <
-65504), which real weights never approach.
+is stored, so the kernel needs no table lookup.) The offsets (4, 8, 16, 32 times the scale) are
+exact in fp16. Where no product is rounded (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and the others
+whenever d*sc happens to be exact in fp16), `dequant_packed_ref` is bit-identical to
+kernels.quant.ref.dequantize (= gguf.quants.dequantize); otherwise each scale/min is within fp16
+rounding (2^-11 relative) of the exact one. The fp16 scales must not overflow (|d*sc| < 65504),
+which real weights never approach.
 
-The 2- and 3-bit types and the IQ4 types cost 1.75-2.3x their GGUF bytes in this layout (the
-4-bit/int8 planes, and a 16-value group's two fp16 numbers are 2 bits/value on their own); the
-other types stay within 1.25x.
+Until 2026-12-01 every type stored an fp16 scale and min per group (Q4_K 5 bits/value, Q6_K 8): the
+27B's matrices were 18.05 GB against 16.1 GB now, for the same values (docs/PERFORMANCE.md). The 2-
+and 3-bit types and the IQ4 types still cost 1.3-2x their GGUF bytes (their q in a 4-bit or int8
+plane); the other types stay within 1.03x.
 
 The matmul kernel is split-K like q4_matmul: program (m-block, n-tile, k-slice) loads each
 [TILE_N, TILE_K] tile of the planes and scales once, dequantizes it in registers (in fp32,
@@ -68,9 +75,10 @@ tl.dot (grid axes 0, 1, 2 = m-block, n-tile, k-slice: the m-blocks vary fastest,
 the programs that share a weight tile run together and all but the first find it in L2),
 accumulating fp32; each k-slice writes its own partial sums, which are added afterwards in a
 fixed order (no atomics). On sm_90+ the engine's decode settings bring each tile in by TMA (its
-planes, scales and mins as tensor descriptors, `_descriptors`): the same values, 4 % off a 27B step. Block sizes and the split come from the weight's shape only, never
-from M, so a row's result is bit-identical whatever the other rows are (batch invariance), and
-nothing reads tensor values on the host, so it can be captured in a CUDA graph.
+planes, scales and mins as tensor descriptors, `_descriptors`): the same values, 4 % off a 27B
+step. Block sizes and the split come from the weight's shape only, never from M, so a row's result
+is bit-identical whatever the other rows are (batch invariance), and nothing reads tensor values on
+the host, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -83,7 +91,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from kernels.packed_layout import default_tile_k, default_tile_n
+from kernels.packed_layout import PACKED_LAYOUT, default_tile_k, default_tile_n
 from kernels.quant.ref import (
     _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, weight_rows,
 )
@@ -105,14 +113,18 @@ class PackedWeight:
     """A [n, k] weight in the packed affine layout (see the module docstring).
 
     planes: (4-bit plane,) | (4-bit plane, high plane) | (int8 plane,)
-    scale, minv: fp16 [n, k // group]
+    scale: fp16 [.., k // group] scales (kind "f16", "f16+min"), or int8 codes [.., k // group]
+      ("codes"), or uint8 (scale, min) code pairs [.., 2 * k // group] ("codes+min")
+    minv: fp16 [.., k // group] (kind "f16+min" only), else None
+    supers: fp16 [.., 1] d, or [.., 2] (d, dmin), per tile row (kinds "codes", "codes+min"), else None
+    offset: the min is offset * scale (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32; 0: none or stored)
     hi_bits: 0, 1 or 2 extra bits per value in the high plane; 8 for the int8 plane
     qtype: the GGUF type it was packed from
     tile_n, tile_k: every tensor is stored in contiguous tiles of tile_n rows x tile_k values,
-    [n_pad / tile_n, k / tile_k, tile_n, bytes or groups of tile_k values]."""
+    [n_pad / tile_n, k / tile_k, tile_n, bytes, groups or factors of tile_k values]."""
     planes: tuple[torch.Tensor, ...]
     scale: torch.Tensor
-    minv: torch.Tensor
+    minv: torch.Tensor | None
     n: int
     k: int
     group: int
@@ -120,16 +132,27 @@ class PackedWeight:
     qtype: QT
     tile_n: int = 64
     tile_k: int = 256
+    supers: torch.Tensor | None = None
+    offset: int = 0
     tma: tuple | None = field(default=None, init=False, repr=False, compare=False)   # _descriptors' result
     counts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # _arrival_counts
+
+    @property
+    def codes(self) -> int:
+        """0: fp16 scales; 1: int8 codes times d; 2: (scale, min) code pairs times (d, dmin)."""
+        return 0 if self.supers is None else self.supers.shape[-1]
 
     @property
     def n_pad(self) -> int:
         return self.scale.shape[0] * self.tile_n
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (*self.planes, self.scale, self.minv, self.supers) if t is not None)
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.planes, self.scale, self.minv))
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     @property
     def device(self) -> torch.device:
@@ -138,78 +161,79 @@ class PackedWeight:
 
 # ---------------------------------------------------------------------------------------------
 # repacking: each function takes GGUF blocks b (uint8 [nb, type_size]) and returns, in value
-# order, (lo, hi, scale, minv, offset): lo uint8 [nb, B] (0..15) or int8 [nb, B] (int8 plane),
-# hi uint8 [nb, B] (the bits above bit 3) or None, scale float32 [nb, B // group], and either
-# minv float32 [nb, B // group] (offset None; None = zeros) or offset: minv = offset * fp16(scale).
+# order, (lo, hi, scales): lo uint8 [nb, B] (0..15) or int8 [nb, B] (int8 plane), hi uint8 [nb, B]
+# (the bits above bit 3) or None, and the scales as the type's kind stores them (PACKED_LAYOUT):
+#   "f16":       scale float32 [nb, B // group]
+#   "f16+min":   (scale, minv) float32 [nb, B // group] each
+#   "codes":     (codes int8 [nb, B // group], d float32 [nb, 1])
+#   "codes+min": (codes uint8 [nb, 2 * B // group] as (sc, mn) pairs, (d, dmin) float32 [nb, 2])
+
+def _pairs(sc, mn):
+    return torch.stack([sc, mn], dim=2).view(sc.shape[0], -1)
+
 
 def _q4_0(b):
     qs = b[:, 2:]
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1), None, _f16(b, 0)[:, None], None, 8
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1), None, _f16(b, 0)[:, None]
 
 
 def _q4_1(b):
     qs = b[:, 4:]
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1), None, _f16(b, 0)[:, None], -_f16(b, 2)[:, None], None
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1), None, (_f16(b, 0)[:, None], -_f16(b, 2)[:, None])
 
 
 def _q5_0(b):
     lo = _fields(b, 6, 22, 4, 2, (-1, 16), 1).view(-1, 32)
-    return lo, _expand_bits(b[:, 2:6], 0), _f16(b, 0)[:, None], None, 16
+    return lo, _expand_bits(b[:, 2:6], 0), _f16(b, 0)[:, None]
 
 
 def _q5_1(b):
     lo = _fields(b, 8, 24, 4, 2, (-1, 16), 1).view(-1, 32)
-    return lo, _expand_bits(b[:, 4:8], 0), _f16(b, 0)[:, None], -_f16(b, 2)[:, None], None
+    return lo, _expand_bits(b[:, 4:8], 0), (_f16(b, 0)[:, None], -_f16(b, 2)[:, None])
 
 
 def _q8_0(b):
-    return b[:, 2:].view(torch.int8), None, _f16(b, 0)[:, None], None, None
+    return b[:, 2:].view(torch.int8), None, _f16(b, 0)[:, None]
+
+
+def _d_dmin(b, off):
+    return torch.stack([_f16(b, off), _f16(b, off + 2)], dim=1)
 
 
 def _q2_k(b):
     n, sc = b.shape[0], b[:, :16]
-    scale = _f16(b, 80)[:, None] * (sc & 0x0F).float()
-    minv = _f16(b, 82)[:, None] * (sc >> 4).float()
-    return _fields(b, 16, 80, 2, 4, (-1, 2, 32), 2).view(n, 256), None, scale, minv, None
+    q = _fields(b, 16, 80, 2, 4, (-1, 2, 32), 2).view(n, 256)
+    return q, None, (_pairs(sc & 0x0F, sc >> 4), _d_dmin(b, 80))
 
 
 def _q3_k(b):
     n = b.shape[0]
     sc = _fields(b, 96, 104, 4, 2, (-1, 8), 1).view(n, 16)
     sc |= _fields(b, 104, 108, 2, 4, (-1, 4), 1, lshift=4).view(n, 16)
-    scale = _f16(b, 108)[:, None] * sc.view(torch.int8).sub_(32).float()
     q = _fields(b, 32, 96, 2, 4, (-1, 2, 32), 2).view(n, 256)
     q |= _fields(b, 0, 32, 1, 8, (-1, 32), 1, lshift=2).view(n, 256)  # q_low | hbit << 2
-    return q, None, scale, None, 4
-
-
-def _k_scales(b):
-    sc, mn = _k_scale_min(b, 4)
-    return _f16(b, 0)[:, None] * sc.float(), _f16(b, 2)[:, None] * mn.float()
+    return q, None, (sc.view(torch.int8).sub_(32), _f16(b, 108)[:, None])
 
 
 def _q4_k(b):
-    scale, minv = _k_scales(b)
-    return _fields(b, 16, 144, 4, 2, (-1, 4, 32), 2).view(-1, 256), None, scale, minv, None
+    return _fields(b, 16, 144, 4, 2, (-1, 4, 32), 2).view(-1, 256), None, (_pairs(*_k_scale_min(b, 4)), _d_dmin(b, 0))
 
 
 def _q5_k(b):
-    scale, minv = _k_scales(b)
     lo = _fields(b, 48, 176, 4, 2, (-1, 4, 32), 2).view(-1, 256)
     hi = _fields(b, 16, 48, 1, 8, (-1, 32), 1).view(-1, 256)
-    return lo, hi, scale, minv, None
+    return lo, hi, (_pairs(*_k_scale_min(b, 4)), _d_dmin(b, 0))
 
 
 def _q6_k(b):
     n = b.shape[0]
-    scale = _f16(b, 208)[:, None] * b[:, 192:208].view(torch.int8).float()
     lo = _fields(b, 0, 128, 4, 2, (-1, 2, 64), 2).view(n, 256)
     hi = _fields(b, 128, 192, 2, 4, (-1, 2, 32), 2).view(n, 256)
-    return lo, hi, scale, None, 32
+    return lo, hi, (b[:, 192:208].view(torch.int8), _f16(b, 208)[:, None])
 
 
 def _iq4_nl(b):
-    return _iq4_values(b[:, 2:]).view(-1, 32), None, _f16(b, 0)[:, None], None, None
+    return _iq4_values(b[:, 2:]).view(-1, 32), None, _f16(b, 0)[:, None]
 
 
 def _iq4_xs(b):
@@ -217,18 +241,17 @@ def _iq4_xs(b):
     sl, sh = b[:, 4:8], b[:, 2:4]
     sc = torch.stack([sl & 0x0F, sl >> 4], dim=2).view(n, 8)
     sc |= torch.stack([(sh >> (2 * k)) & 0x03 for k in range(4)], dim=2).view(n, 8) << 4
-    scale = _f16(b, 0)[:, None] * sc.view(torch.int8).sub_(32).float()
-    return _iq4_values(b[:, 8:].view(n, 8, 16)).view(n, 256), None, scale, None, None
+    return _iq4_values(b[:, 8:].view(n, 8, 16)).view(n, 256), None, (sc.view(torch.int8).sub_(32), _f16(b, 0)[:, None])
 
 
-# qtype -> (repack function, group, hi_bits)
+# qtype -> (repack function, offset: the min is offset * scale, exact in fp16 (a power of two))
 _PACKERS = {
-    QT.Q4_0: (_q4_0, 32, 0), QT.Q4_1: (_q4_1, 32, 0), QT.Q5_0: (_q5_0, 32, 1),
-    QT.Q5_1: (_q5_1, 32, 1), QT.Q8_0: (_q8_0, 32, 8), QT.Q2_K: (_q2_k, 16, 0),
-    QT.Q3_K: (_q3_k, 16, 0), QT.Q4_K: (_q4_k, 32, 0), QT.Q5_K: (_q5_k, 32, 1),
-    QT.Q6_K: (_q6_k, 16, 2), QT.IQ4_NL: (_iq4_nl, 32, 8), QT.IQ4_XS: (_iq4_xs, 32, 8),
+    QT.Q4_0: (_q4_0, 8), QT.Q4_1: (_q4_1, 0), QT.Q5_0: (_q5_0, 16), QT.Q5_1: (_q5_1, 0), QT.Q8_0: (_q8_0, 0),
+    QT.Q2_K: (_q2_k, 0), QT.Q3_K: (_q3_k, 4), QT.Q4_K: (_q4_k, 0), QT.Q5_K: (_q5_k, 0), QT.Q6_K: (_q6_k, 32),
+    QT.IQ4_NL: (_iq4_nl, 0), QT.IQ4_XS: (_iq4_xs, 0),
 }
 PACKED_TYPES: frozenset[QT] = frozenset(_PACKERS)
+SUPER_BLOCK = 256   # values per d (and dmin) of the coded kinds: the K-quants' and IQ4_XS's block
 
 _CHUNK_VALUES = 1 << 24  # values repacked per step (bounds the temporaries: ~10 bytes per value)
 
@@ -254,7 +277,8 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
     qt = QT(qtype)
     if qt not in _PACKERS:
         raise ValueError(f"{qt.name} is not a quantized type: multiply it with torch instead of packing")
-    fn, group, hi_bits = _PACKERS[qt]
+    fn, offset = _PACKERS[qt]
+    group, hi_bits, kind = PACKED_LAYOUT[qt.name]
     type_size = GGML_QUANT_SIZES[qt][1]
     rows = weight_rows(raw, qt, n, k)
     if rows.storage_offset() % 8:
@@ -262,20 +286,29 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
     dev = rows.device
     tn = tile_n or default_tile_n(n)
     tk = tile_k or default_tile_k(k)
-    if k % tk or tk % group or tn % 16:
+    coded = kind.startswith("codes")
+    if k % tk or tk % group or tn % 16 or (coded and SUPER_BLOCK % tk):
         raise ValueError(f"tile {tn}x{tk} does not fit K = {k} (groups of {group})")
     nt, kt = -(-n // tn), k // tk
 
-    def tiled(per_value_bytes: float, dtype) -> torch.Tensor:
-        return torch.zeros((nt, kt, tn, int(tk * per_value_bytes)), dtype=dtype, device=dev)
+    def tiled(per_row: int, dtype) -> torch.Tensor:
+        return torch.zeros((nt, kt, tn, per_row), dtype=dtype, device=dev)
     if hi_bits == 8:
-        planes = (tiled(1, torch.int8),)
+        planes = (tiled(tk, torch.int8),)
     else:
-        planes = (tiled(0.5, torch.uint8),)
+        planes = (tiled(tk // 2, torch.uint8),)
         if hi_bits:
-            planes += (tiled(hi_bits / 8, torch.uint8),)
-    scale = tiled(1 / group, torch.float16)
-    minv = tiled(1 / group, torch.float16)
+            planes += (tiled(tk * hi_bits // 8, torch.uint8),)
+    g = tk // group
+    minv = supers = None
+    if kind == "codes+min":
+        scale, supers = tiled(2 * g, torch.uint8), tiled(2, torch.float16)
+    elif kind == "codes":
+        scale, supers = tiled(g, torch.int8), tiled(1, torch.float16)
+    else:
+        scale = tiled(g, torch.float16)
+        if kind == "f16+min":
+            minv = tiled(g, torch.float16)
 
     def put(dst: torch.Tensor, r0: int, rm: torch.Tensor) -> None:
         """Row-major rows r0.. (r0 a multiple of tn) into their tiles."""
@@ -287,7 +320,7 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
     step = max(1, _CHUNK_VALUES // max(k, 1)) // tn * tn or tn
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        lo, hi, sc, m, offset = fn(rows[r0:r1].reshape(-1, type_size))
+        lo, hi, sc = fn(rows[r0:r1].reshape(-1, type_size))
         rr = r1 - r0
         if hi_bits == 8:
             put(planes[0], r0, lo.reshape(rr, k))
@@ -296,19 +329,25 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
             put(planes[0], r0, lo[:, 0::2] | (lo[:, 1::2] << 4))
             if hi_bits:
                 put(planes[1], r0, _pack_bits(hi.reshape(rr, k), hi_bits))
-        s16 = sc.reshape(rr, k // group).to(torch.float16)
-        put(scale, r0, s16)
-        if offset is not None:
-            put(minv, r0, s16.float().mul_(offset).to(torch.float16))  # exact: a power of two
-        elif m is not None:
-            put(minv, r0, m.reshape(rr, k // group).to(torch.float16))
-    return PackedWeight(planes=planes, scale=scale, minv=minv, n=n, k=k, group=group,
-                        hi_bits=hi_bits, qtype=qt, tile_n=tn, tile_k=tk)
+        if coded:
+            codes, d = sc
+            put(scale, r0, codes.reshape(rr, -1))
+            # one (d[, dmin]) per tile row: its super-block's
+            d = d.reshape(rr, k // SUPER_BLOCK, -1).repeat_interleave(SUPER_BLOCK // tk, dim=1)
+            put(supers, r0, d.to(torch.float16).reshape(rr, -1))
+        else:
+            s, m = sc if kind == "f16+min" else (sc, None)
+            put(scale, r0, s.reshape(rr, k // group).to(torch.float16))
+            if m is not None:
+                put(minv, r0, m.reshape(rr, k // group).to(torch.float16))
+    return PackedWeight(planes=planes, scale=scale, minv=minv, n=n, k=k, group=group, hi_bits=hi_bits,
+                        qtype=qt, tile_n=tn, tile_k=tk, supers=supers, offset=offset)
 
 
 def stack_key(p: PackedWeight) -> tuple:
     """What two packed weights must share to be stacked (`stack_rows`): the same layout of a tile."""
-    return (p.k, p.group, p.hi_bits, p.tile_n, p.tile_k, p.scale.dtype, p.device)
+    return (p.k, p.group, p.hi_bits, p.tile_n, p.tile_k, p.scale.dtype, p.minv is None, p.codes, p.offset,
+            p.device)
 
 
 def stack_rows(parts: list[PackedWeight]) -> tuple[PackedWeight, list[PackedWeight]]:
@@ -322,24 +361,29 @@ def stack_rows(parts: list[PackedWeight]) -> tuple[PackedWeight, list[PackedWeig
     first = parts[0]
 
     def cat(get):
-        return torch.cat([get(p) for p in parts])
+        return None if get(first) is None else torch.cat([get(p) for p in parts])
     planes = tuple(cat(lambda p, i=i: p.planes[i]) for i in range(len(first.planes)))
     stack = PackedWeight(planes=planes, scale=cat(lambda p: p.scale), minv=cat(lambda p: p.minv),
-                         n=sum(p.n_pad for p in parts), k=first.k, group=first.group,
-                         hi_bits=first.hi_bits, qtype=first.qtype, tile_n=first.tile_n, tile_k=first.tile_k)
+                         n=sum(p.n_pad for p in parts), k=first.k, group=first.group, hi_bits=first.hi_bits,
+                         qtype=first.qtype, tile_n=first.tile_n, tile_k=first.tile_k,
+                         supers=cat(lambda p: p.supers), offset=first.offset)
     views, b0 = [], 0
     for p in parts:
         b1 = b0 + p.n_pad // p.tile_n
-        views.append(PackedWeight(planes=tuple(t[b0:b1] for t in planes), scale=stack.scale[b0:b1],
-                                  minv=stack.minv[b0:b1], n=p.n, k=p.k, group=p.group, hi_bits=p.hi_bits,
-                                  qtype=p.qtype, tile_n=p.tile_n, tile_k=p.tile_k))
+
+        def band(t):
+            return None if t is None else t[b0:b1]
+        views.append(PackedWeight(planes=tuple(band(t) for t in planes), scale=band(stack.scale),
+                                  minv=band(stack.minv), n=p.n, k=p.k, group=p.group, hi_bits=p.hi_bits,
+                                  qtype=p.qtype, tile_n=p.tile_n, tile_k=p.tile_k, supers=band(stack.supers),
+                                  offset=p.offset))
         b0 = b1
     return stack, views
 
 
 def row_major(p: PackedWeight, t: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """One of p's tiled tensors (a plane, scale or minv) as row-major [n, bytes per row], or only rows
-    `ids` (a 1-D integer tensor)."""
+    """One of p's tiled tensors (a plane, scale, minv or supers) as row-major [n, bytes/values per row],
+    or only rows `ids` (a 1-D integer tensor)."""
     nt, kt, tn, w = t.shape
     if ids is None:
         return t.permute(0, 2, 1, 3).reshape(nt * tn, kt * w)[:p.n]
@@ -355,6 +399,26 @@ def _unpack_bits(p: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack([(p >> (v * bits)) & mask for v in range(8 // bits)], dim=-1).view(p.shape[0], -1)
 
 
+def group_scales(p: PackedWeight, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every group's scale and min as the kernel uses them: fp16 [rows, k // group] each (row-major, all
+    rows or rows `ids`). Coded scales: fp16(d * code) (the float32 product is exact); offset mins:
+    offset * scale (exact in fp16); no min: zeros."""
+    def sel(t):
+        return row_major(p, t, ids)
+    sc = sel(p.scale)
+    if p.codes:
+        sup = sel(p.supers).float()
+        sup = sup.view(sup.shape[0], p.k // p.tile_k, p.codes).repeat_interleave(p.tile_k // p.group, dim=1)
+        if p.codes == 2:     # [rows, groups, (d, dmin)]; codes: (sc, mn) pairs
+            return (sup[..., 0] * sc[:, 0::2].float()).half(), (sup[..., 1] * sc[:, 1::2].float()).half()
+        scale = (sup[..., 0] * sc.float()).half()
+    else:
+        scale = sc
+        if p.minv is not None:
+            return scale, sel(p.minv)
+    return scale, (scale.float() * p.offset).half()
+
+
 def _dequant(p: PackedWeight, ids: torch.Tensor | None) -> torch.Tensor:
     def sel(t):
         return row_major(p, t, ids)
@@ -365,9 +429,10 @@ def _dequant(p: PackedWeight, ids: torch.Tensor | None) -> torch.Tensor:
         if p.hi_bits:
             q |= _unpack_bits(sel(p.planes[1]), p.hi_bits) << 4
     r = q.shape[0]
+    scale, minv = group_scales(p, ids)
     w = q.float().view(r, p.k // p.group, p.group)
-    w.mul_(sel(p.scale).float()[..., None])    # separate ops in float32, no FMA
-    w.sub_(sel(p.minv).float()[..., None])
+    w.mul_(scale.float()[..., None])    # separate ops in float32, no FMA
+    w.sub_(minv.float()[..., None])
     return w.view(r, p.k)
 
 
@@ -428,7 +493,46 @@ if triton is not None:
         return (qi.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
     @triton.jit
-    def _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, tile, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
+    def _tile_scales(s_ptr, m_ptr, sup_ptr, tile, CODES: tl.constexpr, OFFSET: tl.constexpr,
+                     HAS_MINV: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TMA: tl.constexpr = False):
+        """Tile `tile`'s group scales and mins, fp16 [BLOCK_N, BLOCK_K // GROUP] each (the min is the
+        scale again when the type has none: the caller does not use it). CODES 0: fp16 scales (and fp16
+        mins when HAS_MINV, else OFFSET * scale); 1: int8 codes times the row's d; 2: (sc, mn) code pairs
+        times the row's (d, dmin). d and dmin are one per tile row, loaded per thread (4 bytes a row are
+        under what a TMA box takes); the products are exact in float32 and rounded once, like the
+        reference's."""
+        G: tl.constexpr = BLOCK_K // GROUP
+        W: tl.constexpr = 2 * G if CODES == 2 else G
+        rows = tl.arange(0, BLOCK_N)
+        if TMA:
+            sc = s_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
+        else:
+            sc = tl.load(s_ptr + tile * (BLOCK_N * W) + rows[:, None] * W + tl.arange(0, W)[None, :])
+        if CODES == 0:
+            s = sc
+            if HAS_MINV:
+                if TMA:
+                    mv = m_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
+                else:
+                    mv = tl.load(m_ptr + tile * (BLOCK_N * G) + rows[:, None] * G + tl.arange(0, G)[None, :])
+            else:
+                mv = (s.to(tl.float32) * OFFSET).to(tl.float16)
+        elif CODES == 1:
+            d = tl.load(sup_ptr + tile * BLOCK_N + rows).to(tl.float32)
+            s = (d[:, None] * sc.to(tl.float32)).to(tl.float16)
+            mv = (s.to(tl.float32) * OFFSET).to(tl.float16)
+        else:
+            dd = tl.load(sup_ptr + tile * (BLOCK_N * 2) + rows[:, None] * 2 + tl.arange(0, 2)[None, :])
+            d, dmin = tl.split(dd.to(tl.float32))
+            code, mcode = tl.split(tl.reshape(sc, (BLOCK_N, G, 2)))
+            s = (d[:, None] * code.to(tl.float32)).to(tl.float16)
+            mv = (dmin[:, None] * mcode.to(tl.float32)).to(tl.float16)
+        return s, mv
+
+    @triton.jit
+    def _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, tile, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
+                      CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_CVT: tl.constexpr,
                       TMA: tl.constexpr = False):
         """Tile `tile` (= row band * K tiles + K tile) as fp16 [BLOCK_N, BLOCK_K]: scale * q - minv.
@@ -442,31 +546,25 @@ if triton is not None:
             if HI_BITS > 0:
                 qi = qi | (_load_fields(hi_ptr, tile, HI_BITS, BLOCK_N, BLOCK_K, TMA) << 4)
         G: tl.constexpr = BLOCK_K // GROUP
-        if TMA:
-            s = s_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
-            if HI_BITS != 8:
-                mv = m_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
-        else:
-            sp = tile * (BLOCK_N * G) + tl.arange(0, BLOCK_N)[:, None] * G + tl.arange(0, G)[None, :]
-            s = tl.load(s_ptr + sp)
-            if HI_BITS != 8:
-                mv = tl.load(m_ptr + sp)
+        HAS_MIN: tl.constexpr = CODES == 2 or HAS_MINV or OFFSET != 0
+        s, mv = _tile_scales(s_ptr, m_ptr, sup_ptr, tile, CODES, OFFSET, HAS_MINV, GROUP, BLOCK_N, BLOCK_K, TMA)
         if FAST_CVT:
             q = tl.reshape(_as_f16(qi, HI_BITS == 8), (BLOCK_N, G, GROUP))
-            if HI_BITS != 8:   # the int8 types have minv == 0
+            if HAS_MIN:
                 w = tl.fma(q, s[:, :, None], -mv[:, :, None])
             else:
                 w = q * s[:, :, None]
         else:
             w = tl.reshape(qi.to(tl.float32), (BLOCK_N, G, GROUP)) * s.to(tl.float32)[:, :, None]
-            if HI_BITS != 8:
+            if HAS_MIN:
                 w = w - mv.to(tl.float32)[:, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16)
 
     @triton.jit
-    def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
+    def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
                           M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
+                          CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
@@ -496,8 +594,8 @@ if triton is not None:
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
                         other=0.0).to(tl.float16)
-            w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, pid_n.to(tl.int64) * KT + kt,
-                                HI_BITS, GROUP, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
+            w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + kt,
+                                HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
             if SWAP_AB:
                 acc += tl.dot(w16, tl.trans(x))
             else:
@@ -544,13 +642,13 @@ if triton is not None:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _dequant_kernel(lo_ptr, hi_ptr, s_ptr, m_ptr, out_ptr, N, K, KT: tl.constexpr,
-                        HI_BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+    def _dequant_kernel(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, out_ptr, N, K, KT: tl.constexpr,
+                        HI_BITS: tl.constexpr, GROUP: tl.constexpr, CODES: tl.constexpr, OFFSET: tl.constexpr,
+                        HAS_MINV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[n, k] = fp16(scale * q - minv) for one tile, row-major (float32 math, as the reference)."""
         band, kt = tl.program_id(0), tl.program_id(1)
-        w = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, band.to(tl.int64) * KT + kt, HI_BITS, GROUP,
-                          BLOCK_N, BLOCK_K, False)
+        w = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, band.to(tl.int64) * KT + kt, HI_BITS, GROUP,
+                          CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, False)
         rows = band.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + rows[:, None] * K + offs_k[None, :], w, mask=rows[:, None] < N)
@@ -652,13 +750,13 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         lo, hi, sc, mn = descs
     else:
         tma = False
-        lo, sc, mn = p.planes[0], p.scale, p.minv
-        hi = p.planes[1] if p.hi_bits in (1, 2) else lo
+        lo, hi, sc, mn = _pointers(p)
     grid = (m_blocks, bands, split_k)
     _packed_mm_kernel[grid](
-        x2, lo, hi, sc, mn, part, out, out if add is None else add, part if counts is None else counts,
-        M, N, x2.stride(0), kt // split_k,
-        KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
+        x2, lo, hi, sc, mn, p.scale if p.supers is None else p.supers, part, out, out if add is None else add,
+        part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
+        KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, CODES=p.codes, OFFSET=p.offset, HAS_MINV=p.minv is not None,
+        BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
         SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k, SUM_HERE=counts is not None,
         HAS_ADD=add is not None, **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
     if split_k > 1 and counts is None:
@@ -680,22 +778,29 @@ def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
     return c
 
 
+def _pointers(p: PackedWeight) -> tuple:
+    """p's 4-bit (or int8) plane, high plane, scales and mins as the kernel's pointer arguments (a tensor
+    it never reads where p has no such part)."""
+    lo = p.planes[0]
+    return lo, p.planes[1] if p.hi_bits in (1, 2) else lo, p.scale, p.scale if p.minv is None else p.minv
+
+
 def _descriptors(p: PackedWeight) -> tuple | None:
-    """Tensor descriptors (Hopper TMA) of p's planes, scale and minv, each viewed as [tiles * tile_n,
-    bytes or groups per tile row], one tile's rows per block; made once per weight and kept on it (their
-    base addresses never change, so CUDA graphs may hold them). None when a tile row of one of them is
-    not a multiple of 16 bytes or over 256 values (what a TMA box allows)."""
+    """Tensor descriptors (Hopper TMA) of p's planes, scales and mins (the per-row d, dmin are loaded
+    per thread), each viewed as [tiles * tile_n, bytes or groups per tile row], one tile's rows per block;
+    made once per weight and kept on it (their base addresses never change, so CUDA graphs may hold
+    them). None when a tile row of one of them is not a multiple of 16 bytes or over 256 values (what a
+    TMA box allows)."""
     d = p.tma
     if d is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        ts = (*p.planes, p.scale, p.minv)
+        ts = [t for t in (*p.planes, p.scale, p.minv) if t is not None]
         if any(t.shape[-1] * t.element_size() % 16 or t.shape[-1] > 256 for t in ts):
             d = ()
         else:
-            descs = [TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [p.tile_n, t.shape[-1]]) for t in ts]
-            lo, rest = descs[0], descs[1:]
-            hi = rest.pop(0) if p.hi_bits in (1, 2) else lo
-            d = (lo, hi, *rest)
+            descs = {id(t): TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [p.tile_n, t.shape[-1]])
+                     for t in ts}
+            d = tuple(descs[id(t)] for t in _pointers(p))
         p.tma = d
     return d or None
 
@@ -706,12 +811,11 @@ def dequant_packed(p: PackedWeight) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("Triton is not installed")
     out = torch.empty((p.n, p.k), dtype=torch.float16, device=p.device)
-    lo = p.planes[0]
-    hi = p.planes[1] if p.hi_bits in (1, 2) else lo
     kt = p.k // p.tile_k
     _dequant_kernel[(p.n_pad // p.tile_n, kt)](
-        lo, hi, p.scale, p.minv, out, p.n, p.k, KT=kt,
-        HI_BITS=p.hi_bits, GROUP=p.group, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k)
+        *_pointers(p), p.scale if p.supers is None else p.supers, out, p.n, p.k, KT=kt,
+        HI_BITS=p.hi_bits, GROUP=p.group, CODES=p.codes, OFFSET=p.offset, HAS_MINV=p.minv is not None,
+        BLOCK_N=p.tile_n, BLOCK_K=p.tile_k)
     return out
 
 

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as QT
 triton = pytest.importorskip("triton")
 
 from kernels.quant.packed import (  # noqa: E402
-    PACKED_TYPES, dequant_packed, dequant_packed_ref, pack_weight, packed_matmul, packed_rows, prefill_matmul,
-    row_major,
+    PACKED_TYPES, dequant_packed, dequant_packed_ref, group_scales, pack_weight, packed_matmul, packed_rows,
+    prefill_matmul, row_major,
 )
 from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
 
@@ -80,8 +80,9 @@ def test_4bit_types_pack_exactly_like_packed4(qtype):
     raw = _random_weight(qtype, n, k, seed=10)
     p, p4 = pack_weight(raw, qtype, n, k), pack_q4(raw, qtype, n, k)
     assert p.hi_bits == 0 and p.group == 32 and len(p.planes) == 1
-    for a, b in ((p.planes[0], p4.q), (p.scale, p4.scale), (p.minv, p4.minv)):
-        assert torch.equal(row_major(p, a), b)
+    assert torch.equal(row_major(p, p.planes[0]), p4.q)
+    for a, b in zip(group_scales(p), (p4.scale, p4.minv)):   # (stored as fp16 products by Packed4)
+        assert torch.equal(a, b)
 
 
 def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
@@ -96,19 +97,22 @@ def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
     buf = torch.empty(raw.numel() + 1, dtype=torch.uint8)
     buf[1:] = raw
     chunked = pack_weight(buf[1:], QT.Q6_K, n, k, tile_n=16, tile_k=128)  # odd storage offset
-    for a, b in zip((*whole.planes, whole.scale, whole.minv), (*chunked.planes, chunked.scale, chunked.minv)):
+    assert len(whole.tensors) == len(chunked.tensors) == 4     # 4-bit and high planes, scale codes, d
+    for a, b in zip(whole.tensors, chunked.tensors):
         assert torch.equal(a, b)
 
 
-# Packed bytes / GGUF bytes (bits per value: packed / GGUF), as the layout defines them:
-#   Q4_0 1.111 (5/4.5)     Q4_1 1.000 (5/5)       Q5_0 1.091 (6/5.5)     Q5_1 1.000 (6/6)
-#   Q8_0 1.059 (9/8.5)     Q4_K 1.111 (5/4.5)     Q5_K 1.091 (6/5.5)     Q6_K 1.219 (8/6.5625)
-#   Q2_K 2.286 (6/2.625)   Q3_K 1.745 (6/3.4375)  IQ4_NL 2.000 (9/4.5)   IQ4_XS 2.118 (9/4.25)
-# The last four exceed 1.25x by construction: Q2_K/Q3_K keep q in the 4-bit plane and have two
-# fp16 numbers per 16 values (2 bits/value alone); IQ4 stores the codebook value as int8.
-RATIO = {QT.Q4_0: 10 / 9, QT.Q4_1: 1.0, QT.Q5_0: 12 / 11, QT.Q5_1: 1.0, QT.Q8_0: 18 / 17,
-         QT.Q4_K: 10 / 9, QT.Q5_K: 12 / 11, QT.Q6_K: 8 / 6.5625, QT.Q2_K: 6 / 2.625,
-         QT.Q3_K: 6 / 3.4375, QT.IQ4_NL: 2.0, QT.IQ4_XS: 9 / 4.25}
+# Packed bytes / GGUF bytes (bits per value: packed / GGUF), as the layout defines them (K-quants and
+# IQ4_XS keep their 8-bit sub-block codes and one fp16 d (and dmin) per 256 values; the offset types
+# store no min):
+#   Q4_0 1.000 (4.5/4.5)       Q4_1 1.000 (5/5)          Q5_0 1.000 (5.5/5.5)     Q5_1 1.000 (6/6)
+#   Q8_0 1.000 (8.5/8.5)       Q4_K 1.028 (4.625/4.5)    Q5_K 1.023 (5.625/5.5)   Q6_K 1.000 (6.5625)
+#   Q2_K 1.952 (5.125/2.625)   Q3_K 1.327 (4.5625/3.4375) IQ4_NL 1.889 (8.5/4.5)  IQ4_XS 1.956 (8.3125/4.25)
+# The last four exceed 1.25x by construction: Q2_K/Q3_K keep q in the 4-bit plane (and Q2_K a code
+# pair per 16 values), IQ4 stores the codebook value as int8.
+RATIO = {QT.Q4_0: 1.0, QT.Q4_1: 1.0, QT.Q5_0: 1.0, QT.Q5_1: 1.0, QT.Q8_0: 1.0,
+         QT.Q4_K: 4.625 / 4.5, QT.Q5_K: 5.625 / 5.5, QT.Q6_K: 1.0, QT.Q2_K: 5.125 / 2.625,
+         QT.Q3_K: 4.5625 / 3.4375, QT.IQ4_NL: 8.5 / 4.5, QT.IQ4_XS: 8.3125 / 4.25}
 OVER_BUDGET = {QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS}
 
 
@@ -383,10 +387,10 @@ def test_split_sums_in_the_kernel(qtype):
 
 
 def test_stacked_weights_give_each_parts_result():
-    """Weights of one tile layout (different GGUF types allowed: Q4_K and Q4_0 both pack into a 4-bit
-    plane with 32-value groups) stacked into one: each part becomes a view of the stack, and the stack's
+    """Weights of one tile layout stacked into one: each part becomes a view of the stack, and the stack's
     product holds each part's product, bit for bit at the same split, at its column offset; a Q6_K part
-    (another layout) stays on its own."""
+    (another layout) stays on its own. Different GGUF types of one layout stack too (Q8_0 and IQ4_NL: an
+    int8 plane with an fp16 scale per 32 values); Q4_K and Q4_0 (codes or fp16 scales) do not."""
     from engine.models.common import StackedWeights
     from kernels.quant.packed import stack_rows
 
@@ -398,7 +402,11 @@ def test_stacked_weights_give_each_parts_result():
 
         def matmul(self, x):
             return packed_matmul(x, self.gpu, split_k=2)
-    parts = [Part(QT.Q4_K, 40, 1), Part(QT.Q6_K, 32, 2), Part(QT.Q4_0, 16, 3), Part(QT.Q4_K, 24, 4)]
+    parts = [Part(QT.Q4_K, 40, 1), Part(QT.Q6_K, 32, 2), Part(QT.Q4_K, 16, 3), Part(QT.Q4_K, 24, 4)]
+    mixed = [Part(t, 16, 5).gpu for t in (QT.Q8_0, QT.IQ4_NL, QT.Q4_0)]
+    stack_rows(mixed[:2])
+    with pytest.raises(ValueError, match="same packed tile layout"):
+        stack_rows([parts[0].gpu, mixed[2]])
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(16))
     alone = [packed_matmul(x, w.orig, split_k=2) for w in parts]
     stack, views = stack_rows([parts[0].gpu, parts[2].gpu, parts[3].gpu])
