@@ -4,6 +4,8 @@ many rows and values a tile holds, and so how many bytes a matrix takes. engine/
 with these (it runs without torch); kernels/quant/packed.py packs with the same rules."""
 from __future__ import annotations
 
+import os
+
 # How a packed type stores its per-group scale (and min):
 #   "f16"        an fp16 scale per group (the min, if any, a fixed multiple of it: no bytes)
 #   "f16+min"    an fp16 scale and an fp16 min per group (Q4_1, Q5_1)
@@ -20,6 +22,21 @@ PACKED_LAYOUT: dict[str, tuple[int, int, str]] = {
     "Q4_K": (32, 0, "codes+min"), "Q5_K": (32, 1, "codes+min"), "Q6_K": (16, 2, "codes"),
     "IQ4_NL": (32, 8, "f16"), "IQ4_XS": (32, 8, "codes"),
 }
+
+
+# False (environment HIVEJET_PACKED_CODES=0): the coded kinds are stored as fp16 products instead ("codes"
+# as "f16", "codes+min" as "f16+min"), as before 2026-12-01 (more bytes; kept to measure one against the
+# other on the GPU)
+CODED_SCALES = os.environ.get("HIVEJET_PACKED_CODES", "1") != "0"
+
+
+def scale_kind(qtype_name: str, coded: bool | None = None) -> str:
+    """How a packed type stores its scales: PACKED_LAYOUT's kind, or with coded False (default
+    CODED_SCALES) its fp16 counterpart."""
+    kind = PACKED_LAYOUT[qtype_name][2]
+    if not (CODED_SCALES if coded is None else coded):
+        kind = {"codes": "f16", "codes+min": "f16+min"}.get(kind, kind)
+    return kind
 
 
 def default_tile_n(n: int) -> int:
@@ -42,7 +59,8 @@ def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
     lay = PACKED_LAYOUT.get(qtype_name)
     if lay is None:
         return None
-    group, hi_bits, kind = lay
+    group, hi_bits, _ = lay
+    kind = scale_kind(qtype_name)
     tile = default_tile_n(n)
     n = -(-n // tile) * tile
     planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8

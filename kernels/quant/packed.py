@@ -91,7 +91,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from kernels.packed_layout import PACKED_LAYOUT, default_tile_k, default_tile_n
+from kernels.packed_layout import PACKED_LAYOUT, default_tile_k, default_tile_n, scale_kind
 from kernels.quant.ref import (
     _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, weight_rows,
 )
@@ -256,6 +256,16 @@ SUPER_BLOCK = 256   # values per d (and dmin) of the coded kinds: the K-quants' 
 _CHUNK_VALUES = 1 << 24  # values repacked per step (bounds the temporaries: ~10 bytes per value)
 
 
+def _products(sc, group: int):
+    """A coded kind's (codes, d) as its fp16 counterpart's float32 scales (and mins): d * code, exact."""
+    codes, d = sc
+    per = SUPER_BLOCK // group
+    if d.shape[1] == 2:
+        c = codes.view(codes.shape[0], per, 2).float()
+        return d[:, :1] * c[..., 0], d[:, 1:] * c[..., 1]
+    return d * codes.float()
+
+
 def _pack_bits(h: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 [R, K] fields of `bits` bits -> uint8 [R, K * bits / 8]: 8 // bits values per byte,
     value v of a byte in bits v*bits.. (least significant first)."""
@@ -267,18 +277,22 @@ def _pack_bits(h: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_k: int = 0) -> PackedWeight:
+def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_k: int = 0,
+                coded: bool | None = None) -> PackedWeight:
     """Repack a quantized GGUF weight of shape [n, k] (n outputs, k inputs; `raw` its GGUF bytes,
     uint8 of any shape, on any device) into the packed affine layout, with torch ops on raw's
-    device (so on the GPU at load time; no host synchronisation). Raises ValueError
-    (UnsupportedTypeError) for unknown/unsupported types and for F32/F16/BF16, which are not
-    packed."""
+    device (so on the GPU at load time; no host synchronisation). coded (default
+    kernels.packed_layout.CODED_SCALES): False stores the coded kinds' scales as fp16 products (the
+    same values, more bytes). Raises ValueError (UnsupportedTypeError) for unknown/unsupported types
+    and for F32/F16/BF16, which are not packed."""
     check_supported(qtype)
     qt = QT(qtype)
     if qt not in _PACKERS:
         raise ValueError(f"{qt.name} is not a quantized type: multiply it with torch instead of packing")
     fn, offset = _PACKERS[qt]
-    group, hi_bits, kind = PACKED_LAYOUT[qt.name]
+    group, hi_bits, _ = PACKED_LAYOUT[qt.name]
+    kind = scale_kind(qt.name, coded)
+    as_f16 = kind != PACKED_LAYOUT[qt.name][2]     # a coded kind stored as fp16 products
     type_size = GGML_QUANT_SIZES[qt][1]
     rows = weight_rows(raw, qt, n, k)
     if rows.storage_offset() % 8:
@@ -321,6 +335,8 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         lo, hi, sc = fn(rows[r0:r1].reshape(-1, type_size))
+        if as_f16:
+            sc = _products(sc, group)
         rr = r1 - r0
         if hi_bits == 8:
             put(planes[0], r0, lo.reshape(rr, k))
