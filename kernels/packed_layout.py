@@ -13,6 +13,7 @@ import os
 #                super-block): scale = d * code (Q3_K, Q6_K, IQ4_XS)
 #   "codes+min"  unsigned 8-bit (scale, min) code pairs per group and (d, dmin) per tile row:
 #                scale = d * sc, min = dmin * mn (Q2_K, Q4_K, Q5_K)
+# The coded kinds are stored as "f16" / "f16+min" (the products) unless CODED_SCALES (below).
 SCALE_KINDS = ("f16", "f16+min", "codes", "codes+min")
 
 # GGUF type name -> (values per group, extra high bits, scale kind)
@@ -24,10 +25,12 @@ PACKED_LAYOUT: dict[str, tuple[int, int, str]] = {
 }
 
 
-# False (environment HIVEJET_PACKED_CODES=0): the coded kinds are stored as fp16 products instead ("codes"
-# as "f16", "codes+min" as "f16+min"), as before 2026-12-01 (more bytes; kept to measure one against the
-# other on the GPU)
-CODED_SCALES = os.environ.get("HIVEJET_PACKED_CODES", "1") != "0"
+# Whether the coded kinds keep their 8-bit codes on the GPU (environment HIVEJET_PACKED_CODES=1) or are
+# stored as fp16 products ("codes" as "f16", "codes+min" as "f16+min"; the default). The codes take 1.3 GB
+# less for the 27B Q4_K_M (16.9 against 18.4 GB) but its decode step 14 % longer on the H200 (18.1 against
+# 15.9 ms: making the scales in the kernel costs more than the bytes it saves; docs/PERFORMANCE.md,
+# 2026-12-01): the choice for a card where those 1.3 GB decide whether a model fits at all.
+CODED_SCALES = os.environ.get("HIVEJET_PACKED_CODES", "0") == "1"
 
 
 def scale_kind(qtype_name: str, coded: bool | None = None) -> str:

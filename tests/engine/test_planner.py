@@ -59,10 +59,9 @@ def test_max_context_24gb(q27):
         if c < f.context_length:
             assert not P.plan(f, c + P.KV_BLOCK_TOKENS, kt, vram=vram).fits
     assert mc["f16"] < mc["q8_0"] <= mc["turbo4"]
-    # the GPU path's weights are the packed layout (16.9 GB: the file's 16.5 GB plus Q4_K's d/dmin and
-    # 8-bit code pairs instead of 6-bit ones, the MTP-free 27B's conv kernels as float32)
-    assert f.device_weight_bytes == pytest.approx(16.88e9, rel=0.002)
-    assert 100_000 < mc["f16"] < 120_000
+    # the GPU path's weights are the packed layout (18.2 GB, not the file's 16.5 GB: fp16 scale products)
+    assert f.device_weight_bytes == pytest.approx(18.19e9, rel=0.002)
+    assert 80_000 < mc["f16"] < 100_000
     assert mc["turbo3_tcq"] == 262144                   # 200K+ context in 24 GB with compressed KV
     assert P.max_context(f, "f16", P.parse_size("8GiB")) == 0     # weights alone do not fit
     two = P.max_context(f, "turbo3", vram, n_seqs=2)
@@ -108,13 +107,17 @@ def test_cli(q27, capsys):
     assert P.run_plan(ap.parse_args(["-m", "/nonexistent.gguf"])) == 1
 
 
-def test_packed_layout_is_the_gpu_packers():
-    """packed_bytes (kernels/packed_layout.py, torch-free, for the planner) is what pack_weight makes."""
+@pytest.mark.parametrize("coded", [False, True])
+def test_packed_layout_is_the_gpu_packers(coded, monkeypatch):
+    """packed_bytes (kernels/packed_layout.py, torch-free, for the planner) is what pack_weight makes, with
+    the scales stored either way (HIVEJET_PACKED_CODES)."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES
 
+    import kernels.packed_layout as layout
     from kernels.quant.packed import _PACKERS, pack_weight
+    monkeypatch.setattr(layout, "CODED_SCALES", coded)
     assert {qt.name for qt in _PACKERS} == set(PACKED_LAYOUT)
     for n, k in ((8, 512), (16400, 256), (8, 768)):   # rows padded to a tile of 64, and of 128 for wide
         # matrices; K = 768: tiles of 256 values
@@ -123,7 +126,8 @@ def test_packed_layout_is_the_gpu_packers():
             raw = np.zeros((n * k // bs, ts), dtype=np.uint8)      # zero blocks: valid for every type
             p = pack_weight(torch.from_numpy(raw.reshape(-1)), qt, n, k)
             assert packed_bytes(qt.name, n, k) == p.nbytes, qt.name
-            group, hi_bits, kind = PACKED_LAYOUT[qt.name]
+            group, hi_bits, _ = PACKED_LAYOUT[qt.name]
+            kind = layout.scale_kind(qt.name)
             assert (p.group, p.hi_bits, p.codes, p.minv is not None) == \
                 (group, hi_bits, {"codes": 1, "codes+min": 2}.get(kind, 0), kind == "f16+min"), qt.name
     n, k = 8, 512

@@ -57,16 +57,20 @@ def test_every_quantized_type_is_packable():
         pack_weight(torch.zeros(4 * 18, dtype=torch.uint8), QT.Q4_0, 4, 64)  # wrong byte count
 
 
+CODED = pytest.mark.parametrize("coded", [False, True], ids=["f16", "codes"])
+
+
+@CODED
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_pack_matches_gguf_dequant(qtype):
+def test_pack_matches_gguf_dequant(qtype, coded):
     n, k = 8, 512
     # exact whenever the scale products are exact in fp16 (power-of-two super-scales)
     raw = _random_weight(qtype, n, k, seed=1, pow2=True)
-    assert torch.equal(dequant_packed_ref(pack_weight(raw, qtype, n, k)), dequantize(raw, qtype, (n, k)))
+    assert torch.equal(dequant_packed_ref(pack_weight(raw, qtype, n, k, coded=coded)), dequantize(raw, qtype, (n, k)))
     # random super-scales: exact unless a scale product is rounded to fp16
     raw = _random_weight(qtype, n, k, seed=2)
     ref = dequantize(raw, qtype, (n, k))
-    packed = dequant_packed_ref(pack_weight(raw, qtype, n, k))
+    packed = dequant_packed_ref(pack_weight(raw, qtype, n, k, coded=coded))
     if qtype in ROUNDED:
         assert torch.allclose(packed, ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
     else:
@@ -91,37 +95,43 @@ def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
     import kernels.quant.packed as packed_mod
     n, k = 37, 512
     raw = _random_weight(QT.Q6_K, n, k, seed=3)
-    whole = pack_weight(raw, QT.Q6_K, n, k, tile_n=16, tile_k=128)
+    whole = pack_weight(raw, QT.Q6_K, n, k, tile_n=16, tile_k=128, coded=True)
     assert whole.n_pad == 48 and not whole.scale[2, :, 5:].any()
     monkeypatch.setattr(packed_mod, "_CHUNK_VALUES", 16 * k)  # 16 rows per step, last step 5 rows
     buf = torch.empty(raw.numel() + 1, dtype=torch.uint8)
     buf[1:] = raw
-    chunked = pack_weight(buf[1:], QT.Q6_K, n, k, tile_n=16, tile_k=128)  # odd storage offset
+    chunked = pack_weight(buf[1:], QT.Q6_K, n, k, tile_n=16, tile_k=128, coded=True)  # odd storage offset
     assert len(whole.tensors) == len(chunked.tensors) == 4     # 4-bit and high planes, scale codes, d
     for a, b in zip(whole.tensors, chunked.tensors):
         assert torch.equal(a, b)
 
 
-# Packed bytes / GGUF bytes (bits per value: packed / GGUF), as the layout defines them (K-quants and
-# IQ4_XS keep their 8-bit sub-block codes and one fp16 d (and dmin) per 256 values; the offset types
-# store no min):
-#   Q4_0 1.000 (4.5/4.5)       Q4_1 1.000 (5/5)          Q5_0 1.000 (5.5/5.5)     Q5_1 1.000 (6/6)
-#   Q8_0 1.000 (8.5/8.5)       Q4_K 1.028 (4.625/4.5)    Q5_K 1.023 (5.625/5.5)   Q6_K 1.000 (6.5625)
-#   Q2_K 1.952 (5.125/2.625)   Q3_K 1.327 (4.5625/3.4375) IQ4_NL 1.889 (8.5/4.5)  IQ4_XS 1.956 (8.3125/4.25)
-# The last four exceed 1.25x by construction: Q2_K/Q3_K keep q in the 4-bit plane (and Q2_K a code
-# pair per 16 values), IQ4 stores the codebook value as int8.
+# Packed bytes / GGUF bytes (bits per value: packed / GGUF), as the layout defines them. The types with a
+# fixed min (Q4_0, Q5_0, Q3_K, Q6_K) and those without one store no min; by default (f16) the K-quants and
+# IQ4_XS store fp16 products per group:
+#   Q4_0 1.000 (4.5/4.5)     Q4_1 1.000 (5/5)       Q5_0 1.000 (5.5/5.5)    Q5_1 1.000 (6/6)
+#   Q8_0 1.000 (8.5/8.5)     Q4_K 1.111 (5/4.5)     Q5_K 1.091 (6/5.5)      Q6_K 1.067 (7/6.5625)
+#   Q2_K 2.286 (6/2.625)     Q3_K 1.455 (5/3.4375)  IQ4_NL 1.889 (8.5/4.5)  IQ4_XS 2.000 (8.5/4.25)
+# coded (HIVEJET_PACKED_CODES=1): their 8-bit sub-block codes and one fp16 d (and dmin) per 256 values:
+#   Q4_K 1.028 (4.625/4.5)   Q5_K 1.023 (5.625/5.5) Q6_K 1.000 (6.5625)
+#   Q2_K 1.952 (5.125/2.625) Q3_K 1.327 (4.5625/3.4375) IQ4_XS 1.956 (8.3125/4.25)
+# The 2-/3-bit and IQ4 types exceed 1.25x by construction: Q2_K/Q3_K keep q in the 4-bit plane, IQ4
+# stores the codebook value as int8.
 RATIO = {QT.Q4_0: 1.0, QT.Q4_1: 1.0, QT.Q5_0: 1.0, QT.Q5_1: 1.0, QT.Q8_0: 1.0,
-         QT.Q4_K: 4.625 / 4.5, QT.Q5_K: 5.625 / 5.5, QT.Q6_K: 1.0, QT.Q2_K: 5.125 / 2.625,
-         QT.Q3_K: 4.5625 / 3.4375, QT.IQ4_NL: 8.5 / 4.5, QT.IQ4_XS: 8.3125 / 4.25}
+         QT.Q4_K: 5 / 4.5, QT.Q5_K: 6 / 5.5, QT.Q6_K: 7 / 6.5625, QT.Q2_K: 6 / 2.625,
+         QT.Q3_K: 5 / 3.4375, QT.IQ4_NL: 8.5 / 4.5, QT.IQ4_XS: 8.5 / 4.25}
+RATIO_CODED = {**RATIO, QT.Q4_K: 4.625 / 4.5, QT.Q5_K: 5.625 / 5.5, QT.Q6_K: 1.0, QT.Q2_K: 5.125 / 2.625,
+               QT.Q3_K: 4.5625 / 3.4375, QT.IQ4_XS: 8.3125 / 4.25}
 OVER_BUDGET = {QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS}
 
 
+@CODED
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_packed_bytes_near_gguf_bytes(qtype):
+def test_packed_bytes_near_gguf_bytes(qtype, coded):
     n, k = 64, 512   # (a whole tile band: rows short of one are padded)
     raw = _random_weight(qtype, n, k)
-    ratio = pack_weight(raw, qtype, n, k).nbytes / raw.numel()
-    assert ratio == pytest.approx(RATIO[qtype])
+    ratio = pack_weight(raw, qtype, n, k, coded=coded).nbytes / raw.numel()
+    assert ratio == pytest.approx((RATIO_CODED if coded else RATIO)[qtype])
     if qtype not in OVER_BUDGET:
         assert ratio <= 1.25
 
@@ -142,10 +152,11 @@ def _check(y, x, p):
     assert err < 2e-3, err
 
 
+@CODED
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_kernel_matches_reference(qtype):
+def test_kernel_matches_reference(qtype, coded):
     n, k = 32, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=5), qtype, n, k, tile_n=32)
+    p = pack_weight(_random_weight(qtype, n, k, seed=5), qtype, n, k, tile_n=32, coded=coded)
     for m in (1, 3, 17):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         _check(packed_matmul(x, p, split_k=2), x, p)
@@ -177,8 +188,9 @@ def test_swapped_operands_and_tuned_configs(qtype):
         _check(packed_matmul(x, p, **cfg), x, p)
 
 
+@CODED
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
-def test_tma_loads_give_the_same_result(qtype, monkeypatch):
+def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
     """Tiles brought in by tensor descriptors (TMA on sm_90+, run here by the interpreter) give the same
     bits as per-thread loads, in the engine's tuned decode settings too; tiles whose rows are under 16
     bytes (what a TMA box needs) fall back to per-thread loads."""
@@ -187,7 +199,7 @@ def test_tma_loads_give_the_same_result(qtype, monkeypatch):
     used = []
     monkeypatch.setattr(packed, "_descriptors", lambda p: used.append(_descriptors(p)) or used[-1])
     n, k = 64, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32)
+    p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, coded=coded)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(8))
     for swap in (False, True):
         kw = dict(split_k=2, swap_ab=swap)
@@ -198,7 +210,7 @@ def test_tma_loads_give_the_same_result(qtype, monkeypatch):
     y = packed_matmul(x, p, **cfg)
     _check(y, x, p)
     assert torch.equal(packed_matmul(x[:1], p, **cfg), y[:1])
-    small = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, tile_k=32)
+    small = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, tile_k=32, coded=coded)
     assert _descriptors(small) is None
     assert torch.equal(packed_matmul(x, small, tma=True), packed_matmul(x, small))
 
@@ -221,11 +233,12 @@ def test_tma_that_fails_falls_back_to_per_thread_loads(monkeypatch):
     _check(packed_matmul(x, p, **cfg), x, p)
 
 
+@CODED
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_dequant_kernel_matches_reference(qtype):
+def test_dequant_kernel_matches_reference(qtype, coded):
     """The prefill path's fp16 copy of a weight (tail rows included) is the reference rounded once."""
     n, k = 40, 256
-    p = pack_weight(_random_weight(qtype, n, k, seed=11), qtype, n, k, tile_n=16)
+    p = pack_weight(_random_weight(qtype, n, k, seed=11), qtype, n, k, tile_n=16, coded=coded)
     assert torch.equal(dequant_packed(p), dequant_packed_ref(p).half())
 
 
@@ -283,11 +296,12 @@ def test_kernel_real_shapes_on_gpu(qtype, n, k):
 
 
 @pytest.mark.gpu
+@CODED
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_every_type_on_gpu(qtype):
+def test_every_type_on_gpu(qtype, coded):
     n, k = 2048, 4096
     raw = _random_weight(qtype, n, k, seed=9).cuda()
-    p = pack_weight(raw, qtype, n, k)
+    p = pack_weight(raw, qtype, n, k, coded=coded)
     w = dequant_packed_ref(p)
     ref_w = dequantize(raw, qtype, (n, k))
     if qtype in ROUNDED:
