@@ -177,6 +177,7 @@ class ModelFacts:
     recurrent_bytes_per_layer: int = 0
     n_head_kv: int = 0
     head_dim_v: int = 0
+    n_layer: int = 0                # blocks, MTP blocks not counted
     n_layer_nextn: int = 0          # MTP blocks (the last entries of attn_layers)
     device_weight_bytes: int = 0    # the weights as the GPU path holds them (packed layout)
     prefill_dequant_bytes: int = 0  # the largest fp16 copy of a matrix a prompt chunk's matmul makes
@@ -280,7 +281,8 @@ def facts_from_file(f: GGUFFile) -> ModelFacts:
         n_embd=spec.n_embd, n_ff=spec.n_ff, vocab_size=spec.vocab_size, n_head=spec.n_head,
         head_dim=spec.head_dim, attn_layers=attn, n_recurrent_layers=n_rec,
         recurrent_bytes_per_layer=rec_per_layer, quant=file_type_name(md), n_head_kv=spec.n_head_kv,
-        head_dim_v=spec.head_dim_v, n_layer_nextn=spec.n_layer_nextn, device_weight_bytes=dev_bytes,
+        head_dim_v=spec.head_dim_v, n_layer=spec.n_layer, n_layer_nextn=spec.n_layer_nextn,
+        device_weight_bytes=dev_bytes,
         prefill_dequant_bytes=dequant)
 
 
@@ -642,12 +644,9 @@ def run_plan(args) -> int:
             from engine.spec.dflash import DFlashError, load_drafter
             try:
                 drafter = load_drafter(args.drafter)
+                drafter.check_spec(facts)       # the engine's own check (sizes, layer ids, vocabulary)
             except (DFlashError, GGUFError, OSError) as e:
                 print(f"error: DFlash drafter: {e}", file=sys.stderr)
-                return 2
-            if drafter.cfg.hidden_size != facts.n_embd:
-                print(f"error: DFlash drafter {args.drafter}: its hidden size {drafter.cfg.hidden_size} differs "
-                      f"from the model's {facts.n_embd}: it was made for another model", file=sys.stderr)
                 return 2
         print(format_plan(plan(facts, args.ctx, args.kv or "f16", max(1, args.seqs), vram, kv_v,
                                mtp=getattr(args, "mtp", False), drafter=drafter)))

@@ -413,7 +413,12 @@ class DFlashDrafter:
     # ----- fitting a target -----
     def check_target(self, model) -> None:
         """Raise DFlashError unless this drafter was made for `model` (shapes and layer ids)."""
-        c, s, src = self.cfg, model.spec, self.source
+        self.check_spec(model.spec)
+
+    def check_spec(self, s) -> None:
+        """check_target on what it reads of a model: s.n_embd, s.n_layer (without MTP blocks), s.vocab_size
+        (a ModelSpec, or the planner's ModelFacts of a file not loaded)."""
+        c, src = self.cfg, self.source
         if c.hidden_size != s.n_embd:
             raise DFlashError(f"{src}: the drafter's hidden size {c.hidden_size} differs from the target's "
                               f"{s.n_embd}: it was made for another model")

@@ -245,4 +245,9 @@ def test_dflash_drafter_counted(tmp_path, q27, capsys):
     assert "DFlash drafter" in out and f"{with_d.drafter:,}" in out and f"{with_d.total:,}" in out
     assert P.run_plan(ap.parse_args(["-m", str(q27), "--ctx", "4096", "--drafter", str(path)])) == 2
     assert "made for another model" in capsys.readouterr().err
+    llama = tmp_path / "llama.gguf"                 # the same hidden size, 2 layers: its layer ids do not fit
+    write_synthetic(llama, "llama", "tiny", seed=1)
+    assert P.model_facts(llama).n_layer == 2
+    assert P.run_plan(ap.parse_args(["-m", str(llama), "--ctx", "4096", "--drafter", str(path)])) == 2
+    assert "out of range" in capsys.readouterr().err
     assert P.run_plan(ap.parse_args(["-m", str(model), "--ctx", "4096", "--drafter", str(tmp_path / "none")])) == 2
