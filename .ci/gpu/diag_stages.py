@@ -22,7 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, ".ci/gpu")
 sys.path.insert(0, "tests/kernels")
-from sweep_scales import clones  # noqa: E402
+from sweep_scales import clones, graph_time  # noqa: E402
 from test_packed import _random_weight  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -70,25 +70,6 @@ def run_stage(p, cfg, dequant: bool, out: torch.Tensor):
                                   num_stages=cfg["num_stages"])
 
 
-def timed(fn, ws, reps=10):
-    for w in ws:
-        fn(w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in ws:
-            fn(w)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e-3 / (reps * len(ws))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -117,7 +98,7 @@ def main():
         for stage, fn in (("load", lambda w: run_stage(w, cfg, False, out)),
                           ("dequant", lambda w: run_stage(w, cfg, True, out)),
                           ("dot", lambda w: packed_matmul(x, w, **cfg))):
-            t = timed(fn, ws)
+            t = graph_time(fn, ws)
             r = dict(type=qt, n=n, k=k, stage=stage, us=t * 1e6, tbps=p.nbytes / t / 1e12, split=cfg["split_k"],
                      programs=(p.n_pad // p.tile_n) * cfg["split_k"])
             rows.append(r)

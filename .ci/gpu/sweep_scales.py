@@ -45,15 +45,16 @@ def clones(p, total=600e6):
                                       minv=cp(p.minv), supers=cp(p.supers)) for _ in range(c - 1)]
 
 
-def time_it(ws, m, cfg, reps=10):
-    x = torch.randn(m, ws[0].k, device="cuda")
-    for w in ws:
-        packed_matmul(x, w, **cfg)
+def graph_time(fn, items, reps=10):
+    """Seconds per call of fn(item), over a CUDA graph that calls it on each item in turn, replayed reps
+    times (timed by CUDA events)."""
+    for w in items:
+        fn(w)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for w in ws:
-            packed_matmul(x, w, **cfg)
+        for w in items:
+            fn(w)
     g.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,7 +63,12 @@ def time_it(ws, m, cfg, reps=10):
         g.replay()
     b.record()
     torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e-3 / (reps * len(ws))
+    return a.elapsed_time(b) * 1e-3 / (reps * len(items))
+
+
+def time_it(ws, m, cfg):
+    x = torch.randn(m, ws[0].k, device="cuda")
+    return graph_time(lambda w: packed_matmul(x, w, **cfg), ws)
 
 
 def main():
