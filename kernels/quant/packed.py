@@ -37,36 +37,39 @@ same size (docs/PERFORMANCE.md). TILE_N is 128 for N >= 16384, else 64; TILE_K i
 power of two >= 32 that divides K.
 
 Per type (d, dmin, m: the block's fp16 fields; sc, mn: its sub-block scale/min codes; a product is
-computed exactly in float32 and rounded once to fp16, by the kernel as by `group_scales`: the only
-inexact step; bits/value of the packed layout vs the GGUF type, bytes ratio = packed / GGUF):
+computed exactly in float32 and rounded once to fp16, by the packer, or by the kernel as by
+`group_scales` when the codes are kept: the only inexact step; bits/value of the packed layout, with
+the coded kinds as fp16 products (the default) / with their codes kept, vs the GGUF type):
 
-    type    group  planes      q           scale (kind)         minv          bits/value     ratio
-    Q4_0    32     4-bit       0..15       d (f16)              8*scale       4.5 / 4.5      1.00
-    Q4_1    32     4-bit       0..15       d (f16+min)          -m            5 / 5          1.00
-    Q5_0    32     4-bit + 1   0..31       d (f16)              16*scale      5.5 / 5.5      1.00
-    Q5_1    32     4-bit + 1   0..31       d (f16+min)          -m            6 / 6          1.00
-    Q8_0    32     int8        -128..127   d (f16)              0             8.5 / 8.5      1.00
-    Q2_K    16     4-bit       0..3        d*sc (codes+min)     dmin*mn       5.125 / 2.625  1.95
-    Q3_K    16     4-bit       0..7        d*(sc-32) (codes)    4*scale       4.5625 / 3.4375 1.33
-    Q4_K    32     4-bit       0..15       d*sc (codes+min)     dmin*mn       4.625 / 4.5    1.03
-    Q5_K    32     4-bit + 1   0..31       d*sc (codes+min)     dmin*mn       5.625 / 5.5    1.02
-    Q6_K    16     4-bit + 2   0..63       d*sc (codes)         32*scale      6.5625 / 6.5625 1.00
-    IQ4_NL  32     int8        table[idx]  d (f16)              0             8.5 / 4.5      1.89
-    IQ4_XS  32     int8        table[idx]  d*(sc-32) (codes)    0             8.3125 / 4.25  1.96
+    type    group  planes      q           scale (kind)         minv          bits/value: f16 / codes / GGUF
+    Q4_0    32     4-bit       0..15       d (f16)              8*scale       4.5 / 4.5 / 4.5
+    Q4_1    32     4-bit       0..15       d (f16+min)          -m            5 / 5 / 5
+    Q5_0    32     4-bit + 1   0..31       d (f16)              16*scale      5.5 / 5.5 / 5.5
+    Q5_1    32     4-bit + 1   0..31       d (f16+min)          -m            6 / 6 / 6
+    Q8_0    32     int8        -128..127   d (f16)              0             8.5 / 8.5 / 8.5
+    Q2_K    16     4-bit       0..3        d*sc (codes+min)     dmin*mn       6 / 5.125 / 2.625
+    Q3_K    16     4-bit       0..7        d*(sc-32) (codes)    4*scale       5 / 4.5625 / 3.4375
+    Q4_K    32     4-bit       0..15       d*sc (codes+min)     dmin*mn       5 / 4.625 / 4.5
+    Q5_K    32     4-bit + 1   0..31       d*sc (codes+min)     dmin*mn       6 / 5.625 / 5.5
+    Q6_K    16     4-bit + 2   0..63       d*sc (codes)         32*scale      7 / 6.5625 / 6.5625
+    IQ4_NL  32     int8        table[idx]  d (f16)              0             8.5 / 8.5 / 4.5
+    IQ4_XS  32     int8        table[idx]  d*(sc-32) (codes)    0             8.5 / 8.3125 / 4.25
 
 (Q3_K: GGUF's x = d*(sc-32) * (q_low - 4*(1 - hbit)) = scale * (q_low | hbit << 2) - 4*scale.
 Q6_K: x = d*sc*(q - 32). IQ4: the non-linear codebook value, kernels.quant.ref._IQ4_KVALUES[idx],
 is stored, so the kernel needs no table lookup.) The offsets (4, 8, 16, 32 times the scale) are
-exact in fp16. Where no product is rounded (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and the others
-whenever d*sc happens to be exact in fp16), `dequant_packed_ref` is bit-identical to
+exact in fp16 and not stored. Where no product is rounded (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and
+the others whenever d*sc happens to be exact in fp16), `dequant_packed_ref` is bit-identical to
 kernels.quant.ref.dequantize (= gguf.quants.dequantize); otherwise each scale/min is within fp16
 rounding (2^-11 relative) of the exact one. The fp16 scales must not overflow (|d*sc| < 65504),
 which real weights never approach.
 
-Until 2026-12-01 every type stored an fp16 scale and min per group (Q4_K 5 bits/value, Q6_K 8): the
-27B's matrices were 18.05 GB against 16.1 GB now, for the same values (docs/PERFORMANCE.md). The 2-
-and 3-bit types and the IQ4 types still cost 1.3-2x their GGUF bytes (their q in a 4-bit or int8
-plane); the other types stay within 1.03x.
+Either way the values, and so the kernel's results, are the same bits. Until 2026-12-01 every type
+also stored its min (the 27B's matrices 18.05 GB; 17.4 GB now, 16.1 GB with the codes kept, against
+16.1 GB of GGUF bytes). The codes are not the default because making the scales in the kernel costs
+more than the bytes they save: the 27B's decode step takes 18.1 ms with them, 15.9 ms without
+(docs/PERFORMANCE.md, 2026-12-01). The 2- and 3-bit types and the IQ4 types cost 1.3-2.3x their GGUF
+bytes (their q in a 4-bit or int8 plane); the other types stay within 1.11x.
 
 The matmul kernel is split-K like q4_matmul: program (m-block, n-tile, k-slice) loads each
 [TILE_N, TILE_K] tile of the planes and scales once, dequantizes it in registers (in fp32,
