@@ -303,8 +303,8 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
     dev = rows.device
     tn = tile_n or default_tile_n(n)
     tk = tile_k or default_tile_k(k)
-    coded = kind.startswith("codes")
-    if k % tk or tk % group or tn % 16 or (coded and SUPER_BLOCK % tk):
+    keeps_codes = kind.startswith("codes")
+    if k % tk or tk % group or tn % 16 or (keeps_codes and SUPER_BLOCK % tk):
         raise ValueError(f"tile {tn}x{tk} does not fit K = {k} (groups of {group})")
     nt, kt = -(-n // tn), k // tk
 
@@ -348,7 +348,7 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
             put(planes[0], r0, lo[:, 0::2] | (lo[:, 1::2] << 4))
             if hi_bits:
                 put(planes[1], r0, _pack_bits(hi.reshape(rr, k), hi_bits))
-        if coded:
+        if keeps_codes:
             codes, d = sc
             put(scale, r0, codes.reshape(rr, -1))
             # one (d[, dmin]) per tile row: its super-block's
