@@ -14,7 +14,6 @@ import os
 #   "codes+min"  unsigned 8-bit (scale, min) code pairs per group and (d, dmin) per tile row:
 #                scale = d * sc, min = dmin * mn (Q2_K, Q4_K, Q5_K)
 # The coded kinds are stored as "f16" / "f16+min" (the products) unless CODED_SCALES (below).
-SCALE_KINDS = ("f16", "f16+min", "codes", "codes+min")
 
 # GGUF type name -> (values per group, extra high bits, scale kind)
 PACKED_LAYOUT: dict[str, tuple[int, int, str]] = {
@@ -57,7 +56,7 @@ def default_tile_k(k: int) -> int:
 
 def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
     """Bytes of an [n, k] matrix of a quantized GGUF type in the packed layout (4-bit plane + high
-    plane, or an int8 plane; the scales as SCALE_KINDS says; rows padded to whole tiles); None for types
+    plane, or an int8 plane; the scales as their kind (above) says; rows padded to whole tiles); None for types
     that are not packed."""
     lay = PACKED_LAYOUT.get(qtype_name)
     if lay is None:

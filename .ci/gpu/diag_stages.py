@@ -27,7 +27,7 @@ from test_packed import _random_weight  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from kernels.quant.packed import (  # noqa: E402
-    _descriptors, _dequant_tile, _has_tma, _load_fields, _sm_count, pack_weight, packed_matmul, tuned_config,
+    _descriptors, _dequant_tile, _has_tma, _sm_count, pack_weight, packed_matmul, tuned_config,
 )
 
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), ("Q6_K", 248320, 5120)]
@@ -61,7 +61,7 @@ def _stage_kernel(lo_ptr, hi_ptr, s_ptr, m_ptr, out_ptr, TILES, KT: tl.constexpr
 
 
 def run_stage(p, cfg, dequant: bool, out: torch.Tensor):
-    lo, hi, sc, mn = _descriptors(p)
+    lo, hi, sc, mn, _ = _descriptors(p)
     bands, kt = p.n_pad // p.tile_n, p.k // p.tile_k
     split = cfg["split_k"]
     _stage_kernel[(bands, split)](lo, hi, sc, mn, out, kt // split, KT=kt, HI_BITS=p.hi_bits, GROUP=p.group,

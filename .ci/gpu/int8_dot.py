@@ -26,7 +26,7 @@ from test_packed import _random_weight  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from kernels.quant.packed import (  # noqa: E402
-    _has_tma, _sm_count, group_scales, pack_weight, packed_matmul, row_major, tuned_config,
+    _has_tma, _sm_count, _unpack_bits, group_scales, pack_weight, packed_matmul, row_major, tuned_config,
 )
 
 
@@ -91,8 +91,7 @@ def int8_matmul(xq, xd, xs, p, split: int, part: torch.Tensor | None = None, des
 def reference(xq, xd, xs, p):
     """float64: sum_g s * xd * (q . xq) - minv * xs."""
     s, mv = (t.double() for t in group_scales(p))
-    q = row_major(p, p.planes[0])
-    q = torch.stack([q & 0x0F, q >> 4], -1).view(p.n, -1).double()
+    q = _unpack_bits(row_major(p, p.planes[0]), 4).double()
     m, k = xq.shape
     dots = torch.einsum("ngk,mgk->mng", q.view(p.n, k // 32, 32), xq.double().view(m, k // 32, 32))
     return (dots * s[None] * xd.double()[:, None, :]).sum(-1) - (mv[None] * xs.double()[:, None, :]).sum(-1)

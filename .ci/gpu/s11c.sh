@@ -1,5 +1,5 @@
 #!/bin/bash
-# The eleventh session's third GPU call (carrying .whl and .bench-bin): the packed-matmul GPU tests (both
+# The eleventh session's first and third GPU calls (carrying .whl and .bench-bin): the packed-matmul GPU tests (both
 # scale layouts), the GPU runner tests, then `bench decode` with llama-bench (default layout: fp16 scale
 # products, no stored min for Q6_K).
 source .ci/gpu/env.sh

@@ -473,19 +473,20 @@ def packed_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
+    def _load_tile(ptr, tile, W: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False):
+        """Tile `tile` of one of a weight's tiled tensors (a plane, scales, mins), [BLOCK_N, W]: one
+        contiguous run of BLOCK_N * W elements. TMA: ptr is a tensor descriptor of the tensor as
+        [tiles * BLOCK_N, W] (a Hopper bulk copy into shared memory instead of per-thread loads)."""
+        if TMA:
+            return ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
+        return tl.load(ptr + tile * (BLOCK_N * W) + tl.arange(0, BLOCK_N)[:, None] * W + tl.arange(0, W)[None, :])
+
+    @triton.jit
     def _load_fields(ptr, tile, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      TMA: tl.constexpr = False):
         """Tile `tile` of a plane of BITS-bit fields (8 // BITS per byte, least significant first),
-        as uint8 [BLOCK_N, BLOCK_K]: one contiguous run of BLOCK_N * BLOCK_K * BITS / 8 bytes. TMA: ptr
-        is a tensor descriptor of the plane as [tiles * BLOCK_N, bytes per tile row] (a Hopper bulk copy
-        into shared memory instead of per-thread loads)."""
-        PER: tl.constexpr = 8 // BITS
-        if TMA:
-            b = ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
-        else:
-            offs = tile * (BLOCK_N * BLOCK_K // PER) + tl.arange(0, BLOCK_N)[:, None] * (BLOCK_K // PER) \
-                + tl.arange(0, BLOCK_K // PER)[None, :]
-            b = tl.load(ptr + offs)
+        as uint8 [BLOCK_N, BLOCK_K]."""
+        b = _load_tile(ptr, tile, BLOCK_K * BITS // 8, BLOCK_N, TMA)
         # tl.join (new last axis of 2) rather than shifting by a broadcast arange: ptxas needs
         # about half the registers (sm_90: 140 vs 255 + spills at 4 warps for the 4-bit plane)
         # join(a, b)[..., i, j] = (a, b)[j][..., i]: nested joins take the fields in bit-reversed
@@ -524,17 +525,11 @@ if triton is not None:
         G: tl.constexpr = BLOCK_K // GROUP
         W: tl.constexpr = 2 * G if CODES == 2 else G
         rows = tl.arange(0, BLOCK_N)
-        if TMA:
-            sc = s_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
-        else:
-            sc = tl.load(s_ptr + tile * (BLOCK_N * W) + rows[:, None] * W + tl.arange(0, W)[None, :])
+        sc = _load_tile(s_ptr, tile, W, BLOCK_N, TMA)
         if CODES == 0:
             s = sc
             if HAS_MINV:
-                if TMA:
-                    mv = m_ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
-                else:
-                    mv = tl.load(m_ptr + tile * (BLOCK_N * G) + rows[:, None] * G + tl.arange(0, G)[None, :])
+                mv = _load_tile(m_ptr, tile, G, BLOCK_N, TMA)
             else:
                 mv = (s.to(tl.float32) * OFFSET).to(tl.float16)
         elif CODES == 1:
@@ -764,16 +759,13 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         else None
     if num_warps is None:
         num_warps = 8 if p.hi_bits in (1, 2) else 4
-    descs = _descriptors(p) if tma and (x2.is_cuda or _INTERPRETER) else None
-    if descs:
-        lo, hi, sc, mn = descs
-    else:
+    weight = _descriptors(p) if tma and (x2.is_cuda or _INTERPRETER) else None
+    if weight is None:
         tma = False
-        lo, hi, sc, mn = _pointers(p)
+        weight = _pointers(p)
     grid = (m_blocks, bands, split_k)
     _packed_mm_kernel[grid](
-        x2, lo, hi, sc, mn, p.scale if p.supers is None else p.supers, part, out, out if add is None else add,
-        part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
+        x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, CODES=p.codes, OFFSET=p.offset, HAS_MINV=p.minv is not None,
         BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
         SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k, SUM_HERE=counts is not None,
@@ -798,18 +790,19 @@ def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
 
 
 def _pointers(p: PackedWeight) -> tuple:
-    """p's 4-bit (or int8) plane, high plane, scales and mins as the kernel's pointer arguments (a tensor
-    it never reads where p has no such part)."""
+    """p's 4-bit (or int8) plane, high plane, scales, mins and per-row d (dmin) as the kernel's pointer
+    arguments (a tensor it never reads where p has no such part)."""
     lo = p.planes[0]
-    return lo, p.planes[1] if p.hi_bits in (1, 2) else lo, p.scale, p.scale if p.minv is None else p.minv
+    return (lo, p.planes[1] if p.hi_bits in (1, 2) else lo, p.scale, p.scale if p.minv is None else p.minv,
+            p.scale if p.supers is None else p.supers)
 
 
 def _descriptors(p: PackedWeight) -> tuple | None:
-    """Tensor descriptors (Hopper TMA) of p's planes, scales and mins (the per-row d, dmin are loaded
-    per thread), each viewed as [tiles * tile_n, bytes or groups per tile row], one tile's rows per block;
-    made once per weight and kept on it (their base addresses never change, so CUDA graphs may hold
-    them). None when a tile row of one of them is not a multiple of 16 bytes or over 256 values (what a
-    TMA box allows)."""
+    """_pointers(p) with tensor descriptors (Hopper TMA) for p's planes, scales and mins (the per-row d,
+    dmin stay a pointer: loaded per thread), each viewed as [tiles * tile_n, bytes or groups per tile row],
+    one tile's rows per block; made once per weight and kept on it (their base addresses never change, so
+    CUDA graphs may hold them). None when a tile row of one of them is not a multiple of 16 bytes or over
+    256 values (what a TMA box allows)."""
     d = p.tma
     if d is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -819,7 +812,8 @@ def _descriptors(p: PackedWeight) -> tuple | None:
         else:
             descs = {id(t): TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [p.tile_n, t.shape[-1]])
                      for t in ts}
-            d = tuple(descs[id(t)] for t in _pointers(p))
+            *tiled, sup = _pointers(p)
+            d = (*(descs[id(t)] for t in tiled), sup)
         p.tma = d
     return d or None
 
@@ -832,7 +826,7 @@ def dequant_packed(p: PackedWeight) -> torch.Tensor:
     out = torch.empty((p.n, p.k), dtype=torch.float16, device=p.device)
     kt = p.k // p.tile_k
     _dequant_kernel[(p.n_pad // p.tile_n, kt)](
-        *_pointers(p), p.scale if p.supers is None else p.supers, out, p.n, p.k, KT=kt,
+        *_pointers(p), out, p.n, p.k, KT=kt,
         HI_BITS=p.hi_bits, GROUP=p.group, CODES=p.codes, OFFSET=p.offset, HAS_MINV=p.minv is not None,
         BLOCK_N=p.tile_n, BLOCK_K=p.tile_k)
     return out
