@@ -477,9 +477,13 @@ if triton is not None:
         """Tile `tile` of one of a weight's tiled tensors (a plane, scales, mins), [BLOCK_N, W]: one
         contiguous run of BLOCK_N * W elements. TMA: ptr is a tensor descriptor of the tensor as
         [tiles * BLOCK_N, W] (a Hopper bulk copy into shared memory instead of per-thread loads)."""
+        # (an if/else with one return: with an early return Triton still compiled the pointer load for a
+        # descriptor and failed)
         if TMA:
-            return ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
-        return tl.load(ptr + tile * (BLOCK_N * W) + tl.arange(0, BLOCK_N)[:, None] * W + tl.arange(0, W)[None, :])
+            b = ptr.load([(tile * BLOCK_N).to(tl.int32), 0])
+        else:
+            b = tl.load(ptr + tile * (BLOCK_N * W) + tl.arange(0, BLOCK_N)[:, None] * W + tl.arange(0, W)[None, :])
+        return b
 
     @triton.jit
     def _load_fields(ptr, tile, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
