@@ -53,7 +53,7 @@ from engine.prefix import common_prefix
 from engine.runner_attention import AttentionMixin
 from engine.runner_keyprep import KeyPrep, KeyPrepMixin
 from kernels.attention.flash import flash_lse_works, flash_supported
-from kernels.attention.paged import DECODE_CONFIG
+from kernels.attention.paged import decode_config
 from kernels.gdn import gdn_decode, gdn_gates
 from kernels.kvcodec import cache_type_name, get_codec
 
@@ -201,7 +201,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
     """cache_type sets K and V; cache_type_k / cache_type_v set each (f16 when neither is given).
     prefill_dot: the input precision of the Triton prefill attention's dot products on CUDA ("tf32":
     tensor cores, 10-bit mantissa, what the f16 cache's fused attention uses too; "ieee": full fp32,
-    several times slower at long context); decode takes kernels/attention/paged.py's DECODE_CONFIG.
+    several times slower at long context); decode takes kernels/attention/paged.py's decode_config.
     triton: use the Triton kernels (default: on CUDA; on the CPU they run in Triton's interpreter, which
     is how tests check them without a GPU).
     n_blocks: the shared KV pool's size in blocks of `block_size` tokens (default: n_slots * max_ctx
@@ -286,7 +286,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # others), about 512 keys per program at full context so one long sequence fills the GPU
         # split-K programs per decode row and KV head at most (a row uses one per min_keys keys up to
         # this many; fixed for the runner's life, as it decides how each row's keys are split)
-        cfg = DECODE_CONFIG
+        cfg = decode_config(self.codec_k, self.codec_v)
         self.n_split = n_split or max(1, min(cfg["max_split"], -(-self.max_ctx // cfg["min_keys"])))
         # an f32 cache asks for full precision; tensor cores otherwise (the interpreter computes in fp32)
         f32 = "f32" in (self.codec_k.name, self.codec_v.name)

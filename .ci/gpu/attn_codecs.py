@@ -1,4 +1,4 @@
-"""On the GPU machine: the paged decode attention per cache type as the engine launches it (DECODE_CONFIG,
+"""On the GPU machine: the paged decode attention per cache type as the engine launches it (decode_config,
 64 split-K programs per row and KV head), on the 27B's attention shape (24 query heads, 4 KV heads, head
 size 256, blocks of 16), one sequence at depth 23,000 and 131,072 and four at 23,000; then a few other
 settings for turbo3_tcq. K/V are random bytes (the speed does not depend on them). Prints one JSON line per
@@ -16,7 +16,7 @@ from kernels.kvcodec import get_codec
 H, HKV, D, BS = 24, 4, 256, 16
 TYPES = tuple(os.environ.get("ATTN_TYPES", "f16,q8_0,turbo4,turbo3_tcq").split(","))
 CASES = [(1, 23000), (4, 23000), (1, 131072)]
-BASE = dict(paged.DECODE_CONFIG)
+BASE = {name: dict(paged.decode_config(get_codec(name), get_codec(name))) for name in TYPES}
 TCQ_TRIES = [dict(num_warps=8), dict(block_t=32), dict(num_stages=2), dict(block_t=32, num_warps=8)]
 
 
@@ -40,12 +40,12 @@ for name in TYPES:
         gb = 2 * B * L * HKV * codec.row_bytes(D) / 1e9
         tries = [{}] + (TCQ_TRIES if name == "turbo3_tcq" else [])
         for change in tries:
-            paged.DECODE_CONFIG.clear()
-            paged.DECODE_CONFIG.update(BASE, **change)
+            cfg = paged.decode_config(codec, codec)
+            cfg.update(BASE[name], **change)
 
             def run():
                 return paged.paged_decode_attention(q, k, v, tables, lens, codec, codec, 0.0625, D, n_split=64,
-                                                    precision=paged.DECODE_CONFIG["dot"])
+                                                    precision=cfg["dot"])
             try:
                 run()
                 ms = do_bench(run, warmup=5, rep=50)
@@ -57,6 +57,5 @@ for name in TYPES:
             print(json.dumps(r), flush=True)
         del k, v
         torch.cuda.empty_cache()
-paged.DECODE_CONFIG.clear()
-paged.DECODE_CONFIG.update(BASE)
+        cfg.update(BASE[name])
 json.dump(results, open(os.path.join(os.environ.get("OUT", "/tmp"), "attn_codecs.json"), "w"), indent=1)

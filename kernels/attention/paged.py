@@ -256,6 +256,19 @@ def _check(k_cache, v_cache, codec_k, codec_v, q_st_dim):
 # and what engine/runner.py asks for on CUDA: the most split-K programs per row and KV head, the dots'
 # input precision
 DECODE_CONFIG = dict(block_t=16, num_warps=4, num_stages=1, min_keys=64, max_split=64, dot="f16")
+# K and V both fp16/bf16 rows, read with 16-byte loads: longer tiles, pipelined (H200, 27B shape, inside
+# CUDA graphs: one row at 23K 67.7 -> 43.6 us, four at 23K 165.7 -> 126.2, one at 128K 306 -> 151.5;
+# .ci/gpu/sweep_attn.py, docs/PERFORMANCE.md twelfth session). The coded types decode bytes per value and
+# are slower with these settings (twice as slow for turbo4), so they keep DECODE_CONFIG.
+FLOAT_DECODE_CONFIG = dict(DECODE_CONFIG, block_t=64, num_warps=8, num_stages=2, min_keys=256)
+
+
+def decode_config(codec_k: KVCodec, codec_v: KVCodec) -> dict:
+    """The decode kernel's settings for a pair of cache types (fixed per runner: min_keys sets how a row's
+    keys are split)."""
+    if codec_k.name in ("f16", "bf16") and codec_v.name in ("f16", "bf16"):
+        return FLOAT_DECODE_CONFIG
+    return DECODE_CONFIG
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -275,7 +288,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q_st = codec_k.to_stored(q).contiguous()
     bs, hkv, dk, dv = _check(k_cache, v_cache, codec_k, codec_v, q_st.shape[-1])
     G = H // hkv
-    cfg = DECODE_CONFIG
+    cfg = decode_config(codec_k, codec_v)
     block_t = block_t or cfg["block_t"]
     min_keys = -(-(min_keys or cfg["min_keys"]) // block_t) * block_t
     if n_split is None:
