@@ -262,3 +262,53 @@ def test_gpu_decode_at_the_27b_shape(pair):
     for b in range(2):
         for i in range(0, 24, 5):
             _close(out[24 * b + i], plain_attention(qp[24 * b + i], c.K[b], c.V[b], starts[b] + i, scale), tol=2e-3)
+
+
+
+_PTX_SCRIPT = """
+import re, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.attention.paged as paged
+from kernels.kvcodec import get_codec
+fn, f16 = paged._decode_kernel, get_codec("f16")
+ptrs = {"q_ptr": "*fp32", "k_ptr": "*u8", "v_ptr": "*u8", "bt_ptr": "*i32", "len_ptr": "*i32",
+        "cbk_ptr": "*fp32", "cbv_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "sb_ptr": "*fp32"}
+cfg = paged.decode_config(f16, f16)
+const = dict(WINDOW=0, SEG=0, G=6, G_PAD=16, DK=256, DV=256, BS=16, BLOCK_T=cfg["block_t"],
+             MIN_KEYS=cfg["min_keys"], CODEC_K=f16.codec_id, CODEC_V=f16.codec_id, DOT="f16")
+sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in fn.arg_names}
+# what the launcher specializes: pointers and row sizes divisible by 16
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n in ("RBK", "RBV")}
+try:
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+except (RuntimeError, FileNotFoundError) as e:
+    print("cannot compile for sm_90 here:", e)
+    sys.exit(3)
+ptx = k.asm["ptx"]
+# 2-byte loads (plain or asynchronous), and 16-byte ones (plain, or cp.async when the loop is pipelined)
+small = len(re.findall(r"ld\\.global(\\.\\w+)*\\.b16", ptx)) + len(re.findall(r"cp\\.async\\S* .*, 0x2,", ptx))
+wide = len(re.findall(r"ld\\.global(\\.\\w+)*\\.v4\\.b32", ptx)) + len(re.findall(r"cp\\.async\\S* .*, 0x10,", ptx))
+print(small, wide)
+"""
+
+
+def test_decode_kernel_reads_float_rows_16_bytes_at_a_time():
+    """The f16 decode attention compiled for the H200 (sm_90; no GPU needed: Triton's own compiler and
+    ptxas, in a process without TRITON_INTERPRET) loads K/V rows with 16-byte vector loads, not one 2-byte
+    load per value (addressed as bytes and cast, every value was a load of its own and the kernel ran at
+    ~0.6 TB/s; docs/PERFORMANCE.md, twelfth session)."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if r.returncode == 3:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, r.stderr[-2000:]
+    small, wide = map(int, r.stdout.split()[-2:])
+    assert small == 0
+    assert wide >= 8
