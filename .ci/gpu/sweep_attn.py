@@ -18,6 +18,9 @@ import torch
 import kernels.attention.paged as paged
 from kernels.kvcodec import get_codec
 
+sys.path.insert(0, ".ci/gpu")
+from sweep_scales import graph_time  # noqa: E402
+
 BUDGET = float(sys.argv[1]) if len(sys.argv) > 1 else 200
 H, HKV, D, BS = 24, 4, 256, 16
 CASES = [(1, 23000), (4, 23000), (1, 131072), (1, 4096), (16, 4096)]
@@ -45,26 +48,6 @@ def case_data(name, cases):
                     torch.full((B,), L, dtype=torch.int32, device="cuda")))
     return out
 
-
-def graph_time(fn, items, reps=10):
-    """Seconds per call of fn(item), over a CUDA graph that calls it on each item in turn, replayed reps
-    times (timed by CUDA events)."""
-    for w in items:
-        fn(w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in items:
-            fn(w)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e-3 / (reps * len(items))
 
 
 def time_setting(data, setting, ref=None):
