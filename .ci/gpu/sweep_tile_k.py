@@ -1,0 +1,69 @@
+"""The decode matmul with shorter tiles along K, on the 27B's shapes (H200). Compiled for sm_90 on the CPU
+machine, the engine's Q4_K decode kernel (tiles of 128 x 256 values, the weight tile as the dot's first
+operand) needs 221 registers per thread: the whole dequantized fp16 tile is the wgmma's register operand,
+so only two 4-warp programs fit an SM. Tiles of 128 values need 139 registers, of 64 values 80. Shorter
+tiles cannot take their scales by TMA (a box row is at least 16 bytes), so they run with per-thread loads.
+Each weight is cloned past the L2 and its matmuls timed in one CUDA graph (sweep_scales.py's graph_time),
+M = 1 and 16; every variant's output is checked against the engine's.
+
+    python3 -u .ci/gpu/sweep_tile_k.py [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, ".ci/gpu")
+from sweep_scales import clones, graph_time  # noqa: E402
+from test_packed import _random_weight  # noqa: E402
+
+from kernels.quant.packed import _has_tma, _sm_count, pack_weight, packed_matmul, tuned_config  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408)]
+SETTINGS = [dict(swap_ab=s, num_stages=st) for s in (True, False) for st in (2, 3)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    n_sm, tma = _sm_count(0), _has_tma(0)
+    rows = []
+    for qt, n, k in SHAPES:
+        raw = _random_weight(QT[qt], n, k, seed=1).cuda()
+        base = pack_weight(raw, QT[qt], n, k)
+        cfg0 = tuned_config(base, False, n_sm, tma=tma)
+        xs = {m: torch.randn(m, k, device="cuda") for m in (1, 16)}
+        ref = {m: packed_matmul(xs[m], base, **cfg0) for m in (1, 16)}
+        cases = [("engine", base, cfg0)]
+        for tk in (128, 64):
+            p = pack_weight(raw, QT[qt], n, k, tile_k=tk)
+            c = tuned_config(p, False, n_sm, tma=False)
+            for s in SETTINGS:
+                cases.append((f"tile_k {tk} {s}", p, dict(c, **s)))
+        for name, p, cfg in cases:
+            ws = clones(p)
+            for m in (1, 16):
+                try:
+                    out = packed_matmul(xs[m], p, **cfg)
+                    err = ((out - ref[m]).abs().max() / ref[m].abs().max()).item()
+                    t = graph_time(lambda w: packed_matmul(xs[m], w, **cfg), ws)
+                except Exception as e:   # (registers / shared memory)
+                    print(f"{qt} {n}x{k} {name} M={m}: {type(e).__name__} {str(e)[:80]}", flush=True)
+                    continue
+                r = dict(type=qt, n=n, k=k, variant=name, rows=m, us=t * 1e6, tbps=p.nbytes / t / 1e12, err=err)
+                rows.append(r)
+                print(f"{qt} {n}x{k} {name:45s} M={m:2d}: {r['us']:7.1f} us {r['tbps']:.2f} TB/s err {err:.1e}",
+                      flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    if args.json:
+        json.dump(dict(device=torch.cuda.get_device_name(0), results=rows), open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
