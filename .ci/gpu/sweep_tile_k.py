@@ -3,7 +3,7 @@ machine, the engine's Q4_K decode kernel (tiles of 128 x 256 values, the weight 
 operand) needs 221 registers per thread: the whole dequantized fp16 tile is the wgmma's register operand,
 so only two 4-warp programs fit an SM. Tiles of 128 values need 139 registers, of 64 values 80. Shorter
 tiles cannot take their scales by TMA (a box row is at least 16 bytes), so they run with per-thread loads.
-Each weight is cloned past the L2 and its matmuls timed in one CUDA graph (sweep_scales.py's graph_time),
+Each weight is cloned past the L2 and its matmuls timed in one CUDA graph (sweep_scales.py's time_it),
 M = 1 and 16; every variant's output is checked against the engine's.
 
     python3 -u .ci/gpu/sweep_tile_k.py [--json OUT]
@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".ci/gpu")
-from sweep_scales import clones, graph_time  # noqa: E402
+from sweep_scales import clones, time_it  # noqa: E402
 from test_packed import _random_weight  # noqa: E402
 
 from kernels.quant.packed import _has_tma, _sm_count, pack_weight, packed_matmul, tuned_config  # noqa: E402
@@ -51,7 +51,7 @@ def main():
                 try:
                     out = packed_matmul(xs[m], p, **cfg)
                     err = ((out - ref[m]).abs().max() / ref[m].abs().max()).item()
-                    t = graph_time(lambda w: packed_matmul(xs[m], w, **cfg), ws)
+                    t = time_it(ws, m, cfg)
                 except Exception as e:   # (registers / shared memory)
                     print(f"{qt} {n}x{k} {name} M={m}: {type(e).__name__} {str(e)[:80]}", flush=True)
                     continue

@@ -265,7 +265,7 @@ def test_gpu_decode_at_the_27b_shape(pair):
 
 
 
-_PTX_SCRIPT = """
+_PTX_SCRIPT = r"""
 import re, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -288,8 +288,8 @@ except (RuntimeError, FileNotFoundError) as e:
     sys.exit(3)
 ptx = k.asm["ptx"]
 # 2-byte loads (plain or asynchronous), and 16-byte ones (plain, or cp.async when the loop is pipelined)
-small = len(re.findall(r"ld\\.global(\\.\\w+)*\\.b16", ptx)) + len(re.findall(r"cp\\.async\\S* .*, 0x2,", ptx))
-wide = len(re.findall(r"ld\\.global(\\.\\w+)*\\.v4\\.b32", ptx)) + len(re.findall(r"cp\\.async\\S* .*, 0x10,", ptx))
+small = len(re.findall(r"ld\.global(\.\w+)*\.b16", ptx)) + len(re.findall(r"cp\.async\S* .*, 0x2,", ptx))
+wide = len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", ptx)) + len(re.findall(r"cp\.async\S* .*, 0x10,", ptx))
 print(small, wide)
 """
 
