@@ -46,10 +46,24 @@ def default_tile_n(n: int) -> int:
     return 128 if n >= 16384 else 64
 
 
-def default_tile_k(k: int) -> int:
-    """256 values per tile along K, or the largest power of two >= 32 that divides K."""
+# Values per tile along K (environment HIVEJET_PACKED_TILE_K: 256, 128, 64 or 32; by default 128, or 256 for
+# weights that keep their 8-bit scale codes). 128 since the thirteenth session: the decode matmul holds its
+# whole dequantized tile in registers as the dot's operand, and a 128 x 256 tile needs 221 registers per
+# thread on sm_90 (two programs per SM), 128 x 128 needs 139; the 27B's Q4_K matmuls run 18-26 % faster
+# and its decode step 13.6 instead of 15.8 ms on the H200 (docs/PERFORMANCE.md, 2026-12-01). Coded
+# weights keep 256: their fp16 factor per tile row would cost 0.125-0.25 bits per value more at 128,
+# most of what storing the codes saves.
+TILE_K = int(os.environ.get("HIVEJET_PACKED_TILE_K", "0")) or None
+if TILE_K not in (None, 256, 128, 64, 32):
+    raise ValueError(f"HIVEJET_PACKED_TILE_K must be 256, 128, 64 or 32, not {TILE_K}")
+
+
+def default_tile_k(k: int, coded: bool = False) -> int:
+    """The largest power of two >= 32 that divides K, up to TILE_K (by default 128, or 256 for a weight
+    whose scales are stored as codes)."""
+    limit = TILE_K or (256 if coded else 128)
     for tk in (256, 128, 64, 32):
-        if k % tk == 0:
+        if tk <= limit and k % tk == 0:
             return tk
     raise ValueError(f"K = {k} is not a multiple of 32")
 
@@ -67,7 +81,7 @@ def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
     n = -(-n // tile) * tile
     planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8
     groups = n * (k // group)
-    tile_rows = n * (k // default_tile_k(k))
+    tile_rows = n * (k // default_tile_k(k, kind.startswith("codes")))
     scales = {"f16": 2 * groups, "f16+min": 4 * groups, "codes": groups + 2 * tile_rows,
               "codes+min": 2 * groups + 4 * tile_rows}[kind]
     return planes + scales

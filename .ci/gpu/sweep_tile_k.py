@@ -1,12 +1,14 @@
 """The decode matmul with shorter tiles along K, on the 27B's shapes (H200). Compiled for sm_90 on the CPU
-machine, the engine's Q4_K decode kernel (tiles of 128 x 256 values, the weight tile as the dot's first
-operand) needs 221 registers per thread: the whole dequantized fp16 tile is the wgmma's register operand,
+machine, the Q4_K decode kernel on 128 x 256-value tiles (the default until the thirteenth session; the
+weight tile as the dot's first operand) needs 221 registers per thread: the whole dequantized fp16 tile is the wgmma's register operand,
 so only two 4-warp programs fit an SM. Tiles of 128 values need 139 registers, of 64 values 80. Shorter
 tiles cannot take their scales by TMA (a box row is at least 16 bytes), so they run with per-thread loads.
 Each weight is cloned past the L2 and its matmuls timed in one CUDA graph (sweep_scales.py's time_it),
 M = 1 and 16; every variant's output is checked against the engine's.
+--hi: the weights with a high plane (Q6_K, the 27B's ffn_down of some layers and its output matrix) at
+128-value tiles, warps x stages x swap_ab (chose their settings in the thirteenth session).
 
-    python3 -u .ci/gpu/sweep_tile_k.py [--json OUT]
+    python3 -u .ci/gpu/sweep_tile_k.py [--hi] [--json OUT]
 """
 from __future__ import annotations
 
@@ -25,25 +27,32 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408)]
 SETTINGS = [dict(swap_ab=s, num_stages=st) for s in (True, False) for st in (2, 3)]
+HI_SHAPES = [("Q6_K", 5120, 17408), ("Q6_K", 248320, 5120)]
+HI_SETTINGS = [dict(swap_ab=s, num_stages=st, num_warps=w) for s in (True, False) for st in (3, 4) for w in (4, 8)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--hi", action="store_true", help="the high-plane weights' settings at 128-value tiles")
     args = ap.parse_args()
+    shapes, settings, tiles = (HI_SHAPES, HI_SETTINGS, (128,)) if args.hi else (SHAPES, SETTINGS, (128, 64))
     n_sm, tma = _sm_count(0), _has_tma(0)
     rows = []
-    for qt, n, k in SHAPES:
+    for qt, n, k in shapes:
         raw = _random_weight(QT[qt], n, k, seed=1).cuda()
         base = pack_weight(raw, QT[qt], n, k)
         cfg0 = tuned_config(base, False, n_sm, tma=tma)
         xs = {m: torch.randn(m, k, device="cuda") for m in (1, 16)}
         ref = {m: packed_matmul(xs[m], base, **cfg0) for m in (1, 16)}
         cases = [("engine", base, cfg0)]
-        for tk in (128, 64):
+        if base.tile_k != 256:      # the previous default: 256-value tiles (TMA on sm_90)
+            p = pack_weight(raw, QT[qt], n, k, tile_k=256)
+            cases.append(("tile_k 256", p, tuned_config(p, False, n_sm, tma=tma)))
+        for tk in tiles:
             p = pack_weight(raw, QT[qt], n, k, tile_k=tk)
             c = tuned_config(p, False, n_sm, tma=False)
-            for s in SETTINGS:
+            for s in settings:
                 cases.append((f"tile_k {tk} {s}", p, dict(c, **s)))
         for name, p, cfg in cases:
             ws = clones(p)

@@ -302,8 +302,8 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
         rows = rows.clone()  # blocks are viewed as int16/int32 words
     dev = rows.device
     tn = tile_n or default_tile_n(n)
-    tk = tile_k or default_tile_k(k)
     keeps_codes = kind.startswith("codes")
+    tk = tile_k or default_tile_k(k, keeps_codes)
     if k % tk or tk % group or tn % 16 or (keeps_codes and SUPER_BLOCK % tk):
         raise ValueError(f"tile {tn}x{tk} does not fit K = {k} (groups of {group})")
     nt, kt = -(-n // tn), k // tk
@@ -701,12 +701,21 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
     # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
     # 27B: not used there; the TMA settings were picked end to end)
     hi = p.hi_bits in (1, 2)
+    # TMA boxes need rows of at least 16 bytes: a tile's scale row (tile_k / group fp16 values) has them
+    # only for 256-value tiles
+    tma = tma and p.tile_k >= 256
     by_tma = (TMA_CONFIG or {}).get("hi" if hi else "plain" if p.hi_bits == 0 else "int8") if tma else None
     if by_tma:
         c = dict(by_tma)
         split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, c.pop("waves", 4))
         return dict(block_m=16, tma=True, split_k=split, **c)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, 4)
+    if p.hi_bits in (0, 1, 2) and p.tile_k < 256:
+        # shorter tiles (.ci/gpu/sweep_tile_k.py on the H200): the 4-bit plane with the weight tile as
+        # the dot's second operand (Q4_K 34816x5120 78 -> 64 us, docs/perf/sweep_tile_k_h200_s12.json);
+        # with a high plane 4 warps fit now (Q6_K 5120x17408 69 -> 53 us, 248320x5120 698 -> 527 us,
+        # sweep_tile_k_hi_h200_s13.json; Q5_K not measured)
+        return dict(block_m=16, num_warps=4, num_stages=3, swap_ab=not hi, split_k=split)
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
 
 

@@ -199,7 +199,7 @@ def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
     used = []
     monkeypatch.setattr(packed, "_descriptors", lambda p: used.append(_descriptors(p)) or used[-1])
     n, k = 64, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, coded=coded)
+    p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, tile_k=256, coded=coded)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(8))
     for swap in (False, True):
         kw = dict(split_k=2, swap_ab=swap)
@@ -213,6 +213,11 @@ def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
     small = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, tile_k=32, coded=coded)
     assert _descriptors(small) is None
     assert torch.equal(packed_matmul(x, small, tma=True), packed_matmul(x, small))
+    # 128-value tiles (the default without codes): no TMA in the tuned settings (scale rows under 16 bytes)
+    short = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, tile_k=128, coded=coded)
+    assert not tuned_config(short, False, 4, tma=True).get("tma")
+    assert pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, coded=coded).tile_k == \
+        (256 if coded and qtype != QT.Q8_0 else 128)
 
 
 def test_tma_that_fails_falls_back_to_per_thread_loads(monkeypatch):
@@ -220,7 +225,7 @@ def test_tma_that_fails_falls_back_to_per_thread_loads(monkeypatch):
     engine's matmul settings fall back to per-thread loads with a warning instead of failing every step."""
     import kernels.quant.packed as packed
     n, k = 64, 512
-    p = pack_weight(_random_weight(QT.Q4_K, n, k, seed=9), QT.Q4_K, n, k, tile_n=32)
+    p = pack_weight(_random_weight(QT.Q4_K, n, k, seed=9), QT.Q4_K, n, k, tile_n=32, tile_k=256)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(9))
     assert packed._checked_config(x, p, 0, 4, True).get("tma")
 
@@ -365,7 +370,7 @@ def test_tma_on_gpu(qtype):
     if not _has_tma(0):
         pytest.skip("needs TMA (sm_90+)")
     n, k = 17408, 5120
-    p = pack_weight(_random_weight(qtype, n, k, seed=14).cuda(), qtype, n, k)
+    p = pack_weight(_random_weight(qtype, n, k, seed=14).cuda(), qtype, n, k, tile_k=256)
     cfg = tuned_config(p, False, _sm_count(0), tma=True)
     for m in (1, 16, 33):
         x = torch.randn(m, k, device="cuda")
