@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels.quant.packed import (  # noqa: E402
-    dequant_packed, matmul_tuned, packed_matmul, prefill_matmul, row_major, tuned_config,
+    dequant_packed, matmul_tuned, nibble_values, packed_matmul, prefill_matmul, row_major, tuned_config,
 )
 
 SHAPES = [(17408, 5120), (5120, 17408)]
@@ -41,8 +41,8 @@ def q4k_weight(n, k):
 
 def tinygemm(p):
     """The same 4-bit values and per-32 scale/min in tinygemm's layout: w = (q - 8) * s + z."""
-    lo, s, mn = (row_major(p, t) for t in (p.planes[0], p.scale, p.minv))
-    q = torch.stack([lo & 15, lo >> 4], -1).view(p.n, p.k)       # 0..15
+    s, mn = (row_major(p, t) for t in (p.scale, p.minv))
+    q = nibble_values(p)                                         # 0..15
     packed = (q[:, 0::2] << 4 | q[:, 1::2]).contiguous()
     w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
     s = s.float()
@@ -56,8 +56,8 @@ def gemlite_layer(p):
     from gemlite.core import DType, GemLiteLinearTriton
     cfg = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
     GemLiteLinearTriton.load_config(cfg)
-    lo, s, mn = (row_major(p, t) for t in (p.planes[0], p.scale, p.minv))
-    q = torch.stack([lo & 15, lo >> 4], -1).view(p.n, p.k).contiguous()
+    s, mn = (row_major(p, t) for t in (p.scale, p.minv))
+    q = nibble_values(p).contiguous()
     s = s.contiguous()
     z = (mn.float() / s.float()).to(torch.float16).contiguous()   # w = (q - z) * s
     lin = GemLiteLinearTriton(W_nbits=4, group_size=32, in_features=p.k, out_features=p.n,

@@ -12,6 +12,7 @@ tiles and split as the engine's decode matmul; each group's plane bytes come by 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -26,7 +27,7 @@ from test_packed import _random_weight  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from kernels.quant.packed import (  # noqa: E402
-    _has_tma, _sm_count, _unpack_bits, group_scales, pack_weight, packed_matmul, row_major, tuned_config,
+    _has_tma, _sm_count, group_scales, nibble_values, pack_weight, packed_matmul, row_major, tuned_config,
 )
 
 
@@ -88,10 +89,20 @@ def int8_matmul(xq, xd, xs, p, split: int, part: torch.Tensor | None = None, des
     return part
 
 
+def in_order(p):
+    """p with its 4-bit plane in value order (value 2j, 2j+1 in byte j), as this kernel reads it (the
+    engine's plane is in tensor-core fragment order since 2026-12-01)."""
+    q = nibble_values(p)
+    b = q[:, 0::2] | (q[:, 1::2] << 4)
+    nt, kt, tn, w = p.planes[0].shape
+    b = torch.cat([b, b.new_zeros(nt * tn - p.n, b.shape[1])]).view(nt, tn, kt, w).permute(0, 2, 1, 3)
+    return dataclasses.replace(p, planes=(b.contiguous(),))
+
+
 def reference(xq, xd, xs, p):
     """float64: sum_g s * xd * (q . xq) - minv * xs."""
     s, mv = (t.double() for t in group_scales(p))
-    q = _unpack_bits(row_major(p, p.planes[0]), 4).double()
+    q = nibble_values(p).double()
     m, k = xq.shape
     dots = torch.einsum("ngk,mgk->mng", q.view(p.n, k // 32, 32), xq.double().view(m, k // 32, 32))
     return (dots * s[None] * xd.double()[:, None, :]).sum(-1) - (mv[None] * xs.double()[:, None, :]).sum(-1)
@@ -103,7 +114,7 @@ def check():
         for m in (1, 5):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             xq, xd, xs = quantize_x(x)
-            y = int8_matmul(xq, xd, xs, p, split=2).sum(0)
+            y = int8_matmul(xq, xd, xs, in_order(p), split=2).sum(0)
             ref = reference(xq, xd, xs, p)
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             print(f"{n}x{k} M={m}: max error {err:.2e}")
@@ -120,13 +131,13 @@ def bench(out_json):
     for n, k in ((34816, 5120), (5120, 17408), (12288, 5120)):
         p = pack_weight(_random_weight(QT.Q4_K, n, k, seed=1).cuda(), QT.Q4_K, n, k)
         cfg = tuned_config(p, False, n_sm, tma=tma)
-        ws = clones(p)
+        ws, ws_seq = clones(p), clones(in_order(p))
         descs = {id(w): TensorDescriptor.from_tensor(w.planes[0].view(-1, w.planes[0].shape[-1]), [w.tile_n, 16])
-                 for w in ws}
+                 for w in ws_seq}
         for m in (1, 16):
             x = torch.randn(m, k, device="cuda")
             xq, xd, xs = quantize_x(x)
-            y = int8_matmul(xq, xd, xs, p, cfg["split_k"]).sum(0)
+            y = int8_matmul(xq, xd, xs, in_order(p), cfg["split_k"]).sum(0)
             ref = reference(xq, xd, xs, p)
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             del ref
@@ -134,13 +145,13 @@ def bench(out_json):
             res = {"fp16 (engine)": graph_time(lambda w: packed_matmul(x, w, **cfg), ws)}
             for warps, stages in ((4, 2), (4, 3), (8, 3)):
                 res[f"int8 {warps}w/{stages}s"] = graph_time(
-                    lambda w: int8_matmul(xq, xd, xs, w, cfg["split_k"], part, descs[id(w)], warps, stages), ws)
+                    lambda w: int8_matmul(xq, xd, xs, w, cfg["split_k"], part, descs[id(w)], warps, stages), ws_seq)
             for name, t in res.items():
                 r = dict(n=n, k=k, rows=m, kernel=name, us=t * 1e6, tbps=p.nbytes / t / 1e12, err=err)
                 rows.append(r)
                 print(f"Q4_K {n}x{k} M={m:2d} {name:14s} {r['us']:7.1f} us {r['tbps']:.2f} TB/s  (int8 error {err:.1e})",
                       flush=True)
-        del ws
+        del ws, ws_seq
         torch.cuda.empty_cache()
     if out_json:
         json.dump(dict(device=torch.cuda.get_device_name(0), results=rows), open(out_json, "w"), indent=1)

@@ -7,8 +7,10 @@ Each weight is cloned past the L2 and its matmuls timed in one CUDA graph (sweep
 M = 1 and 16; every variant's output is checked against the engine's.
 --hi: the weights with a high plane (Q6_K, the 27B's ffn_down of some layers and its output matrix) at
 128-value tiles, warps x stages x swap_ab (chose their settings in the thirteenth session).
+--q4: the same settings for the Q4_K shapes (after the 4-bit plane went to fragment order, fourteenth).
+--split: the engine's settings with other split-K counts and 64 / 128 / 256-row tiles (fifteenth).
 
-    python3 -u .ci/gpu/sweep_tile_k.py [--hi] [--json OUT]
+    python3 -u .ci/gpu/sweep_tile_k.py [--hi | --q4 | --split] [--json OUT]
 """
 from __future__ import annotations
 
@@ -28,15 +30,19 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408)]
 SETTINGS = [dict(swap_ab=s, num_stages=st) for s in (True, False) for st in (2, 3)]
 HI_SHAPES = [("Q6_K", 5120, 17408), ("Q6_K", 248320, 5120)]
-HI_SETTINGS = [dict(swap_ab=s, num_stages=st, num_warps=w) for s in (True, False) for st in (3, 4) for w in (4, 8)]
+HI_SETTINGS = [dict(swap_ab=s, num_stages=st, num_warps=w) for s in (True, False) for st in (3, 4) for w in (4,)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--hi", action="store_true", help="the high-plane weights' settings at 128-value tiles")
+    ap.add_argument("--q4", action="store_true", help="those settings for the Q4_K shapes")
+    ap.add_argument("--split", action="store_true", help="split-K counts and tile rows")
     args = ap.parse_args()
     shapes, settings, tiles = (HI_SHAPES, HI_SETTINGS, (128,)) if args.hi else (SHAPES, SETTINGS, (128, 64))
+    if args.q4:
+        shapes, settings, tiles = SHAPES[:2], HI_SETTINGS, (128,)
     n_sm, tma = _sm_count(0), _has_tma(0)
     rows = []
     for qt, n, k in shapes:
@@ -49,7 +55,14 @@ def main():
         if base.tile_k != 256:      # the previous default: 256-value tiles (TMA on sm_90)
             p = pack_weight(raw, QT[qt], n, k, tile_k=256)
             cases.append(("tile_k 256", p, tuned_config(p, False, n_sm, tma=tma)))
-        for tk in tiles:
+        for tn in (64, 128, 256) if args.split else ():
+            p = pack_weight(raw, QT[qt], n, k, tile_n=tn)
+            c = tuned_config(p, False, n_sm, tma=False)
+            kt = k // p.tile_k
+            for sp in sorted({d for d in (1, 2, 4, 5, 8, 10, 17, 20, 34, 40) if kt % d == 0} | {c["split_k"]}):
+                cases.append((f"tile_n {tn} split {sp}" + (" (its own)" if sp == c["split_k"] else ""),
+                              p, dict(c, split_k=sp)))
+        for tk in () if args.split else tiles:
             p = pack_weight(raw, QT[qt], n, k, tile_k=tk)
             c = tuned_config(p, False, n_sm, tma=False)
             for s in settings:

@@ -15,8 +15,10 @@ rest), and
 with each group's scale and min as the type's scale kind (kernels/packed_layout.py) stores them.
 Row-major, the tensors would be (what `row_major` returns):
 
-    planes[0]    hi_bits in (0, 1, 2): the 4-bit plane, uint8 [N, K/2]: bits 0..3 of value 2j
-                 in the low nibble of byte j, of value 2j+1 in the high nibble (as Packed4)
+    planes[0]    hi_bits in (0, 1, 2): the 4-bit plane, uint8 [N, K/2]: bits 0..3 of the values, two
+                 per byte, in the order a tensor-core fragment takes them (`_interleave_nibbles`: in
+                 each 32 values, byte 4t + 2c + p holds value 16c + 2t + p and, high nibble, that + 8;
+                 `nibble_values` gives them in order)
                  hi_bits == 8: the int8 plane, int8 [N, K]: q itself (signed)
     planes[1]    only when hi_bits is 1 or 2: the high plane, uint8 [N, K*hi_bits/8]: bits 4..
                  of the values, 8 // hi_bits values per byte; value v of byte j (v-th field of
@@ -108,7 +110,7 @@ except ImportError:  # CPU-only installs use the torch reference instead
     triton = None
 
 __all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "dequant_packed",
-           "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "stack_rows", "stack_key"]
+           "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "stack_rows", "stack_key", "nibble_values"]
 
 
 @dataclass
@@ -280,6 +282,31 @@ def _pack_bits(h: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+def _interleave_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K] values 0..15 -> the 4-bit plane, uint8 [R, K/2]. Each 32 values (16 bytes) of a row:
+    byte 4*t + 2*chunk + parity holds value 16*chunk + 2*t + parity in its low nibble and that + 8 in its
+    high nibble (t, chunk, parity: 0..3, 0..1, 0..1). A tensor-core fragment wants from each 16 values
+    the pairs 2t, 2t+1 and 2t+8, 2t+9 in one thread (t = its lane % 4): in this order the thread's 8
+    values of 32 are one 32-bit word, one shared-memory load, spread to fp16 pairs by whole-word PRMT and
+    LOP3 (_nibbles_f16) instead of one load and ~4 instructions per byte (docs/PERFORMANCE.md)."""
+    r = q.shape[0]
+    v = q.view(r, -1, 2, 2, 4, 2)                    # [R, run, chunk, high, t, parity]
+    v = v.permute(0, 1, 4, 2, 5, 3)                  # [R, run, t, chunk, parity, high]
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(r, -1)
+
+
+def _deinterleave_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of _interleave_nibbles: uint8 [R, K/2] -> uint8 [R, K] values in order."""
+    r = b.shape[0]
+    v = torch.stack([b & 0x0F, b >> 4], dim=-1).view(r, -1, 4, 2, 2, 2)   # [R, run, t, chunk, parity, high]
+    return v.permute(0, 1, 3, 5, 2, 4).reshape(r, -1)
+
+
+def nibble_values(p: "PackedWeight", ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The 4-bit plane's values (the low 4 bits of q) row-major, uint8 [rows, K]: all rows or rows ids."""
+    return _deinterleave_nibbles(row_major(p, p.planes[0], ids))
+
+
 def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_k: int = 0,
                 coded: bool | None = None) -> PackedWeight:
     """Repack a quantized GGUF weight of shape [n, k] (n outputs, k inputs; `raw` its GGUF bytes,
@@ -345,7 +372,7 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
             put(planes[0], r0, lo.reshape(rr, k))
         else:
             lo = lo.reshape(rr, k)
-            put(planes[0], r0, lo[:, 0::2] | (lo[:, 1::2] << 4))
+            put(planes[0], r0, _interleave_nibbles(lo))
             if hi_bits:
                 put(planes[1], r0, _pack_bits(hi.reshape(rr, k), hi_bits))
         if keeps_codes:
@@ -444,7 +471,7 @@ def _dequant(p: PackedWeight, ids: torch.Tensor | None) -> torch.Tensor:
     if p.hi_bits == 8:
         q = sel(p.planes[0])
     else:
-        q = _unpack_bits(sel(p.planes[0]), 4)
+        q = nibble_values(p, ids)
         if p.hi_bits:
             q |= _unpack_bits(sel(p.planes[1]), p.hi_bits) << 4
     r = q.shape[0]
@@ -472,6 +499,12 @@ def packed_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 # Triton matmul
 
 if triton is not None:
+    # the 4-bit plane's nibbles to fp16 by PTX (_nibbles_f16), except under the interpreter, which
+    # runs no PTX
+    # (HIVEJET_NIBBLES_PTX=0: the plain Triton extraction on the GPU too, to measure one against the other)
+    ASM4 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
+                        and os.environ.get("HIVEJET_NIBBLES_PTX", "1") != "0")
+
     @triton.jit
     def _load_tile(ptr, tile, W: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False):
         """Tile `tile` of one of a weight's tiled tensors (a plane, scales, mins), [BLOCK_N, W]: one
@@ -486,8 +519,37 @@ if triton is not None:
         return b
 
     @triton.jit
+    def _nibbles_f16(b):
+        """uint8 bytes -> join(low nibble, high nibble) as exact fp16, 4 bytes per instance: PRMT
+        spreads bytes to 16-bit lanes, LOP3 puts a nibble under fp16 1024's bits (0x6400 | q = 1024 + q,
+        0x6400 | q << 4 = 1024 + 16 q), one HADD2 / HFMA2 takes the 1024 off (x / 16 - 64: exact)."""
+        # (bytes 0, 1 of a word give the fp16 pair of low nibbles, bytes 2, 3 the next: with the
+        # interleaved order that is the pair of K-consecutive values a tensor-core fragment register holds)
+        lo, hi = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 t0, t1, c0, c1, c2;
+            mov.b32 c0, 0x64006400;
+            mov.b32 c1, 0x2C002C00;
+            mov.b32 c2, 0xD400D400;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $2, t0, 0x00F000F0, 0x64006400, 0xEA;
+            lop3.b32 $3, t1, 0x00F000F0, 0x64006400, 0xEA;
+            sub.f16x2 $0, $0, c0;
+            sub.f16x2 $1, $1, c0;
+            fma.rn.f16x2 $2, $2, c1, c2;
+            fma.rn.f16x2 $3, $3, c1, c2;
+            }
+            """,
+            "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        return tl.join(lo, hi)
+
+    @triton.jit
     def _load_fields(ptr, tile, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     TMA: tl.constexpr = False):
+                     TMA: tl.constexpr = False, AS_F16: tl.constexpr = False):
         """Tile `tile` of a plane of BITS-bit fields (8 // BITS per byte, least significant first),
         as uint8 [BLOCK_N, BLOCK_K]."""
         b = _load_tile(ptr, tile, BLOCK_K * BITS // 8, BLOCK_N, TMA)
@@ -498,7 +560,13 @@ if triton is not None:
         if BITS == 8:   # the int8 plane: the values themselves
             f = b
         elif BITS == 4:
-            f = tl.join(b & 0x0F, b >> 4)
+            # the nibble order of `_interleave_nibbles`: [.., run, t, chunk, parity, (low, high)] ->
+            # value 32 * run + 16 * chunk + 8 * high + 2 * t + parity
+            if AS_F16:
+                f = _nibbles_f16(b)
+            else:
+                f = tl.join(b & 0x0F, b >> 4)
+            f = tl.permute(tl.reshape(f, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2)), (0, 1, 3, 5, 2, 4))
         elif BITS == 2:
             f = tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, b >> 6))
         else:
@@ -557,17 +625,25 @@ if triton is not None:
         FAST_CVT: q through _as_f16 and one fp16 fma (the exact value rounded once); else float32 math
         rounded to fp16 (the same value except where float32 itself rounded, which needs |minv| and
         |scale * q| 2^13 apart)."""
+        AS_F16: tl.constexpr = ASM4 and HI_BITS != 8     # the 4-bit plane comes as exact fp16 values
         if HI_BITS == 8:
             qi = _load_fields(lo_ptr, tile, 8, BLOCK_N, BLOCK_K, TMA)
         else:
-            qi = _load_fields(lo_ptr, tile, 4, BLOCK_N, BLOCK_K, TMA)
+            qi = _load_fields(lo_ptr, tile, 4, BLOCK_N, BLOCK_K, TMA, AS_F16)
             if HI_BITS > 0:
-                qi = qi | (_load_fields(hi_ptr, tile, HI_BITS, BLOCK_N, BLOCK_K, TMA) << 4)
+                hi = _load_fields(hi_ptr, tile, HI_BITS, BLOCK_N, BLOCK_K, TMA)
+                if AS_F16:
+                    qi = _as_f16(hi, False) * 16.0 + qi     # exact: q < 64
+                else:
+                    qi = qi | (hi << 4)
         G: tl.constexpr = BLOCK_K // GROUP
         HAS_MIN: tl.constexpr = CODES == 2 or HAS_MINV or OFFSET != 0
         s, mv = _tile_scales(s_ptr, m_ptr, sup_ptr, tile, CODES, OFFSET, HAS_MINV, GROUP, BLOCK_N, BLOCK_K, TMA)
         if FAST_CVT:
-            q = tl.reshape(_as_f16(qi, HI_BITS == 8), (BLOCK_N, G, GROUP))
+            if AS_F16:
+                q = tl.reshape(qi, (BLOCK_N, G, GROUP))
+            else:
+                q = tl.reshape(_as_f16(qi, HI_BITS == 8), (BLOCK_N, G, GROUP))
             if HAS_MIN:
                 w = tl.fma(q, s[:, :, None], -mv[:, :, None])
             else:
@@ -709,13 +785,16 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
         c = dict(by_tma)
         split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, c.pop("waves", 4))
         return dict(block_m=16, tma=True, split_k=split, **c)
-    split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, 4)
+    # about 4 programs per SM, 8 for 128-row tiles (3 of them fit on an SM at once: Q4_K 34816x5120 takes
+    # split 4 instead of 2, 54.8 -> 49.5 us at one row; docs/perf/sweep_split_h200_s15.json)
+    split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, 8 if p.tile_n >= 128 else 4)
     if p.hi_bits in (0, 1, 2) and p.tile_k < 256:
-        # shorter tiles (.ci/gpu/sweep_tile_k.py on the H200): the 4-bit plane with the weight tile as
-        # the dot's second operand (Q4_K 34816x5120 78 -> 64 us, docs/perf/sweep_tile_k_h200_s12.json);
-        # with a high plane 4 warps fit now (Q6_K 5120x17408 69 -> 53 us, 248320x5120 698 -> 527 us,
-        # sweep_tile_k_hi_h200_s13.json; Q5_K not measured)
-        return dict(block_m=16, num_warps=4, num_stages=3, swap_ab=not hi, split_k=split)
+        # shorter tiles (.ci/gpu/sweep_tile_k.py on the H200): 4 warps, 3 stages, the weight tile as the
+        # dot's first operand, in registers: with the 4-bit plane in fragment order that holds for the
+        # high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared memory,
+        # 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124; docs/perf/sweep_hi_h200_s15.json,
+        # sweep_tile_k_q4_h200_s15.json; Q5_K not measured)
+        return dict(block_m=16, num_warps=4, num_stages=3, swap_ab=True, split_k=split)
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
 
 

@@ -9,6 +9,8 @@ import functools
 import pytest
 import torch
 
+from tests.kernels.sm90 import sm90_figures
+
 from kernels.attention import ref_paged_attention, ref_paged_decode
 from kernels.kvcodec import CACHE_TYPES, get_codec
 
@@ -299,16 +301,7 @@ def test_decode_kernel_reads_float_rows_16_bytes_at_a_time():
     ptxas, in a process without TRITON_INTERPRET) loads K/V rows with 16-byte vector loads, not one 2-byte
     load per value (addressed as bytes and cast, every value was a load of its own and the kernel ran at
     ~0.6 TB/s; docs/PERFORMANCE.md, twelfth session)."""
-    import os
-    import subprocess
-    import sys
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    if r.returncode == 3:
-        pytest.skip(r.stdout.strip())
-    assert r.returncode == 0, r.stderr[-2000:]
-    small, wide = map(int, r.stdout.split()[-2:])
+    small, wide = sm90_figures(_PTX_SCRIPT)[-2:]
     assert small == 0
     assert wide >= 8

@@ -14,10 +14,11 @@ from gguf import GGMLQuantizationType as QT
 triton = pytest.importorskip("triton")
 
 from kernels.quant.packed import (  # noqa: E402
-    PACKED_TYPES, dequant_packed, dequant_packed_ref, group_scales, pack_weight, packed_matmul, packed_rows,
-    prefill_matmul, row_major,
+    PACKED_TYPES, dequant_packed, dequant_packed_ref, group_scales, nibble_values, pack_weight, packed_matmul,
+    packed_rows, prefill_matmul, row_major,
 )
 from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
+from tests.kernels.sm90 import sm90_figures  # noqa: E402
 
 TYPES = sorted(t for t in SUPPORTED_TYPES if t not in (QT.F32, QT.F16, QT.BF16))
 
@@ -84,9 +85,65 @@ def test_4bit_types_pack_exactly_like_packed4(qtype):
     raw = _random_weight(qtype, n, k, seed=10)
     p, p4 = pack_weight(raw, qtype, n, k), pack_q4(raw, qtype, n, k)
     assert p.hi_bits == 0 and p.group == 32 and len(p.planes) == 1
-    assert torch.equal(row_major(p, p.planes[0]), p4.q)
+    q = nibble_values(p)
+    assert torch.equal(q[:, 0::2] | (q[:, 1::2] << 4), p4.q)
     for a, b in zip(group_scales(p), (p4.scale, p4.minv)):   # (stored as fp16 products by Packed4)
         assert torch.equal(a, b)
+
+
+def test_4bit_plane_is_in_fragment_order():
+    """In each 32 values of a row, byte 4t + 2c + p holds value 16c + 2t + p (low nibble) and that + 8
+    (high nibble): the values a tensor-core fragment gives thread t, one 32-bit word per 32 values."""
+    n, k = 64, 128
+    q = (torch.arange(n * k) % 16).to(torch.uint8).view(n, k)
+    q = (q + torch.arange(n, dtype=torch.uint8)[:, None] * 3) % 16
+    raw = _random_weight(QT.Q4_0, n, k, seed=2)
+    p = pack_weight(raw, QT.Q4_0, n, k, tile_k=64)
+    vals = nibble_values(p)
+    row = row_major(p, p.planes[0])[5]
+    for byte in (0, 1, 2, 3, 4, 13, 16 + 7, 63):
+        run, t, c, par = byte // 16, byte % 16 // 4, byte % 4 // 2, byte % 2
+        v = 32 * run + 16 * c + 2 * t + par
+        assert row[byte] & 15 == vals[5, v] and row[byte] >> 4 == vals[5, v + 8]
+    from kernels.quant.packed import _deinterleave_nibbles, _interleave_nibbles
+    assert torch.equal(_deinterleave_nibbles(_interleave_nibbles(q)), q)
+    assert not torch.equal(_interleave_nibbles(q), q[:, 0::2] | (q[:, 1::2] << 4))
+
+
+_PTX_SCRIPT = r"""
+import re, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+import kernels.quant.packed as packed
+fn = packed._packed_mm_kernel
+ptrs = dict(x_ptr="*fp16", lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16", sup_ptr="*fp16",
+            part_ptr="*fp32", out_ptr="*fp32", add_ptr="*fp32", cnt_ptr="*i32")
+# the engine's Q4_K decode matmul (fp16 scale products and mins, 128 x 128 tiles, the tile in registers)
+const = dict(KT=40, HI_BITS=0, GROUP=32, CODES=0, OFFSET=0, HAS_MINV=True, BLOCK_M=16, BLOCK_N=128,
+             BLOCK_K=128, SWAP_AB=True, FAST_CVT=True, TMA=False, SPLIT=4, SUM_HERE=True, HAS_ADD=False)
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in fn.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n == "stride_xm"}
+try:
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=3))
+except (RuntimeError, FileNotFoundError) as e:
+    print("cannot compile for sm_90 here:", e)
+    sys.exit(3)
+ptx = k.asm["ptx"]
+print(len(re.findall(r"ld\.shared(\.\w+)*\.[ub]8\b", ptx)), len(re.findall(r"prmt\.b32", ptx)))
+"""
+
+
+def test_decode_matmul_reads_the_4bit_plane_as_words():
+    """The Q4_K decode matmul compiled for the H200 (sm_90, on this machine: Triton's compiler and ptxas, in
+    a process without TRITON_INTERPRET) reads the 4-bit plane from shared memory in words and spreads the
+    nibbles with PRMT (_nibbles_f16), not one byte load and ~4 instructions per byte as before the plane
+    went to fragment order (64 8-bit shared loads per tile and thread; the matmul 15-20 % slower on the
+    H200, docs/PERFORMANCE.md, fifteenth session)."""
+    byte_loads, prmt = sm90_figures(_PTX_SCRIPT)[-2:]
+    assert byte_loads == 0
+    assert prmt >= 32      # two per 8 values: 128 values per thread and tile
 
 
 def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):

@@ -1,0 +1,89 @@
+"""Where a decode step's matmul time goes, per weight shape: every packed matrix a decode step multiplies
+(stacks as one), grouped by (type, rows, K, tile), each timed alone with the engine's settings at 1 and
+16 rows (cloned past the L2, in one CUDA graph: sweep_scales.graph_time), times how often a step runs
+it. The sum is what the matmuls would cost back to back; `bench decode` gives the whole step.
+
+    python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import warnings
+import json
+import sys
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, ".ci/gpu")
+from sweep_scales import clones, graph_time  # noqa: E402
+
+from engine.models import open_model  # noqa: E402
+from engine.models.common import StackedWeights, Weight  # noqa: E402
+from engine.runner import Runner  # noqa: E402
+from kernels.quant.packed import PackedWeight, _has_tma, _sm_count, packed_matmul, tuned_config  # noqa: E402
+
+
+EXAMPLE: dict = {}     # one PackedWeight of each key
+
+
+def decode_matrices(model) -> Counter:
+    """(type, rows, K, tile rows, tile values) -> how many such matrices a decode step multiplies."""
+    stacked_parts, mats = set(), []
+    warnings.filterwarnings("ignore", category=FutureWarning)    # (gc meets torch's deprecated aliases)
+    for o in gc.get_objects():
+        if isinstance(o, StackedWeights):
+            for stack, cols in o.groups:
+                mats.append(stack)
+                stacked_parts.update(id(o.parts[i]) for i, _ in cols)
+    for o in gc.get_objects():
+        if isinstance(o, Weight) and isinstance(o.gpu, PackedWeight) and id(o) not in stacked_parts \
+                and "nextn" not in o.name:     # (the MTP block runs only with --spec mtp)
+            if o.name != "token_embd.weight" or o is getattr(model, "output", None):
+                mats.append(o.gpu)
+    counts = Counter()
+    for p in mats:
+        key = (p.qtype.name, p.n, p.k, p.tile_n, p.tile_k)
+        counts[key] += 1
+        EXAMPLE.setdefault(key, p)
+    return counts
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    model = open_model(a.model)
+    Runner(model, device="cuda", n_slots=1, max_ctx=64)
+    counts = decode_matrices(model)
+    n_sm, tma = _sm_count(0), _has_tma(0)
+    rows, total = [], {1: 0.0, 16: 0.0}
+    for key, c in sorted(counts.items(), key=lambda kv: -kv[1] * EXAMPLE[kv[0]].nbytes):
+        p = EXAMPLE[key]
+        cfg = tuned_config(p, False, n_sm, tma=tma)
+        ws = clones(p)
+        r = dict(type=key[0], n=key[1], k=key[2], tile_n=key[3], tile_k=key[4], per_step=c, mb=p.nbytes / 1e6,
+                 config={k: v for k, v in cfg.items()})
+        for m in (1, 16):
+            x = torch.randn(m, p.k, device="cuda")
+            t = graph_time(lambda w: packed_matmul(x, w, **cfg), ws)
+            r[f"us_{m}"], r[f"tbps_{m}"] = t * 1e6, p.nbytes / t / 1e12
+            total[m] += c * t
+        rows.append(r)
+        print(f"{key[0]:5s} {key[1]:6d} x {key[2]:5d} tile {key[3]}x{key[4]} x{c:3d}/step {r['mb']:7.1f} MB  "
+              f"1 row {r['us_1']:7.1f} us {r['tbps_1']:.2f} TB/s  16 rows {r['us_16']:7.1f} us {r['tbps_16']:.2f} TB/s  "
+              f"split {cfg['split_k']}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    mb = sum(r["mb"] * r["per_step"] for r in rows)
+    print(f"all decode matmuls: {mb / 1e3:.2f} GB, 1 row {total[1] * 1e3:.2f} ms ({mb / 1e6 / total[1]:.2f} TB/s), "
+          f"16 rows {total[16] * 1e3:.2f} ms")
+    if a.json:
+        json.dump(dict(device=torch.cuda.get_device_name(0), shapes=rows, total_ms={m: t * 1e3 for m, t in total.items()},
+                       gb=mb / 1e3), open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
