@@ -7,7 +7,9 @@
 #   run 3: split-K counts and tile rows (sweep_tile_k.py --split), then `bench agents` (HiveJet; it
 #          failed: fastapi needs opentelemetry-api, now in .whl);
 #   run 4 (and .bench-bin): `bench decode` with llama-bench (8 programs per SM for 128-row tiles), then
-#          `bench agents` (HiveJet).
+#          `bench agents` (HiveJet);
+#   run 5: Q6_K's 2-bit high plane in fragment order too: the K-quant GPU tests of the packed matmul, the
+#          high-plane sweep, then every decode matrix timed alone (matmul_shapes.py).
 source .ci/gpu/env.sh
 m27_start
 TESTS="tests/kernels/test_packed.py tests/kernels/test_kvcodec.py tests/kernels/test_attention.py
@@ -23,6 +25,13 @@ elif [ "$1" = 2 ]; then
     grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.txt" | tail -12
     m27_wait
     timeout 290 bash .ci/gpu/bench27b.sh --rows 1 4 16 2>&1 | grep -v Warn | tail -14
+elif [ "$1" = 5 ]; then
+    timeout 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_packed.py -k "Q6_K or Q5_K or Q4_K" \
+        > "$OUT/gpu_tests_packed.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_packed.txt" | head -8
+    timeout 70 python3 -u .ci/gpu/sweep_tile_k.py --hi --json "$OUT/sweep_hi.json" 2>&1 | grep -v Warn | grep "M= 1"
+    m27_wait
+    timeout 65 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --json "$OUT/matmul_shapes.json" 2>&1 | grep -v Warn | tail -13
 elif [ "$1" = 4 ]; then
     m27_wait    # (without it bench27b.sh found the model half written and stopped)
     timeout 200 bash .ci/gpu/bench27b.sh --rows 1 4 16 2>&1 | grep -v Warn | tail -14

@@ -21,7 +21,9 @@ Row-major, the tensors would be (what `row_major` returns):
                  `nibble_values` gives them in order)
                  hi_bits == 8: the int8 plane, int8 [N, K]: q itself (signed)
     planes[1]    only when hi_bits is 1 or 2: the high plane, uint8 [N, K*hi_bits/8]: bits 4..
-                 of the values, 8 // hi_bits values per byte; value v of byte j (v-th field of
+                 of the values; hi_bits == 2 in fragment order like the 4-bit plane
+                 (`_interleave_crumbs`; `high_values` gives them in order); hi_bits == 1: 8 values
+                 per byte; value v of byte j (v-th field of
                  hi_bits bits from the least significant end) is value j*(8 // hi_bits) + v.
                  q = low nibble | (high field << 4)
     scale        "f16", "f16+min": fp16 [N, K/GROUP]; "codes": int8 codes [N, K/GROUP];
@@ -110,7 +112,8 @@ except ImportError:  # CPU-only installs use the torch reference instead
     triton = None
 
 __all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "dequant_packed",
-           "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "stack_rows", "stack_key", "nibble_values"]
+           "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "stack_rows", "stack_key", "nibble_values",
+           "high_values"]
 
 
 @dataclass
@@ -307,6 +310,31 @@ def nibble_values(p: "PackedWeight", ids: torch.Tensor | None = None) -> torch.T
     return _deinterleave_nibbles(row_major(p, p.planes[0], ids))
 
 
+def _interleave_crumbs(h: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K] values 0..3 -> the 2-bit high plane in fragment order, uint8 [R, K/4]. Each 32 values
+    (8 bytes) of a row: byte 2*t + parity holds, in bits 2f, 2f+1 (f = chunk + 2*high), value
+    16*chunk + 8*high + 2*t + parity: the same values of thread t (= lane % 4) as its word of the 4-bit
+    plane (_interleave_nibbles), 2 bytes per 32 values, spread to fp16 by _crumbs_f16."""
+    r = h.shape[0]
+    v = h.view(r, -1, 2, 2, 4, 2)                    # [R, run, chunk, high, t, parity]
+    v = v.permute(0, 1, 4, 5, 3, 2).reshape(r, -1, 4)  # [R, run * t * parity, (high, chunk) -> f]
+    return v[..., 0] | (v[..., 1] << 2) | (v[..., 2] << 4) | (v[..., 3] << 6)
+
+
+def _deinterleave_crumbs(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of _interleave_crumbs: uint8 [R, K/4] -> uint8 [R, K] values in order."""
+    r = b.shape[0]
+    v = torch.stack([(b >> (2 * f)) & 3 for f in range(4)], dim=-1)   # [R, bytes, f = chunk + 2 * high]
+    v = v.view(r, -1, 4, 2, 2, 2)                                        # [R, run, t, parity, high, chunk]
+    return v.permute(0, 1, 5, 4, 2, 3).reshape(r, -1)
+
+
+def high_values(p: "PackedWeight", ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The high plane's values (bits 4.. of q) row-major, uint8 [rows, K]: all rows or rows ids."""
+    b = row_major(p, p.planes[1], ids)
+    return _deinterleave_crumbs(b) if p.hi_bits == 2 else _unpack_bits(b, p.hi_bits)
+
+
 def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_k: int = 0,
                 coded: bool | None = None) -> PackedWeight:
     """Repack a quantized GGUF weight of shape [n, k] (n outputs, k inputs; `raw` its GGUF bytes,
@@ -373,7 +401,9 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
         else:
             lo = lo.reshape(rr, k)
             put(planes[0], r0, _interleave_nibbles(lo))
-            if hi_bits:
+            if hi_bits == 2:
+                put(planes[1], r0, _interleave_crumbs(hi.reshape(rr, k)))
+            elif hi_bits:
                 put(planes[1], r0, _pack_bits(hi.reshape(rr, k), hi_bits))
         if keeps_codes:
             codes, d = sc
@@ -473,7 +503,7 @@ def _dequant(p: PackedWeight, ids: torch.Tensor | None) -> torch.Tensor:
     else:
         q = nibble_values(p, ids)
         if p.hi_bits:
-            q |= _unpack_bits(sel(p.planes[1]), p.hi_bits) << 4
+            q |= high_values(p, ids) << 4
     r = q.shape[0]
     scale, minv = group_scales(p, ids)
     w = q.float().view(r, p.k // p.group, p.group)
@@ -546,6 +576,63 @@ if triton is not None:
             """,
             "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         return tl.join(lo, hi)
+
+    @triton.jit
+    def _crumbs_f16(b):
+        """uint8 bytes of the 2-bit plane -> its four fields (f = 0..3, bits 2f, 2f+1) times 16 as exact fp16,
+        4 bytes per instance: PRMT spreads bytes to 16-bit lanes, a shift brings field f to bits 4, 5, LOP3
+        masks it under fp16 1024's bits (0x6400 | 16 h = 1024 + 16 h), HSUB2 takes the 1024 off."""
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 u0, u1, s;
+            .reg .b32 c0;
+            mov.b32 c0, 0x64006400;
+            prmt.b32 u0, $8, 0, 0x4140;
+            prmt.b32 u1, $8, 0, 0x4342;
+            shl.b32 s, u0, 4;
+            lop3.b32 $0, s, 0x00300030, 0x64006400, 0xEA;
+            shl.b32 s, u1, 4;
+            lop3.b32 $1, s, 0x00300030, 0x64006400, 0xEA;
+            shl.b32 s, u0, 2;
+            lop3.b32 $2, s, 0x00300030, 0x64006400, 0xEA;
+            shl.b32 s, u1, 2;
+            lop3.b32 $3, s, 0x00300030, 0x64006400, 0xEA;
+            lop3.b32 $4, u0, 0x00300030, 0x64006400, 0xEA;
+            lop3.b32 $5, u1, 0x00300030, 0x64006400, 0xEA;
+            shr.b32 s, u0, 2;
+            lop3.b32 $6, s, 0x00300030, 0x64006400, 0xEA;
+            shr.b32 s, u1, 2;
+            lop3.b32 $7, s, 0x00300030, 0x64006400, 0xEA;
+            sub.f16x2 $0, $0, c0;
+            sub.f16x2 $1, $1, c0;
+            sub.f16x2 $2, $2, c0;
+            sub.f16x2 $3, $3, c0;
+            sub.f16x2 $4, $4, c0;
+            sub.f16x2 $5, $5, c0;
+            sub.f16x2 $6, $6, c0;
+            sub.f16x2 $7, $7, c0;
+            }
+            """,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=4)
+        return f0, f1, f2, f3
+
+    @triton.jit
+    def _load_high2(ptr, tile, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr = False,
+                    AS_F16: tl.constexpr = False):
+        """Tile `tile` of the 2-bit high plane (fragment order, _interleave_crumbs) in value order,
+        [BLOCK_N, BLOCK_K]: fp16 16 * h when AS_F16, else uint8 h."""
+        b = _load_tile(ptr, tile, BLOCK_K // 4, BLOCK_N, TMA)
+        if AS_F16:
+            f0, f1, f2, f3 = _crumbs_f16(b)
+        else:
+            f0, f1, f2, f3 = b & 3, (b >> 2) & 3, (b >> 4) & 3, b >> 6
+        # join(join(f0, f1), join(f2, f3))[..., chunk, high] = field chunk + 2 * high; the bytes are
+        # [.., run, t, parity] -> value 32 * run + 16 * chunk + 8 * high + 2 * t + parity
+        f = tl.join(tl.join(f0, f1), tl.join(f2, f3))
+        f = tl.permute(tl.reshape(f, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2)), (0, 1, 4, 5, 2, 3))
+        return tl.reshape(f, (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def _load_fields(ptr, tile, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -630,10 +717,16 @@ if triton is not None:
             qi = _load_fields(lo_ptr, tile, 8, BLOCK_N, BLOCK_K, TMA)
         else:
             qi = _load_fields(lo_ptr, tile, 4, BLOCK_N, BLOCK_K, TMA, AS_F16)
-            if HI_BITS > 0:
+            if HI_BITS == 2:
+                hi = _load_high2(hi_ptr, tile, BLOCK_N, BLOCK_K, TMA, AS_F16)
+                if AS_F16:
+                    qi = hi + qi                            # 16 h + low bits: exact, q < 64
+                else:
+                    qi = qi | (hi << 4)
+            elif HI_BITS > 0:
                 hi = _load_fields(hi_ptr, tile, HI_BITS, BLOCK_N, BLOCK_K, TMA)
                 if AS_F16:
-                    qi = _as_f16(hi, False) * 16.0 + qi     # exact: q < 64
+                    qi = _as_f16(hi, False) * 16.0 + qi     # exact: q < 32
                 else:
                     qi = qi | (hi << 4)
         G: tl.constexpr = BLOCK_K // GROUP

@@ -110,6 +110,26 @@ def test_4bit_plane_is_in_fragment_order():
     assert not torch.equal(_interleave_nibbles(q), q[:, 0::2] | (q[:, 1::2] << 4))
 
 
+def test_2bit_high_plane_is_in_fragment_order():
+    """Q6_K's high plane: in each 32 values of a row, byte 2t + p holds in bits 2f, 2f+1 (f = c + 2h) the
+    high bits of value 16c + 8h + 2t + p: thread t's 8 values, the same ones as its word of the 4-bit
+    plane; a weight packs and dequantizes as gguf does (test_packed_dequant_matches_gguf) either way."""
+    from kernels.quant.packed import _deinterleave_crumbs, _interleave_crumbs, high_values
+    n, k = 64, 256
+    raw = _random_weight(QT.Q6_K, n, k, seed=3)
+    p = pack_weight(raw, QT.Q6_K, n, k, tile_k=128)
+    vals = high_values(p)
+    row = row_major(p, p.planes[1])[7]
+    for byte in (0, 1, 2, 5, 7, 8 + 3, 31, 63):
+        run, t, par = byte // 8, byte % 8 // 2, byte % 2
+        for f in range(4):
+            c, h = f % 2, f // 2
+            assert (row[byte] >> (2 * f)) & 3 == vals[7, 32 * run + 16 * c + 8 * h + 2 * t + par]
+    q = torch.randint(0, 4, (8, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_deinterleave_crumbs(_interleave_crumbs(q)), q)
+    assert vals.max() == 3 and vals.float().std() > 0.5      # a real plane, not zeros
+
+
 _PTX_SCRIPT = r"""
 import re, sys
 from triton.backends.compiler import GPUTarget
