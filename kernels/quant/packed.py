@@ -529,9 +529,9 @@ def packed_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 # Triton matmul
 
 if triton is not None:
-    # the 4-bit plane's nibbles to fp16 by PTX (_nibbles_f16), except under the interpreter, which
-    # runs no PTX
-    # (HIVEJET_NIBBLES_PTX=0: the plain Triton extraction on the GPU too, to measure one against the other)
+    # the 4-bit and 2-bit planes' fields to fp16 by PTX (_nibbles_f16, _crumbs_f16), except under the
+    # interpreter, which runs no PTX, and with HIVEJET_NIBBLES_PTX=0 (the plain Triton extraction on the
+    # GPU too, to measure one against the other)
     ASM4 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                         and os.environ.get("HIVEJET_NIBBLES_PTX", "1") != "0")
 
@@ -637,8 +637,9 @@ if triton is not None:
     @triton.jit
     def _load_fields(ptr, tile, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      TMA: tl.constexpr = False, AS_F16: tl.constexpr = False):
-        """Tile `tile` of a plane of BITS-bit fields (8 // BITS per byte, least significant first),
-        as uint8 [BLOCK_N, BLOCK_K]."""
+        """Tile `tile` of a plane of BITS-bit fields (8 // BITS per byte, least significant first; the
+        4-bit plane in fragment order), in value order, uint8 [BLOCK_N, BLOCK_K] (the 4-bit plane as
+        exact fp16 when AS_F16)."""
         b = _load_tile(ptr, tile, BLOCK_K * BITS // 8, BLOCK_N, TMA)
         # tl.join (new last axis of 2) rather than shifting by a broadcast arange: ptxas needs
         # about half the registers (sm_90: 140 vs 255 + spills at 4 warps for the 4-bit plane)
@@ -1088,7 +1089,11 @@ def _has_tma(device_index: int) -> bool:
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _CONFIGS: dict = {}
 # decode settings with TMA loads per kind of weight: the 4-bit plane alone ("plain"), with a high plane
-# ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA
+# ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA.
+# (Only 256-value tiles load by TMA: weights that keep their scale codes, HIVEJET_PACKED_CODES=1. Since
+# the planes went to fragment order, "hi" with the tile in shared memory runs Q6_K 5120x17408 in 87 us
+# against 37 at the default 128-value tiles, docs/perf/sweep_hi2_h200_s15.json; the tile in registers was
+# not measured at 256 values, where it needs ~220 registers.)
 TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
 # split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):
