@@ -13,10 +13,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def sm90_figures(script: str) -> list[int]:
-    """The integers on the last line the script prints, run from the repository's root."""
+def sm90_figures(script: str, *args: str) -> list[int]:
+    """The integers on the last line the script prints (run with `args`, from the repository's root)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HIVEJET_NIBBLES_PTX")}
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300,
                        cwd=REPO)
     if r.returncode == 3:
         pytest.skip(r.stdout.strip())

@@ -139,9 +139,12 @@ import kernels.quant.packed as packed
 fn = packed._packed_mm_kernel
 ptrs = dict(x_ptr="*fp16", lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16", sup_ptr="*fp16",
             part_ptr="*fp32", out_ptr="*fp32", add_ptr="*fp32", cnt_ptr="*i32")
-# the engine's Q4_K decode matmul (fp16 scale products and mins, 128 x 128 tiles, the tile in registers)
+# the engine's decode matmul, the tile in registers: Q4_K (fp16 scale products and mins, 128 x 128 tiles)
+# or Q6_K (fp16 scale products, offset 32, 64 x 128 tiles); sys.argv[1] names one
 const = dict(KT=40, HI_BITS=0, GROUP=32, CODES=0, OFFSET=0, HAS_MINV=True, BLOCK_M=16, BLOCK_N=128,
              BLOCK_K=128, SWAP_AB=True, FAST_CVT=True, TMA=False, SPLIT=4, SUM_HERE=True, HAS_ADD=False)
+if sys.argv[1] == "Q6_K":
+    const.update(HI_BITS=2, GROUP=16, OFFSET=32, HAS_MINV=False, BLOCK_N=64, SPLIT=8)
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in fn.arg_names}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n == "stride_xm"}
 try:
@@ -151,19 +154,28 @@ except (RuntimeError, FileNotFoundError) as e:
     print("cannot compile for sm_90 here:", e)
     sys.exit(3)
 ptx = k.asm["ptx"]
-print(len(re.findall(r"ld\.shared(\.\w+)*\.[ub]8\b", ptx)), len(re.findall(r"prmt\.b32", ptx)))
+# scalar byte loads, two-byte loads (ld.shared.v2.b8, one 16-bit load: a thread's part of 32 values of
+# Q6_K's 2-bit plane), PRMTs
+print(len(re.findall(r"ld\.shared(\.(?!v\d)\w+)*\.[ub]8\b", ptx)), len(re.findall(r"ld\.shared\.v2\.[ub]8\b", ptx)),
+      len(re.findall(r"prmt\.b32", ptx)))
 """
 
 
-def test_decode_matmul_reads_the_4bit_plane_as_words():
-    """The Q4_K decode matmul compiled for the H200 (sm_90, on this machine: Triton's compiler and ptxas, in
-    a process without TRITON_INTERPRET) reads the 4-bit plane from shared memory in words and spreads the
-    nibbles with PRMT (_nibbles_f16), not one byte load and ~4 instructions per byte as before the plane
-    went to fragment order (64 8-bit shared loads per tile and thread; the matmul 15-20 % slower on the
-    H200, docs/PERFORMANCE.md, fifteenth session)."""
-    byte_loads, prmt = sm90_figures(_PTX_SCRIPT)[-2:]
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_decode_matmul_reads_the_planes_as_words(qtype):
+    """The Q4_K and Q6_K decode matmuls compiled for the H200 (sm_90, on this machine: Triton's compiler
+    and ptxas, in a process without TRITON_INTERPRET) read the 4-bit plane (and Q6_K's 2-bit plane) from
+    shared memory in words and spread the fields with PRMT (_nibbles_f16, _crumbs_f16), not one byte load
+    and ~4 instructions per byte as before the planes went to fragment order (Q4_K: 64 8-bit shared loads
+    per tile and thread, its matmuls 15-20 % slower on the H200; Q6_K's 1.3-1.45x slower;
+    docs/PERFORMANCE.md, fifteenth session)."""
+    byte_loads, pair_loads, prmt = sm90_figures(_PTX_SCRIPT, qtype)[-3:]
     assert byte_loads == 0
-    assert prmt >= 32      # two per 8 values: 128 values per thread and tile
+    # two per 8 values of the 4-bit plane, and for Q6_K two per 8 of the 2-bit one: 128 values per
+    # thread and tile for Q4_K, 64 for Q6_K
+    assert prmt >= 32
+    if qtype == "Q6_K":     # the 2-bit plane: 2 bytes per 32 values and thread, 2 rows x 4 runs of 32
+        assert pair_loads >= 8
 
 
 def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
