@@ -10,15 +10,43 @@ export HIVEJET_MODELS=$PWD/.models/dl
 mkdir -p "$HIVEJET_MODELS"
 
 # The synthetic 27B at /tmp/m27.gguf (14 s on 16 cores): `m27_start` begins writing it in the background
-# (beside the tests), `m27_wait` waits for it; nothing when it is already there.
+# (beside the tests), `m27_wait` waits for it; nothing when it is already there. It is written under
+# another name and renamed when whole, and a writer already running (started by a script that sourced
+# this before: bench27b.sh inside an sNN.sh call) is waited for rather than joined, so nothing reads or
+# writes half a file.
 M27_PID=
+m27_writing() { pgrep -f "m27.part.gguf" >/dev/null; }
 m27_start() {
-    [ -f /tmp/m27.gguf ] && return
-    python3 -c "from engine.synth import write_synthetic; write_synthetic('/tmp/m27.gguf', 'qwen35', '27b-q4_k_m', threads=16)" \
+    [ -f /tmp/m27.gguf ] || m27_writing && return
+    python3 -c "import os; from engine.synth import write_synthetic as w
+w('/tmp/m27.part.gguf', 'qwen35', '27b-q4_k_m', threads=16); os.replace('/tmp/m27.part.gguf', '/tmp/m27.gguf')" \
         > /tmp/gen.log 2>&1 &
     M27_PID=$!
 }
 m27_wait() {
     if [ -n "$M27_PID" ]; then wait "$M27_PID"; M27_PID=; fi
+    while [ ! -f /tmp/m27.gguf ] && m27_writing; do sleep 1; done
     [ -f /tmp/m27.gguf ] || { m27_start; wait "$M27_PID"; M27_PID=; }
+}
+
+# The GPU tests most calls run (packed matmul, codecs, attention, runner, prompt chunks, engine on the
+# runner; the real-model ones need the models carried), into $OUT/gpu_tests.txt: `gpu_tests SECONDS`.
+gpu_tests() {
+    timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_packed.py \
+        tests/kernels/test_kvcodec.py tests/kernels/test_attention.py tests/engine/test_runner.py \
+        tests/engine/test_runner_prefill.py tests/engine/test_engine_runner.py \
+        -k "not smollm2 and not gemma3_real and not cuda_engine_matches_cpu_path" > "$OUT/gpu_tests.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.txt" | tail -12
+}
+
+# `bench agents` with one server into $OUT/agents_SERVER.json: `agents hivejet|llama.cpp SECONDS`
+# (llama.cpp: llama-server unpacked from the carried .bench-srv/ into /tmp first).
+agents() {
+    m27_wait
+    local extra=(--device cuda)
+    if [ "$1" = llama.cpp ]; then
+        tar xJf .bench-srv/llama-server-*.tar.xz -C /tmp && extra=(--llamacpp /tmp)
+    fi
+    timeout "$2" python3 -u -m app.cli bench agents -m /tmp/m27.gguf "${extra[@]}" --servers "$1" \
+        --json "$OUT/agents_${1/./}.json" 2>&1 | grep -v Warn | tail -12
 }

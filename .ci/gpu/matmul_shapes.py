@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import warnings
 import json
 import sys
-from collections import Counter
+import warnings
 
 import torch
 
@@ -25,11 +24,8 @@ from engine.runner import Runner  # noqa: E402
 from kernels.quant.packed import PackedWeight, _has_tma, _sm_count, packed_matmul, tuned_config  # noqa: E402
 
 
-EXAMPLE: dict = {}     # one PackedWeight of each key
-
-
-def decode_matrices(model) -> Counter:
-    """(type, rows, K, tile rows, tile values) -> how many such matrices a decode step multiplies."""
+def decode_matrices(model) -> dict:
+    """(type, rows, K, tile rows, tile values) -> [one such PackedWeight, how many a decode step multiplies]."""
     stacked_parts, mats = set(), []
     warnings.filterwarnings("ignore", category=FutureWarning)    # (gc meets torch's deprecated aliases)
     for o in gc.get_objects():
@@ -42,12 +38,10 @@ def decode_matrices(model) -> Counter:
                 and "nextn" not in o.name:     # (the MTP block runs only with --spec mtp)
             if o.name != "token_embd.weight" or o is getattr(model, "output", None):
                 mats.append(o.gpu)
-    counts = Counter()
+    by_key: dict = {}
     for p in mats:
-        key = (p.qtype.name, p.n, p.k, p.tile_n, p.tile_k)
-        counts[key] += 1
-        EXAMPLE.setdefault(key, p)
-    return counts
+        by_key.setdefault((p.qtype.name, p.n, p.k, p.tile_n, p.tile_k), [p, 0])[1] += 1
+    return by_key
 
 
 def main():
@@ -57,15 +51,13 @@ def main():
     a = ap.parse_args()
     model = open_model(a.model)
     Runner(model, device="cuda", n_slots=1, max_ctx=64)
-    counts = decode_matrices(model)
     n_sm, tma = _sm_count(0), _has_tma(0)
     rows, total = [], {1: 0.0, 16: 0.0}
-    for key, c in sorted(counts.items(), key=lambda kv: -kv[1] * EXAMPLE[kv[0]].nbytes):
-        p = EXAMPLE[key]
+    for key, (p, c) in sorted(decode_matrices(model).items(), key=lambda kv: -kv[1][1] * kv[1][0].nbytes):
         cfg = tuned_config(p, False, n_sm, tma=tma)
         ws = clones(p)
         r = dict(type=key[0], n=key[1], k=key[2], tile_n=key[3], tile_k=key[4], per_step=c, mb=p.nbytes / 1e6,
-                 config={k: v for k, v in cfg.items()})
+                 config=dict(cfg))
         for m in (1, 16):
             x = torch.randn(m, p.k, device="cuda")
             t = graph_time(lambda w: packed_matmul(x, w, **cfg), ws)

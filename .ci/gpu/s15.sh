@@ -12,18 +12,12 @@
 #          high-plane sweep, then every decode matrix timed alone (matmul_shapes.py).
 source .ci/gpu/env.sh
 m27_start
-TESTS="tests/kernels/test_packed.py tests/kernels/test_kvcodec.py tests/kernels/test_attention.py
-    tests/engine/test_runner.py tests/engine/test_runner_prefill.py tests/engine/test_engine_runner.py"
 if [ "$1" = 1 ]; then
     timeout 120 python3 -u .ci/gpu/sweep_tile_k.py --hi --json "$OUT/sweep_hi_ptx.json" 2>&1 | grep -v Warn | grep "M= 1"
     HIVEJET_NIBBLES_PTX=0 timeout 120 python3 -u .ci/gpu/sweep_tile_k.py --hi --json "$OUT/sweep_hi_noptx.json" 2>&1 | grep -v Warn | grep "M= 1"
-    m27_wait
     HIVEJET_NIBBLES_PTX=0 timeout 200 bash .ci/gpu/bench27b.sh --depths 0 --rows 1 16 2>&1 | grep -v Warn | tail -9
 elif [ "$1" = 2 ]; then
-    timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider $TESTS \
-        -k "not smollm2 and not gemma3_real and not cuda_engine_matches_cpu_path" > "$OUT/gpu_tests.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.txt" | tail -12
-    m27_wait
+    gpu_tests 280
     timeout 290 bash .ci/gpu/bench27b.sh --rows 1 4 16 2>&1 | grep -v Warn | tail -14
 elif [ "$1" = 5 ]; then
     timeout 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_packed.py -k "Q6_K or Q5_K or Q4_K" \
@@ -33,13 +27,9 @@ elif [ "$1" = 5 ]; then
     m27_wait
     timeout 65 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --json "$OUT/matmul_shapes.json" 2>&1 | grep -v Warn | tail -13
 elif [ "$1" = 4 ]; then
-    m27_wait    # (without it bench27b.sh found the model half written and stopped)
     timeout 200 bash .ci/gpu/bench27b.sh --rows 1 4 16 2>&1 | grep -v Warn | tail -14
-    timeout 340 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --device cuda --servers hivejet \
-        --json "$OUT/agents_hivejet.json" 2>&1 | grep -v Warn | tail -12
+    agents hivejet 340
 else
     timeout 200 python3 -u .ci/gpu/sweep_tile_k.py --split --json "$OUT/sweep_split.json" 2>&1 | grep -v Warn | grep "M= 1"
-    m27_wait
-    timeout 330 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --device cuda --servers hivejet \
-        --json "$OUT/agents_hivejet.json" 2>&1 | grep -v Warn | tail -12
+    agents hivejet 330
 fi

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import subprocess
@@ -21,36 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-import kernels.quant.packed as packed  # noqa: E402
-from kernels.packed_layout import PACKED_LAYOUT, scale_kind  # noqa: E402
-
-PTRS = ("x_ptr", "lo_ptr", "hi_ptr", "s_ptr", "m_ptr", "sup_ptr", "part_ptr", "out_ptr", "add_ptr", "cnt_ptr")
-PTR_TYPES = dict(x_ptr="*fp16", lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16", sup_ptr="*fp16",
-                 part_ptr="*fp32", out_ptr="*fp32", add_ptr="*fp32", cnt_ptr="*i32")
-
-
-def compile_kernel(qtype: str, tile_n: int, tile_k: int, warps: int, stages: int, swap: bool, split: int):
-    group, hi_bits, _ = PACKED_LAYOUT[qtype]
-    kind = scale_kind(qtype)
-    fn = packed._packed_mm_kernel
-    const = dict(KT=5120 // tile_k, HI_BITS=hi_bits, GROUP=group, CODES=0, OFFSET=0,
-                 HAS_MINV=kind == "f16+min", BLOCK_M=16, BLOCK_N=tile_n, BLOCK_K=tile_k, SWAP_AB=swap,
-                 FAST_CVT=True, TMA=False, SPLIT=split, SUM_HERE=split > 1, HAS_ADD=False)
-    if qtype in ("Q4_0", "Q5_0", "Q6_K", "Q3_K"):
-        const["OFFSET"] = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q3_K": 4}[qtype]
-    sig = {n: "constexpr" if n in const else PTR_TYPES.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in PTRS or n == "stride_xm"}
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+from tests.kernels.sm90 import compile_decode_matmul  # noqa: E402
 
 
 def sass_of(cubin: bytes) -> tuple[str, str]:
     """(the SASS, cuobjdump's resource usage line: registers, shared memory)"""
-    nvbin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    tool = next(iter(glob.glob(os.path.join(nvbin, "cuobjdump"))), None) or "cuobjdump"
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else "cuobjdump"       # (the wheel's, else the CUDA toolkit's)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -72,7 +49,8 @@ def main():
     ap.add_argument("--no-swap", action="store_true")
     ap.add_argument("--sass", help="write the whole SASS here")
     a = ap.parse_args()
-    k = compile_kernel(a.type, a.tile_n, a.tile_k, a.warps, a.stages, not a.no_swap, a.split)
+    k = compile_decode_matmul(a.type, a.tile_n, a.tile_k, num_warps=a.warps, num_stages=a.stages,
+                              swap_ab=not a.no_swap, split=a.split)
     sass, usage = sass_of(k.asm["cubin"])
     if a.sass:
         open(a.sass, "w").write(sass)

@@ -655,9 +655,7 @@ if triton is not None:
             else:
                 f = tl.join(b & 0x0F, b >> 4)
             f = tl.permute(tl.reshape(f, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2)), (0, 1, 3, 5, 2, 4))
-        elif BITS == 2:
-            f = tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, b >> 6))
-        else:
+        else:   # BITS == 1 (the 2-bit plane is _load_high2's)
             f = tl.join(tl.join(tl.join(b & 1, (b >> 4) & 1), tl.join((b >> 2) & 1, (b >> 6) & 1)),
                         tl.join(tl.join((b >> 1) & 1, (b >> 5) & 1), tl.join((b >> 3) & 1, b >> 7)))
         return tl.reshape(f, (BLOCK_N, BLOCK_K))
@@ -952,9 +950,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     grid = (m_blocks, bands, split_k)
     _packed_mm_kernel[grid](
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
-        KT=kt, HI_BITS=p.hi_bits, GROUP=p.group, CODES=p.codes, OFFSET=p.offset, HAS_MINV=p.minv is not None,
-        BLOCK_M=block_m, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k,
-        SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k, SUM_HERE=counts is not None,
+        **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
+        SUM_HERE=counts is not None,
         HAS_ADD=add is not None, **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
     if split_k > 1 and counts is None:
         block = 1024
@@ -973,6 +970,12 @@ def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
             return None
         c = p.counts = torch.zeros(max(m_blocks, 4) * bands, dtype=torch.int32, device=p.device)
     return c
+
+
+def kernel_constants(p: PackedWeight) -> dict:
+    """The compile-time arguments a weight's layout gives the packed kernels (tiles, bits, scale kind)."""
+    return dict(KT=p.k // p.tile_k, HI_BITS=p.hi_bits, GROUP=p.group, CODES=p.codes, OFFSET=p.offset,
+                HAS_MINV=p.minv is not None, BLOCK_N=p.tile_n, BLOCK_K=p.tile_k)
 
 
 def _pointers(p: PackedWeight) -> tuple:
@@ -1011,10 +1014,7 @@ def dequant_packed(p: PackedWeight) -> torch.Tensor:
         raise RuntimeError("Triton is not installed")
     out = torch.empty((p.n, p.k), dtype=torch.float16, device=p.device)
     kt = p.k // p.tile_k
-    _dequant_kernel[(p.n_pad // p.tile_n, kt)](
-        *_pointers(p), out, p.n, p.k, KT=kt,
-        HI_BITS=p.hi_bits, GROUP=p.group, CODES=p.codes, OFFSET=p.offset, HAS_MINV=p.minv is not None,
-        BLOCK_N=p.tile_n, BLOCK_K=p.tile_k)
+    _dequant_kernel[(p.n_pad // p.tile_n, kt)](*_pointers(p), out, p.n, p.k, **kernel_constants(p))
     return out
 
 

@@ -132,24 +132,12 @@ def test_2bit_high_plane_is_in_fragment_order():
 
 _PTX_SCRIPT = r"""
 import re, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import triton
-import kernels.quant.packed as packed
-fn = packed._packed_mm_kernel
-ptrs = dict(x_ptr="*fp16", lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16", sup_ptr="*fp16",
-            part_ptr="*fp32", out_ptr="*fp32", add_ptr="*fp32", cnt_ptr="*i32")
+from tests.kernels.sm90 import compile_decode_matmul
 # the engine's decode matmul, the tile in registers: Q4_K (fp16 scale products and mins, 128 x 128 tiles)
 # or Q6_K (fp16 scale products, offset 32, 64 x 128 tiles); sys.argv[1] names one
-const = dict(KT=40, HI_BITS=0, GROUP=32, CODES=0, OFFSET=0, HAS_MINV=True, BLOCK_M=16, BLOCK_N=128,
-             BLOCK_K=128, SWAP_AB=True, FAST_CVT=True, TMA=False, SPLIT=4, SUM_HERE=True, HAS_ADD=False)
-if sys.argv[1] == "Q6_K":
-    const.update(HI_BITS=2, GROUP=16, OFFSET=32, HAS_MINV=False, BLOCK_N=64, SPLIT=8)
-sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in fn.arg_names}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n == "stride_xm"}
+q6 = sys.argv[1] == "Q6_K"
 try:
-    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=3))
+    k = compile_decode_matmul(sys.argv[1], tile_n=64 if q6 else 128, split=8 if q6 else 4)
 except (RuntimeError, FileNotFoundError) as e:
     print("cannot compile for sm_90 here:", e)
     sys.exit(3)
