@@ -54,9 +54,12 @@ try:
     import triton
     import triton.language as tl
     from kernels._interpreter_compat import apply as _fix_interpreter
+    from kernels.pdl import pdl_enter
     _fix_interpreter()
 except ImportError:  # CPU-only installs run the references
     triton = None
+
+from kernels.pdl import pdl_args
 
 HAVE_TRITON = triton is not None
 
@@ -164,7 +167,9 @@ def _warps(n_elems: int, x: torch.Tensor) -> dict:
 
 if HAVE_TRITON:
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, E, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, E, stride_x, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < E
@@ -177,7 +182,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, xw_ptr, w_ptr, out_ptr, res_ptr, E, stride_x, stride_r, eps,
-                             HAS_XW: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_XW: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < E
@@ -196,10 +203,11 @@ if HAVE_TRITON:
     @triton.jit
     def _heads_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, stride_xn, stride_xh, stride_cn, eps,
                       NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE_DIM: tl.constexpr, NEOX: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         """One token (program_id 0) x BLOCK_H heads: optional RMSNorm over D, then rotary over the
         first ROPE_DIM dims (0: none). Each value's rotation partner is loaded a second time
         (from cache) rather than shuffled in registers."""
+        pdl_enter(PDL)
         n = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -239,8 +247,10 @@ if HAVE_TRITON:
         tl.store(out, x, mask=mask)
 
     @triton.jit
-    def _gated_kernel(a_ptr, b_ptr, out_ptr, G, D, sa0, sa1, sb0, sb1, OP: tl.constexpr, BLOCK: tl.constexpr):
+    def _gated_kernel(a_ptr, b_ptr, out_ptr, G, D, sa0, sa1, sb0, sb1, OP: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
         """out[n, g, :] = f(a[n, g, :], b[n, g, :]); OP 0: silu(a)*b, 1: gelu_tanh(a)*b, 2: a*sigmoid(b)."""
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         n = (pid // G).to(tl.int64)
         g = (pid % G).to(tl.int64)
@@ -325,7 +335,7 @@ def triton_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torc
         return out
     block = _next_pow2(E)
     _rms_norm_kernel[(N,)](x, w if w is not None else x, out, E, x.stride(0), float(eps),
-                           HAS_W=w is not None, BLOCK=block, **_warps(block, x))
+                           HAS_W=w is not None, BLOCK=block, **_warps(block, x), **pdl_args(x))
     return out
 
 
@@ -343,7 +353,8 @@ def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor
     block = _next_pow2(E)
     _add_rms_norm_kernel[(N,)](x, residual, x_norm_w if x_norm_w is not None else x, w if w is not None else x,
                                out, new_res, E, x.stride(0), residual.stride(0), float(eps),
-                               HAS_XW=x_norm_w is not None, HAS_W=w is not None, BLOCK=block, **_warps(block, x))
+                               HAS_XW=x_norm_w is not None, HAS_W=w is not None, BLOCK=block, **_warps(block, x),
+                               **pdl_args(x))
     return out, new_res
 
 
@@ -371,7 +382,7 @@ def _heads(x, w, eps, cos, sin, rope_dim, neox, norm):
     _heads_kernel[grid](x, w if w is not None else x, cos if rope_dim else x, sin if rope_dim else x, out,
                         H, D, x.stride(0), x.stride(1), cos.stride(0) if rope_dim else 0, float(eps),
                         NORM=norm, HAS_W=w is not None, ROPE_DIM=rope_dim, NEOX=bool(neox),
-                        BLOCK_H=block_h, BLOCK_D=block_d, **_warps(block_h * block_d, x))
+                        BLOCK_H=block_h, BLOCK_D=block_d, **_warps(block_h * block_d, x), **pdl_args(x))
     return out
 
 
@@ -411,7 +422,7 @@ def _gated(a: torch.Tensor, b: torch.Tensor, op: int, block: int = 1024) -> torc
     b3, _, _, _, sb0, sb1 = _as3d(b)
     block = min(block, _next_pow2(D))
     _gated_kernel[(N * G, triton.cdiv(D, block))](a3, b3, out, G, D, sa0, sa1, sb0, sb1, OP=op, BLOCK=block,
-                                                 **_warps(block, a))
+                                                 **_warps(block, a), **pdl_args(a))
     return out
 
 

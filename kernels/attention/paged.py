@@ -31,8 +31,11 @@ try:
     import triton
     import triton.language as tl
     from kernels.kvcodec.triton_decode import load_values
+    from kernels.pdl import pdl_enter
 except ImportError:  # CPU-only installs use kernels.attention.ref
     triton = None
+
+from kernels.pdl import pdl_args
 
 
 def _next_pow2(n: int) -> int:
@@ -65,7 +68,8 @@ if triton is not None:
                        scale, H, HKV, MAXB, RBK, RBV, NSPLIT, NSEG, WINDOW: tl.constexpr, SEG: tl.constexpr,
                        G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BS: tl.constexpr, BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr,
-                       CODEC_K: tl.constexpr, CODEC_V: tl.constexpr, DOT: tl.constexpr):
+                       CODEC_K: tl.constexpr, CODEC_V: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -110,8 +114,9 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(acc_ptr, ml_ptr, len_ptr, out_ptr, H, NSPLIT, WINDOW: tl.constexpr, DV: tl.constexpr,
-                        BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr):
+                        BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr, PDL: tl.constexpr = False):
         """One query head of one row: its used splits' partial (max, sum, acc) merged in split order."""
+        pdl_enter(PDL)
         b = tl.program_id(0)
         qh = tl.program_id(1)
         L, lo, per = _row_split(len_ptr, b, NSPLIT, WINDOW, MIN_KEYS, BLOCK_T)
@@ -306,9 +311,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, nseg, WINDOW=int(window),
             SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t, MIN_KEYS=min_keys,
             CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q_st))
         _combine_kernel[(B, H)](acc, ml, lens, out_st, H, n_split, WINDOW=int(window), DV=dv, BLOCK_T=block_t,
-                                MIN_KEYS=min_keys)
+                                MIN_KEYS=min_keys, **pdl_args(q_st))
     return _finish(out_st, codec_v, head_dim_v, gate)
 
 

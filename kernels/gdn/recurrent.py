@@ -35,10 +35,13 @@ try:
     import triton.language as tl
     HAVE_TRITON = True
     from kernels._interpreter_compat import apply as _fix_interpreter
+    from kernels.pdl import pdl_enter
     _fix_interpreter()
 except ImportError:  # CPU-only installs use ref_gdn_decode
     triton = None
     HAVE_TRITON = False
+
+from kernels.pdl import pdl_args
 
 
 def _next_pow2(n: int) -> int:
@@ -110,7 +113,8 @@ def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Te
 if HAVE_TRITON:
     @triton.jit
     def _conv_kernel(qkv_ptr, w_ptr, cs_ptr, slot_ptr, x_ptr, C, stride_qkv, HK, D, eps, scale,
-                     K: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr):
+                     K: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         b = tl.program_id(0)
         hh = tl.program_id(1)                      # head of channels: q 0..HK-1, k HK..2HK-1, v after
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -152,7 +156,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _delta_kernel(x_ptr, s_ptr, slot_ptr, g_ptr, beta_ptr, o_ptr, dt_ptr, a_ptr, C, HK, HV, D,
-                      stride_g, stride_beta, DP: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr):
+                      stride_g, stride_beta, DP: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -223,10 +229,11 @@ def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch
         dt_c = a_c = g_c
     x = torch.empty(B, C, dtype=torch.float32, device=qkv.device)   # conv + norm output (scratch)
     _conv_kernel[(B, 2 * Hk + Hv)](qkv_c, w, conv_state, sl, x, C, qkv_c.stride(0), Hk, D, float(eps), float(D ** -0.5),
-                                   K=K, KP=_next_pow2(K), DP=DP, num_warps=max(1, min(4, DP * _next_pow2(K) // 256)))
+                                   K=K, KP=_next_pow2(K), DP=DP, num_warps=max(1, min(4, DP * _next_pow2(K) // 256)),
+                                   **pdl_args(qkv_c))
     _delta_kernel[(B, Hv, triton.cdiv(D, BV))](x, S, sl, g_c, beta_c, o, dt_c, a_c, C, Hk, Hv, D,
                                                g_c.stride(0), beta_c.stride(0), DP=DP, BV=BV,
-                                               RAW_GATES=gate is not None, num_warps=num_warps)
+                                               RAW_GATES=gate is not None, num_warps=num_warps, **pdl_args(qkv_c))
     return o
 
 

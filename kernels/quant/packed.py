@@ -103,10 +103,13 @@ from kernels.quant.ref import (
     _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, weight_rows,
 )
 
+from kernels.pdl import pdl_args
+
 try:
     import triton
     import triton.language as tl
     from kernels._interpreter_compat import apply as _fix_interpreter
+    from kernels.pdl import pdl_enter, pdl_trigger, pdl_wait, prefetch_l2
     _fix_interpreter()   # (the matmul's loop bound is a runtime value)
 except ImportError:  # CPU-only installs use the torch reference instead
     triton = None
@@ -747,6 +750,25 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16)
 
     @triton.jit
+    def _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, first, n, HI_BITS: tl.constexpr,
+                        GROUP: tl.constexpr, CODES: tl.constexpr, HAS_MINV: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Tiles first .. first + n - 1 of every tensor of the weight into L2 (one contiguous run each)."""
+        G: tl.constexpr = BLOCK_K // GROUP
+        LO: tl.constexpr = BLOCK_N * BLOCK_K if HI_BITS == 8 else BLOCK_N * BLOCK_K // 2
+        prefetch_l2(lo_ptr + first * LO, (n * LO).to(tl.int32))
+        if HI_BITS == 1 or HI_BITS == 2:
+            HI: tl.constexpr = BLOCK_N * BLOCK_K * HI_BITS // 8
+            prefetch_l2(hi_ptr + first * HI, (n * HI).to(tl.int32))
+        SC: tl.constexpr = BLOCK_N * (2 * G if CODES == 2 else G)
+        SC_BYTES: tl.constexpr = SC * (s_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        prefetch_l2(s_ptr + first * SC, (n * SC_BYTES).to(tl.int32))
+        if HAS_MINV:
+            prefetch_l2(m_ptr + first * (BLOCK_N * G), (n * (BLOCK_N * G * 2)).to(tl.int32))
+        if CODES > 0:
+            prefetch_l2(sup_ptr + first * (BLOCK_N * CODES), (n * (BLOCK_N * CODES * 2)).to(tl.int32))
+
+    @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
                           M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -754,18 +776,29 @@ if triton is not None:
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                          SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False):
+                          SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
+                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                          EARLY_TRIGGER: tl.constexpr = False):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
         SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
         writes its partial sums to part[k-slice]; SUM_HERE: the slice that finishes last (an arrival
         count per output block in cnt, left at 0 again) adds part[0] + part[1] + ... in that order into
-        out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards."""
+        out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards.
+        PDL (kernels/pdl.py): launched before the previous kernel ends; the program first asks for its
+        first PREFETCH tiles in L2 (weights: never written, so before the wait), then waits. It lets the
+        next kernel launch when its tiles are done (EARLY_TRIGGER: at its start)."""
         # m-blocks vary fastest, so the programs that share a weight tile run back to back and
         # all but the first read it from L2
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
+        if EARLY_TRIGGER:
+            pdl_trigger(PDL)
+        if PDL and PREFETCH > 0 and not TMA:
+            _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + pid_k * TILES,
+                            tl.minimum(TILES, PREFETCH), HI_BITS, GROUP, CODES, HAS_MINV, BLOCK_N, BLOCK_K)
+        pdl_wait(PDL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
@@ -786,6 +819,8 @@ if triton is not None:
                 acc += tl.dot(w16, tl.trans(x))
             else:
                 acc += tl.dot(x, tl.trans(w16))
+        if not EARLY_TRIGGER:
+            pdl_trigger(PDL)
         if SWAP_AB:
             acc = tl.trans(acc)
         offs_out = offs_m[:, None].to(tl.int64) * N + cols[None, :]
@@ -814,8 +849,9 @@ if triton is not None:
 
     @triton.jit
     def _sum_parts_kernel(part_ptr, out_ptr, add_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                          HAS_ADD: tl.constexpr = False):
+                          HAS_ADD: tl.constexpr = False, PDL: tl.constexpr = False):
         """out = part[0] + part[1] + ... + part[SPLIT-1], added in that order (then add + that)."""
+        pdl_enter(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -948,15 +984,17 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         tma = False
         weight = _pointers(p)
     grid = (m_blocks, bands, split_k)
+    pdl = pdl_args(x2)
     _packed_mm_kernel[grid](
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
-        SUM_HERE=counts is not None,
-        HAS_ADD=add is not None, **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
+        SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
+        **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
+        **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
     if split_k > 1 and counts is None:
         block = 1024
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
-                                                   SPLIT=split_k, BLOCK=block, HAS_ADD=add is not None)
+                                                   SPLIT=split_k, BLOCK=block, HAS_ADD=add is not None, **pdl)
     return out.view(*lead, N)
 
 
@@ -1099,4 +1137,9 @@ TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swa
 # split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):
 # the same bits either way
 SPLIT_SUM_HERE = True
+# with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
+# for the previous kernel (0: none)
+PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
+# and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
+EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)

@@ -1,0 +1,83 @@
+"""Programmatic dependent launch (kernels/pdl.py): off where it must be, and, compiled for sm_90, every
+decode kernel launched with it waits for the previous kernel before it touches memory; the packed matmul
+prefetches only weights before that wait and lets its successor launch only after its tiles."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.pdl as pdl
+from tests.kernels.sm90 import sm90_figures
+
+
+def test_pdl_is_off_on_the_cpu_and_under_the_interpreter():
+    assert pdl.pdl_args(torch.zeros(1)) == {}
+    # the test session runs Triton's interpreter, which has no grid dependency control
+    assert not pdl.ENABLED
+
+
+# Each kernel compiled for sm_90 with PDL=True: prints, per kernel, the PTX positions that must be in order
+# (-1 where absent): the wait, the first global load or store (or cp.async) and, for the matmul, the last
+# L2 prefetch, the trigger, the last wgmma and the first global store.
+_SCRIPT = r"""
+import re, sys
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+try:
+    from tests.kernels.sm90 import compile_decode_matmul
+    from kernels.fused import _rms_norm_kernel, _add_rms_norm_kernel, _heads_kernel, _gated_kernel
+    from kernels.gdn.recurrent import _conv_kernel, _delta_kernel
+    from kernels.attention.paged import _combine_kernel, _decode_kernel
+    from kernels.quant.packed import _sum_parts_kernel
+except ImportError as e:
+    print(f"cannot compile for sm_90 here: {e}"); sys.exit(3)
+
+def at(ptx, pat, last=False):
+    m = [x.start() for x in re.finditer(pat, ptx)]
+    return (m[-1] if last else m[0]) if m else -1
+
+MEM = r"\b(ld\.global|st\.global|cp\.async\.(?!bulk\.prefetch)|atom\.global|red\.global)"
+
+def small(fn, const, fp=(), types=()):
+    types = dict(types, len_ptr="*i32", slot_ptr="*i32", bt_ptr="*i32")
+    sig = {n: "constexpr" if n in const else types[n] if n in types else "*fp32" if n.endswith("_ptr")
+           else "fp32" if n in fp else "i32" for n in fn.arg_names}
+    ptx = triton_compile(ASTSource(fn, sig, dict(const, PDL=True)), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4)).asm["ptx"]
+    return [at(ptx, r"griddepcontrol\.wait"), at(ptx, MEM)]
+
+out = []
+out += small(_rms_norm_kernel, dict(HAS_W=True, BLOCK=1024), fp=("eps",))
+out += small(_add_rms_norm_kernel, dict(HAS_XW=False, HAS_W=True, BLOCK=1024), fp=("eps",))
+out += small(_heads_kernel, dict(NORM=True, HAS_W=True, ROPE_DIM=64, NEOX=True, BLOCK_H=4, BLOCK_D=256), fp=("eps",))
+out += small(_gated_kernel, dict(OP=0, BLOCK=1024))
+out += small(_conv_kernel, dict(K=4, KP=4, DP=128), fp=("eps", "scale"))
+out += small(_delta_kernel, dict(DP=128, BV=32, RAW_GATES=True))
+out += small(_decode_kernel, dict(WINDOW=0, SEG=0, G=4, G_PAD=16, DK=256, DV=256, BS=16, BLOCK_T=64, MIN_KEYS=256,
+                                  CODEC_K=1, CODEC_V=1, DOT="f16"), fp=("scale",),
+             types=dict(q_ptr="*fp16", k_ptr="*u8", v_ptr="*u8"))
+out += small(_combine_kernel, dict(WINDOW=0, DV=256, BLOCK_T=64, MIN_KEYS=256))
+out += small(_sum_parts_kernel, dict(SPLIT=4, BLOCK=1024, HAS_ADD=False))
+ptx = compile_decode_matmul(sys.argv[1], 128 if sys.argv[1] == "Q4_K" else 64, pdl=True, prefetch=1).asm["ptx"]
+out += [at(ptx, r"griddepcontrol\.wait"), at(ptx, MEM), at(ptx, r"cp\.async\.bulk\.prefetch\.L2", last=True),
+        len(re.findall(r"cp\.async\.bulk\.prefetch\.L2", ptx)), at(ptx, r"griddepcontrol\.launch_dependents"),
+        at(ptx, r"wgmma\.mma_async", last=True), at(ptx, r"st\.global")]
+print(*out)
+"""
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_kernels_launched_with_pdl_wait_before_touching_memory(qtype):
+    """A kernel launched with PDL starts while the previous one still runs: a load before its wait could
+    read a value not yet written, a store could overwrite one still being read. Fails if a kernel given
+    `pdl_args` at its launch lacks `pdl_enter`, or if the matmul's prefetch or trigger moves."""
+    f = sm90_figures(_SCRIPT, qtype)
+    small, mm = f[:-7], f[-7:]
+    for wait, first_mem in zip(small[::2], small[1::2]):
+        assert 0 <= wait < first_mem
+    wait, first_mem, last_prefetch, n_prefetch, trigger, last_mma, first_store = mm
+    # the weight's planes and scales (3 tensors for these two types) asked into L2, then the wait
+    assert n_prefetch == 3 and 0 <= last_prefetch < wait < first_mem
+    # the next kernel may launch once the tiles are multiplied, not before (earlier, it slowed the matmul)
+    assert last_mma < trigger < first_store
