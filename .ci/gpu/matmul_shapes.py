@@ -44,17 +44,23 @@ def decode_matrices(model) -> dict:
     return by_key
 
 
+def decode_configs(model_path: str) -> list:
+    """The model on the GPU; [(key, PackedWeight, per step, the engine's decode settings)], the most
+    bytes per step first."""
+    model = open_model(model_path)
+    Runner(model, device="cuda", n_slots=1, max_ctx=64)
+    n_sm, tma = _sm_count(0), _has_tma(0)
+    return [(key, p, c, tuned_config(p, False, n_sm, tma=tma))
+            for key, (p, c) in sorted(decode_matrices(model).items(), key=lambda kv: -kv[1][1] * kv[1][0].nbytes)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--json")
     a = ap.parse_args()
-    model = open_model(a.model)
-    Runner(model, device="cuda", n_slots=1, max_ctx=64)
-    n_sm, tma = _sm_count(0), _has_tma(0)
     rows, total = [], {1: 0.0, 16: 0.0}
-    for key, (p, c) in sorted(decode_matrices(model).items(), key=lambda kv: -kv[1][1] * kv[1][0].nbytes):
-        cfg = tuned_config(p, False, n_sm, tma=tma)
+    for key, p, c, cfg in decode_configs(a.model):
         ws = clones(p)
         r = dict(type=key[0], n=key[1], k=key[2], tile_n=key[3], tile_k=key[4], per_step=c, mb=p.nbytes / 1e6,
                  config=dict(cfg))

@@ -14,13 +14,11 @@ import sys
 import torch
 
 sys.path.insert(0, ".ci/gpu")
-from matmul_shapes import decode_matrices  # noqa: E402
+from matmul_shapes import decode_configs  # noqa: E402
 from sweep_scales import clones, graph_time  # noqa: E402
 
 import kernels.pdl  # noqa: E402
 import kernels.quant.packed as packed  # noqa: E402
-from engine.models import open_model  # noqa: E402
-from engine.runner import Runner  # noqa: E402
 
 SETTINGS = [("off", False, 0), ("on, no prefetch", True, 0), ("prefetch 1", True, 1), ("prefetch 2", True, 2),
             ("prefetch 4", True, 4), ("prefetch all", True, 1 << 20)]
@@ -31,13 +29,8 @@ def main():
     ap.add_argument("model")
     ap.add_argument("--json")
     a = ap.parse_args()
-    model = open_model(a.model)
-    Runner(model, device="cuda", n_slots=1, max_ctx=64)
-    n_sm, tma = packed._sm_count(0), packed._has_tma(0)
-    mats = sorted(decode_matrices(model).items(), key=lambda kv: -kv[1][1] * kv[1][0].nbytes)
     res = {name: dict(total_ms={1: 0.0, 16: 0.0}, shapes=[]) for name, _, _ in SETTINGS}
-    for key, (p, count) in mats:
-        cfg = packed.tuned_config(p, False, n_sm, tma=tma)
+    for key, p, count, cfg in decode_configs(a.model):
         ws = clones(p)
         line = f"{key[0]:5s} {key[1]:6d} x {key[2]:5d} x{count:3d}/step:"
         for name, on, pf in SETTINGS:
