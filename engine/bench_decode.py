@@ -48,12 +48,18 @@ def _decode_loop(runner, slot: int, token: int, pos: int, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _row_step_ms(runner, B: int, pos: int, reps: int = 20) -> float:
+def ready_rows(runner, B: int, pos: int):
+    """The B-row decode graph, its inputs set to slots 0..B-1 at position pos: replayable."""
     graph = runner._graph(B).graph
     for s in range(B):                   # blocks up to pos for each row's slot (never prefilled: any bytes)
         runner.reserve(s, pos + 1)
     runner.sync_tables()
     runner.fill(B, list(range(B)), [1] * B, [pos] * B)
+    return graph
+
+
+def _row_step_ms(runner, B: int, pos: int, reps: int = 20) -> float:
+    graph = ready_rows(runner, B, pos)
     graph.replay()
     _sync()
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ uses the time to start its weights streaming into L2 (`prefetch_l2`): weights ne
 is safe before the wait.
 
 Rules that keep it correct:
-- a kernel launched with PDL (`pdl_args(...)` in its launch) calls `pdl_enter` (or `gdc_wait` itself)
+- a kernel launched with PDL (`pdl_args(...)` in its launch) calls `pdl_enter` (or `pdl_wait`)
   before its first load of an activation and its first store: every kernel then completes after
   everything before it, so the usual stream order holds transitively (torch's kernels, launched
   without PDL, wait for full completion as always);

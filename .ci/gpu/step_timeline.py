@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.getcwd())
-from engine.models import open_model  # noqa: E402
-from engine.runner import Runner  # noqa: E402
+from engine.bench_decode import ready_rows
+from engine.models import open_model
+from engine.runner import Runner
 
 
 def _short(name: str) -> str:
@@ -29,11 +28,7 @@ def _short(name: str) -> str:
 def replay_trace(runner, B: int, pos: int = 256) -> list[dict]:
     """Kernel events (name, ts, dur in us) of one replay of the B-row graph."""
     from torch.profiler import ProfilerActivity, profile
-    graph = runner._graph(B).graph
-    for s in range(B):
-        runner.reserve(s, pos + 1)
-    runner.sync_tables()
-    runner.fill(B, list(range(B)), [1] * B, [pos] * B)
+    graph = ready_rows(runner, B, pos)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -306,14 +306,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out_st = torch.empty(B, H, dv, dtype=torch.float32, device=q.device)
     sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
     if B:
+        pdl = pdl_args(q_st)
         _decode_kernel[(B, hkv, n_split)](
             q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml, sb,
             float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, nseg, WINDOW=int(window),
             SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t, MIN_KEYS=min_keys,
             CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q_st))
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
         _combine_kernel[(B, H)](acc, ml, lens, out_st, H, n_split, WINDOW=int(window), DV=dv, BLOCK_T=block_t,
-                                MIN_KEYS=min_keys, **pdl_args(q_st))
+                                MIN_KEYS=min_keys, **pdl)
     return _finish(out_st, codec_v, head_dim_v, gate)
 
 

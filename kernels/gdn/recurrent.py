@@ -228,12 +228,13 @@ def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch
     else:
         dt_c = a_c = g_c
     x = torch.empty(B, C, dtype=torch.float32, device=qkv.device)   # conv + norm output (scratch)
+    pdl = pdl_args(qkv_c)
     _conv_kernel[(B, 2 * Hk + Hv)](qkv_c, w, conv_state, sl, x, C, qkv_c.stride(0), Hk, D, float(eps), float(D ** -0.5),
                                    K=K, KP=_next_pow2(K), DP=DP, num_warps=max(1, min(4, DP * _next_pow2(K) // 256)),
-                                   **pdl_args(qkv_c))
+                                   **pdl)
     _delta_kernel[(B, Hv, triton.cdiv(D, BV))](x, S, sl, g_c, beta_c, o, dt_c, a_c, C, Hk, Hv, D,
                                                g_c.stride(0), beta_c.stride(0), DP=DP, BV=BV,
-                                               RAW_GATES=gate is not None, num_warps=num_warps, **pdl_args(qkv_c))
+                                               RAW_GATES=gate is not None, num_warps=num_warps, **pdl)
     return o
 
 

@@ -750,23 +750,26 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16)
 
     @triton.jit
+    def _prefetch_run(ptr, first, n, TILE: tl.constexpr):
+        """Tiles first .. first + n - 1 of one tiled tensor (TILE elements a tile) into L2."""
+        BYTES: tl.constexpr = TILE * (ptr.dtype.element_ty.primitive_bitwidth // 8)
+        prefetch_l2(ptr + first * TILE, (n * BYTES).to(tl.int32))
+
+    @triton.jit
     def _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, first, n, HI_BITS: tl.constexpr,
                         GROUP: tl.constexpr, CODES: tl.constexpr, HAS_MINV: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Tiles first .. first + n - 1 of every tensor of the weight into L2 (one contiguous run each)."""
+        """Tiles first .. first + n - 1 of every tensor of the weight into L2 (one contiguous run each;
+        a tile row's elements as _load_fields, _load_high2 and _tile_scales read them)."""
         G: tl.constexpr = BLOCK_K // GROUP
-        LO: tl.constexpr = BLOCK_N * BLOCK_K if HI_BITS == 8 else BLOCK_N * BLOCK_K // 2
-        prefetch_l2(lo_ptr + first * LO, (n * LO).to(tl.int32))
+        _prefetch_run(lo_ptr, first, n, BLOCK_N * (BLOCK_K if HI_BITS == 8 else BLOCK_K // 2))
         if HI_BITS == 1 or HI_BITS == 2:
-            HI: tl.constexpr = BLOCK_N * BLOCK_K * HI_BITS // 8
-            prefetch_l2(hi_ptr + first * HI, (n * HI).to(tl.int32))
-        SC: tl.constexpr = BLOCK_N * (2 * G if CODES == 2 else G)
-        SC_BYTES: tl.constexpr = SC * (s_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        prefetch_l2(s_ptr + first * SC, (n * SC_BYTES).to(tl.int32))
+            _prefetch_run(hi_ptr, first, n, BLOCK_N * BLOCK_K * HI_BITS // 8)
+        _prefetch_run(s_ptr, first, n, BLOCK_N * (2 * G if CODES == 2 else G))
         if HAS_MINV:
-            prefetch_l2(m_ptr + first * (BLOCK_N * G), (n * (BLOCK_N * G * 2)).to(tl.int32))
+            _prefetch_run(m_ptr, first, n, BLOCK_N * G)
         if CODES > 0:
-            prefetch_l2(sup_ptr + first * (BLOCK_N * CODES), (n * (BLOCK_N * CODES * 2)).to(tl.int32))
+            _prefetch_run(sup_ptr, first, n, BLOCK_N * CODES)
 
     @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
