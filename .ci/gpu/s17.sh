@@ -1,0 +1,26 @@
+#!/bin/bash
+# The seventeenth session's GPU call, carrying .whl (see README.md):
+#   run 1: the GPU tests of the fused matmul input (tests/kernels/test_gated_input.py), the packed matmul
+#          and the runner; `bench decode` at depth 0 with HIVEJET_FUSED_INPUT=0 / 1 / 0 (the SwiGLU, the
+#          attention's sigmoid gate and the DeltaNet's gated norm in their own kernels, or made by the
+#          matmul as it loads x); the step's timeline; sweep_tile_k.py --warps (the fused runs failed:
+#          matmul_tuned asked the GatedInput for its device);
+#   run 2: the same with that mended, sweep_tile_k.py --stages instead of --warps.
+source .ci/gpu/env.sh
+m27_start
+timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gated_input.py \
+    tests/kernels/test_packed.py tests/engine/test_runner.py -k "not smollm2 and not gemma3" \
+    > "$OUT/gpu_tests_s17.txt" 2>&1
+grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_s17.txt" | tail -8
+m27_wait
+for v in 0 1 0 1; do
+    echo "HIVEJET_FUSED_INPUT=$v"
+    HIVEJET_FUSED_INPUT=$v timeout 90 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 16 \
+        --json "$OUT/decode27b_fused$v.json" 2>&1 | grep -v Warn | tail -4
+done
+timeout 60 python3 -u .ci/gpu/step_timeline.py /tmp/m27.gguf --json "$OUT/step_timeline.json" 2>&1 | grep -v Warn | tail -20
+if [ "$1" = 1 ]; then
+    timeout 120 python3 -u .ci/gpu/sweep_tile_k.py --warps --json "$OUT/sweep_warps.json" 2>&1 | grep -v Warn | tail -80
+else
+    timeout 150 python3 -u .ci/gpu/sweep_tile_k.py --stages --json "$OUT/sweep_stages.json" 2>&1 | grep -v Warn | tail -60
+fi
