@@ -64,7 +64,7 @@ from kernels.pdl import pdl_args
 HAVE_TRITON = triton is not None
 
 __all__ = [
-    "GATED_OPS", "GatedInput", "add_rms_norm", "argmax_rows", "force_triton", "gelu_tanh_mul", "gelu_tanh_mul_cat", "head_rms_norm",
+    "add_rms_norm", "argmax_rows", "force_triton", "gelu_tanh_mul", "gelu_tanh_mul_cat", "head_rms_norm",
     "qk_norm_rope", "ref_add_rms_norm", "ref_argmax_rows", "ref_gelu_tanh_mul", "ref_head_rms_norm",
     "ref_qk_norm_rope", "ref_rms_norm", "ref_rope", "ref_sigmoid_gate_mul", "ref_silu_mul", "rms_norm", "rope",
     "sigmoid_gate_mul", "silu_mul", "silu_mul_cat", "triton_add_rms_norm", "triton_argmax_rows",
@@ -545,64 +545,3 @@ def sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return (triton_argmax_rows if use_triton(logits) else ref_argmax_rows)(logits)
-
-
-# ---------------------------------------------------------------------------------------------
-# a matmul's input given as one of these ops, for the decode matmul to make while loading it
-# ---------------------------------------------------------------------------------------------
-
-GATED_OPS = ("silu", "gelu_tanh", "sigmoid", "norm_silu")
-
-
-class GatedInput:
-    """The rows x of a matmul given as an elementwise op of two tensors, x = op(a, b), so that the
-    decode matmul (kernels/quant/packed.py) makes each [rows, 128-value] block of x while it loads
-    it, instead of a launch of its own that writes x out and reads it back. Everywhere else (the
-    CPU, prompt rows, float weights) the matmul takes `dense()`, the same ops as before.
-
-    op "silu": silu(a) * b (SwiGLU); "gelu_tanh": gelu_tanh(a) * b (GeGLU); "sigmoid": a * sigmoid(b),
-    b any shape with a's values (qwen35's gated attention); "norm_silu": silu(b) * rms_norm(a, w, eps)
-    with a [N, H, D] normed per head, b with a's values (qwen35's gated RMSNorm of the DeltaNet output).
-    The rows are a's first dim; x has a.numel() / N values per row."""
-
-    __slots__ = ("op", "a", "b", "w", "eps")
-
-    def __init__(self, op: str, a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None = None,
-                 eps: float = 0.0):
-        if op not in GATED_OPS:
-            raise ValueError(f"op must be one of {GATED_OPS}, not {op!r}")
-        if a.numel() != b.numel() or a.shape[0] != b.shape[0]:
-            raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} differ in rows or values")
-        if op == "norm_silu" and a.ndim != 3:
-            raise ValueError(f"norm_silu needs a as [N, heads, D], got {tuple(a.shape)}")
-        self.op, self.a, self.b, self.w, self.eps = op, a, b, w, float(eps)
-
-    @property
-    def rows(self) -> int:
-        return self.a.shape[0]
-
-    @property
-    def width(self) -> int:
-        return self.a.numel() // max(self.a.shape[0], 1)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.a.is_cuda
-
-    @property
-    def device(self) -> torch.device:
-        return self.a.device
-
-    def dense(self) -> torch.Tensor:
-        """x itself, [N, width], by the separate ops (engine/models' formulas)."""
-        a, b = self.a, self.b
-        if self.op == "silu":
-            x = silu_mul(a, b.view(a.shape))
-        elif self.op == "gelu_tanh":
-            x = gelu_tanh_mul(a, b.view(a.shape))
-        elif self.op == "sigmoid":
-            x = sigmoid_gate_mul(a, b)
-        else:
-            normed = head_rms_norm(a, self.w, self.eps) if a.is_cuda else ref_rms_norm(a, self.w, self.eps)
-            x = silu_mul(b.reshape(a.shape), normed)
-        return x.reshape(a.shape[0], -1)

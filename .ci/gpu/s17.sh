@@ -1,12 +1,28 @@
 #!/bin/bash
-# The seventeenth session's GPU call, carrying .whl (see README.md):
+# The seventeenth session's GPU calls, carrying .whl (see README.md; runs 1 and 2 ran at commit bc45edf, whose
+# tests/kernels/test_gated_input.py the next commit took out with the fused input):
 #   run 1: the GPU tests of the fused matmul input (tests/kernels/test_gated_input.py), the packed matmul
 #          and the runner; `bench decode` at depth 0 with HIVEJET_FUSED_INPUT=0 / 1 / 0 (the SwiGLU, the
 #          attention's sigmoid gate and the DeltaNet's gated norm in their own kernels, or made by the
 #          matmul as it loads x); the step's timeline; sweep_tile_k.py --warps (the fused runs failed:
 #          matmul_tuned asked the GatedInput for its device);
-#   run 2: the same with that mended, sweep_tile_k.py --stages instead of --warps.
+#   run 2: the same with that mended, sweep_tile_k.py --stages instead of --warps;
+#   run 3 (and .bench-bin; the fused input taken out, 4 stages for the 4-bit-only projections to 5120 rows):
+#          the GPU tests, `bench decode` at depth 0 with HIVEJET_DEEP_PIPELINE_MAX_N=0 / default / 0, then
+#          bench27b.sh with llama-bench.
 source .ci/gpu/env.sh
+if [ "$1" = 3 ]; then
+    m27_start
+    gpu_tests 170
+    m27_wait
+    for v in 0 5120 0; do
+        echo "HIVEJET_DEEP_PIPELINE_MAX_N=$v"
+        HIVEJET_DEEP_PIPELINE_MAX_N=$v timeout 70 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 \
+            --rows 1 16 --json "$OUT/decode27b_deep$v.json" 2>&1 | grep -v Warn | tail -4
+    done
+    timeout 210 bash .ci/gpu/bench27b.sh --rows 1 4 16 2>&1 | grep -v Warn | tail -14
+    exit
+fi
 m27_start
 timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gated_input.py \
     tests/kernels/test_packed.py tests/engine/test_runner.py -k "not smollm2 and not gemma3" \

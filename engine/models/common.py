@@ -111,14 +111,9 @@ class Weight:
         else:
             self.gpu = pack_weight(raw, self.qtype, self.n_out, self.n_in)
 
-    def matmul(self, x: torch.Tensor | fused.GatedInput, add: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, n_in] float32 -> x @ W.T [M, n_out]; with `add` (float32 [M, n_out], e.g. the residual
-        stream): add + x @ W.T, on the GPU's decode rows inside the matmul's own kernel (same bits).
-        x may be a GatedInput (an FFN's SwiGLU, a gate): a packed weight's decode rows make it inside
-        the matmul; everything else takes its dense()."""
-        if isinstance(x, fused.GatedInput) and not (x.is_cuda and self.gpu is not None
-                                                    and not isinstance(self.gpu, torch.Tensor)):
-            x = x.dense()
+        stream): add + x @ W.T, on the GPU's decode rows inside the matmul's own kernel (same bits)."""
         if x.is_cuda:
             return self._matmul_gpu(x, add)
         if self.qtype == QT.F32:
@@ -284,7 +279,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
 silu_mul = fused.silu_mul
 gelu_tanh_mul = fused.gelu_tanh_mul
 sigmoid_mul = fused.sigmoid_gate_mul   # a * sigmoid(gate), gate reshaped to a's shape
-GatedInput = fused.GatedInput   # a matmul input op(a, b) that the decode matmul makes as it loads it
 
 
 class Rope:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import Batch, DecoderModel, GatedInput, Rope, default_attn_scale, rms_norm
+from engine.models.common import Batch, DecoderModel, Rope, default_attn_scale, rms_norm, silu_mul
 
 
 class LlamaModel(DecoderModel):
@@ -71,7 +71,7 @@ class LlamaModel(DecoderModel):
         x = L["wo"].matmul(a, add=x) if L["bo"] is None else x + (L["wo"].matmul(a) + L["bo"].dense)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
         gate, up = L["ffn_in"].matmul(h)
-        return L["down"].matmul(GatedInput("silu", gate, up), add=x)
+        return L["down"].matmul(silu_mul(gate, up), add=x)
 
 
 class Qwen2Model(LlamaModel):

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.gguf.reader import GGUFError
-from engine.models.common import (Batch, DecoderModel, GatedInput, Rope, SeqChunk, SequenceKV, default_attn_scale,
-                                  rms_norm)
+from engine.models.common import (Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm,
+                                  sigmoid_mul, silu_mul)
 from kernels.gdn import gdn_gates
 from kernels.gdn.chunk import chunk_scan
 from kernels.quant import dequantize_rows
@@ -295,7 +295,7 @@ class Qwen35Model(DecoderModel):
     def _ffn(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, L["post_norm"].dense, self.spec.rms_eps)
         gate, up = L["ffn_in"].matmul(h)
-        return L["down"].matmul(GatedInput("silu", gate, up), add=x)
+        return L["down"].matmul(silu_mul(gate, up), add=x)
 
     def _gated_attention(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
                          residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -313,7 +313,8 @@ class Qwen35Model(DecoderModel):
         q = self.rope.apply(q, cos, sin)
         k = self.rope.apply(k, cos, sin)
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, s.n_head * hd)
-        return L["wo"].matmul(GatedInput("sigmoid", a, gate), add=residual)
+        a = sigmoid_mul(a, gate)
+        return L["wo"].matmul(a, add=residual)
 
     def _gated_delta_net(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
                          residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -342,8 +343,8 @@ class Qwen35Model(DecoderModel):
                 c.kv.recurrent[il] = state
                 outs.append(o)
             o = torch.cat(outs, dim=0)
-        o = GatedInput("norm_silu", o.view(n, Hv, D), z, L["ssm_norm"].dense, s.rms_eps)
-        return L["ssm_out"].matmul(o, add=residual)
+        o = silu_mul(z.view(n, Hv, D), rms_norm(o, L["ssm_norm"].dense, s.rms_eps))
+        return L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
 
     def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: tuple[torch.Tensor, torch.Tensor] | None,

@@ -98,12 +98,12 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from kernels.fused import GatedInput
 from kernels.packed_layout import PACKED_LAYOUT, default_tile_k, default_tile_n, scale_kind
-from kernels.pdl import pdl_args
 from kernels.quant.ref import (
     _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, weight_rows,
 )
+
+from kernels.pdl import pdl_args
 
 try:
     import triton
@@ -772,41 +772,8 @@ if triton is not None:
             _prefetch_run(sup_ptr, first, n, BLOCK_N * CODES)
 
     @triton.jit
-    def _gated_x(a_ptr, b_ptr, w_ptr, offs_m, mask_m, k0, sa0, sa1, sb0, sb1, eps, X_OP: tl.constexpr,
-                 A_GROUP: tl.constexpr, B_GROUP: tl.constexpr, HEAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The [BLOCK_M, BLOCK_K] block of x = op(a, b) at column k0 (kernels/fused.py: GatedInput), as
-        fp16: X_OP 1 silu(a) * b, 2 gelu_tanh(a) * b, 3 a * sigmoid(b), 4 silu(b) * rms_norm(a per HEAD
-        values) * w. a and b are [rows, groups, GROUP] views (row stride s*0, group stride s*1, values
-        contiguous), GROUP a multiple of BLOCK_K: a block is one contiguous run of each (which keeps the
-        loads as wide as the plain x's). The formulas are kernels/fused.py's _gated_kernel and
-        _heads_kernel's, in fp32."""
-        kk = tl.arange(0, BLOCK_K)
-        a_at = (k0 // A_GROUP) * sa1 + k0 % A_GROUP
-        b_at = (k0 // B_GROUP) * sb1 + k0 % B_GROUP
-        a = tl.load(a_ptr + a_at + offs_m[:, None] * sa0 + kk[None, :], mask=mask_m[:, None], other=0.0)
-        b = tl.load(b_ptr + b_at + offs_m[:, None] * sb0 + kk[None, :], mask=mask_m[:, None], other=0.0)
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        if X_OP == 1:
-            y = a / (1.0 + tl.exp(-a)) * b
-        elif X_OP == 2:
-            u = 0.7978845608028654 * (a + 0.044715 * (a * a * a))
-            y = a / (1.0 + tl.exp(-2.0 * u)) * b
-        elif X_OP == 3:
-            y = a * (1.0 / (1.0 + tl.exp(-b)))
-        else:
-            H: tl.constexpr = BLOCK_K // HEAD
-            a3 = tl.reshape(a, (BLOCK_M, H, HEAD))
-            r = tl.rsqrt(tl.sum(a3 * a3, axis=2) / HEAD + eps)
-            normed = tl.reshape(a3 * r[:, :, None], (BLOCK_M, BLOCK_K))
-            normed = normed * tl.load(w_ptr + kk % HEAD).to(tl.float32)[None, :]
-            y = b / (1.0 + tl.exp(-b)) * normed
-        return y.to(tl.float16)
-
-    @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
-                          x2_ptr, xw_ptr, M, N, stride_xm, TILES, sx1, sb0, sb1, x_eps,
+                          M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                           CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -814,8 +781,7 @@ if triton is not None:
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                          EARLY_TRIGGER: tl.constexpr = False, X_OP: tl.constexpr = 0,
-                          A_GROUP: tl.constexpr = 1, B_GROUP: tl.constexpr = 1, HEAD: tl.constexpr = 1):
+                          EARLY_TRIGGER: tl.constexpr = False):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
         SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
@@ -824,8 +790,7 @@ if triton is not None:
         out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards.
         PDL (kernels/pdl.py): launched before the previous kernel ends; the program first asks for its
         first PREFETCH tiles in L2 (weights: never written, so before the wait), then waits. It lets the
-        next kernel launch when its tiles are done (EARLY_TRIGGER: at its start).
-        X_OP > 0: x is made from x (a) and x2 (b) as it is loaded (_gated_x; xw: the norm's weight)."""
+        next kernel launch when its tiles are done (EARLY_TRIGGER: at its start)."""
         # m-blocks vary fastest, so the programs that share a weight tile run back to back and
         # all but the first read it from L2
         pid_m = tl.program_id(0)
@@ -849,12 +814,8 @@ if triton is not None:
         for t in range(0, TILES):
             kt = pid_k * TILES + t
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-            if X_OP == 0:
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
-                            other=0.0).to(tl.float16)
-            else:
-                x = _gated_x(x_ptr, x2_ptr, xw_ptr, offs_m, mask_m, kt * BLOCK_K, stride_xm, sx1, sb0, sb1, x_eps,
-                             X_OP, A_GROUP, B_GROUP, HEAD, BLOCK_M, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
+                        other=0.0).to(tl.float16)
             w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + kt,
                                 HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
             if SWAP_AB:
@@ -963,8 +924,12 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
         # dot's first operand, in registers: with the 4-bit plane in fragment order that holds for the
         # high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared memory,
         # 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124; docs/perf/sweep_hi_h200_s15.json,
-        # sweep_tile_k_q4_h200_s15.json; Q5_K not measured)
-        return dict(block_m=16, num_warps=4, num_stages=3, swap_ab=True, split_k=split)
+        # sweep_tile_k_q4_h200_s15.json; Q5_K not measured). 4 stages for the 4-bit-only types' projections
+        # back to a hidden size of at most DEEP_PIPELINE_MAX_N (the split-K'd ones streaming long runs of K:
+        # Q4_K 5120x17408 30.7 -> 28.4 us, 5120x6144 13.4 -> 12.7; on 6272x5120 and 16512x5120, and with a
+        # high plane, 3 stages measured faster; docs/perf/sweep_stages_h200_s17.json, same bits either way)
+        deep = p.hi_bits == 0 and p.n <= DEEP_PIPELINE_MAX_N
+        return dict(block_m=16, num_warps=4, num_stages=4 if deep else 3, swap_ab=True, split_k=split)
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
 
 
@@ -973,9 +938,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
                   num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
                   tma: bool = False, add: torch.Tensor | None = None,
                   sum_here: bool | None = None) -> torch.Tensor:
-    """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed; x may be a
-    GatedInput (kernels/fused.py), made block by block as the kernel loads it (its dense() where the
-    op's norm group does not fit in a tile), the same fp32 formulas as the separate kernels; plus `add`
+    """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed; plus `add`
     ([..., N], float32, e.g. the residual stream) when given: add + x @ W.T, the same bits as adding
     afterwards, without a launch of its own.
     tma: the weight's tiles come by TMA (tensor descriptors; CUDA sm_90+, or Triton's interpreter), the
@@ -993,25 +956,15 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     SM count is cached per device; call once before capturing)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    gated = None
-    if isinstance(x, GatedInput):
-        gated = _gated_args(x, p)
-        if gated is None:    # an op the kernel cannot make per tile (a norm group across tiles)
-            x = x.dense()
-    if block_m < 16:
-        raise ValueError("block_m must be at least 16")
-    if gated is not None:
-        x2, gated = gated
-        K, lead = p.k, (x.rows,)
-    else:
-        K = x.shape[-1]
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, K)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        gated = dict(x2=x2, xw=x2, sx1=0, sb0=0, sb1=0, eps=0.0, consts={})
+    K = x.shape[-1]
     if K != p.k:
         raise ValueError(f"x has {K} columns, the weight has {p.k}")
+    if block_m < 16:
+        raise ValueError("block_m must be at least 16")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     M, N = x2.shape[0], p.n
     bands, kt = p.n_pad // p.tile_n, p.k // p.tile_k
     if split_k is None:
@@ -1024,10 +977,10 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         if add.shape[0] != M or add.dtype != torch.float32 or not add.is_contiguous():
             raise ValueError(f"add must be contiguous float32 [{M}, {N}], got {add.dtype} {tuple(add.shape)}")
     if M == 0 or N == 0:
-        out = torch.zeros((*lead, N), dtype=out_dtype, device=x2.device)
+        out = torch.zeros((*lead, N), dtype=out_dtype, device=x.device)
         return out if add is None else out + add.view(*lead, N)
-    out = torch.empty((M, N), dtype=out_dtype, device=x2.device)
-    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x2.device) if split_k > 1 else out
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     m_blocks = -(-M // block_m)
     counts = _arrival_counts(p, m_blocks) if split_k > 1 and (SPLIT_SUM_HERE if sum_here is None else sum_here) \
         else None
@@ -1039,11 +992,9 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         weight = _pointers(p)
     grid = (m_blocks, bands, split_k)
     pdl = pdl_args(x2)
-    g = gated
     _packed_mm_kernel[grid](
-        x2, *weight, part, out, out if add is None else add, part if counts is None else counts,
-        g["x2"], g["xw"], M, N, x2.stride(0), kt // split_k, g["sx1"], g["sb0"], g["sb1"], g["eps"],
-        **g["consts"], **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
+        x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
+        **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
@@ -1052,42 +1003,6 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
                                                    SPLIT=split_k, BLOCK=block, HAS_ADD=add is not None, **pdl)
     return out.view(*lead, N)
-
-
-_X_OPS = {"silu": 1, "gelu_tanh": 2, "sigmoid": 3, "norm_silu": 4}
-
-
-def _grouped(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """t [rows, ...] seen as [rows, groups, group] with contiguous values, value k of a row at
-    (k // group) * group stride + k % group: (t, group, group stride). The whole row is one group
-    where its values lie back to back."""
-    if t.ndim > 3 or t.ndim == 3 and t.stride(2) != 1:
-        t = t.reshape(t.shape[0], -1)
-    if t.ndim == 2 and t.stride(1) != 1:
-        t = t.contiguous()
-    if t.ndim == 3 and t.shape[1] > 1 and t.stride(1) != t.shape[2]:
-        return t, t.shape[2], t.stride(1)
-    return t, max(1, t.numel() // max(t.shape[0], 1)), 0
-
-
-def _gated_args(gi: GatedInput, p: PackedWeight) -> tuple[torch.Tensor, dict] | None:
-    """The launch arguments that make x = gi's op inside the matmul (a as the x operand, b as x2), or
-    None where the kernel cannot: norm_silu's head not a power of two dividing the weight's tile_k, or
-    a or b in runs shorter than a tile (a small model's attention gate: heads of 64 values)."""
-    if gi.width != p.k:
-        raise ValueError(f"x has {gi.width} columns, the weight has {p.k}")
-    head = 1
-    if gi.op == "norm_silu":
-        head = gi.a.shape[2]
-        if head & (head - 1) or p.tile_k % head or gi.w is None:
-            return None
-    a, a_group, sa1 = _grouped(gi.a)
-    b, b_group, sb1 = _grouped(gi.b if gi.b.ndim > 1 else gi.b.view(gi.rows, -1))
-    if a_group % p.tile_k or b_group % p.tile_k:
-        return None
-    xw = gi.w.float().contiguous() if gi.w is not None else a
-    return a, dict(x2=b, xw=xw, sx1=sa1, sb0=b.stride(0), sb1=sb1, eps=gi.eps,
-                   consts=dict(X_OP=_X_OPS[gi.op], A_GROUP=a_group, B_GROUP=b_group, HEAD=head))
 
 
 def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
@@ -1178,13 +1093,10 @@ def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0,
 
 
 def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
-    """What the engine's GPU path calls (x a tensor or a GatedInput: decode rows make it inside the
-    matmul unless FUSED_INPUT is off). prefill > 0: the rows are prompt rows (a chunk of at most
+    """What the engine's GPU path calls. prefill > 0: the rows are prompt rows (a chunk of at most
     `prefill` rows, padded to that many): dequantize + cuBLAS (`prefill_matmul`); else decode/draft
     rows: packed_matmul with `tuned_config` (fixed per weight shape), so a decode row's result does not
     depend on the other rows. add: add + x @ W.T (float32, x's rows by p.n), the same bits as adding after."""
-    if isinstance(x, GatedInput) and (prefill and PREFILL_CUBLAS or not FUSED_INPUT):
-        x = x.dense()
     if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
         return add + matmul_tuned(x, p, prefill)
     if not x.is_cuda:
@@ -1238,9 +1150,6 @@ PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
 EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
-# HIVEJET_FUSED_INPUT=1: decode matmuls make a GatedInput's x (SwiGLU, GeGLU, sigmoid gate, gated norm)
-# while loading it, instead of a kernel of its own before them. Off: on the H200 it made a 27B step 2.25x
-# slower (10.24 -> 23.08 ms; the fused variants need 160-240 registers instead of 80-140, Triton computing
-# the op in the dot operand's layout, where every warp holds the whole x block; docs/PERFORMANCE.md,
-# seventeenth session)
-FUSED_INPUT = os.environ.get("HIVEJET_FUSED_INPUT", "0") == "1"
+# the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
+# HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
+DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))

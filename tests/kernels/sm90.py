@@ -27,21 +27,16 @@ def sm90_figures(script: str, *args: str) -> list[int]:
 
 # the decode matmul's pointer arguments as packed_matmul passes them (x rounded to fp16, float32 out)
 _MM_POINTERS = dict(x_ptr="*fp16", lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16", sup_ptr="*fp16",
-                    part_ptr="*fp32", out_ptr="*fp32", add_ptr="*fp32", cnt_ptr="*i32", x2_ptr="*fp32",
-                    xw_ptr="*fp32")
-# its input ops (kernels/fused.py: GatedInput): X_OP and a, b's layouts as the 27B's layers give them
-_X_OPS = {"silu": dict(X_OP=1, A_GROUP=17408, B_GROUP=17408), "sigmoid": dict(X_OP=3, A_GROUP=6144, B_GROUP=256),
-          "norm_silu": dict(X_OP=4, A_GROUP=6144, B_GROUP=6144, HEAD=128)}
+                    part_ptr="*fp32", out_ptr="*fp32", add_ptr="*fp32", cnt_ptr="*i32")
 
 
 def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5120, *, num_warps: int = 4,
                           num_stages: int = 3, swap_ab: bool = True, split: int = 4, pdl: bool = False,
-                          prefetch: int = 0, x_op: str | None = None):
+                          prefetch: int = 0):
     """kernels/quant/packed.py's decode matmul for a [tile_n, k] weight of GGUF type `qtype` packed as the
     engine packs it (its layout's constants from `kernel_constants`), compiled for sm_90: the
     CompiledKernel (asm["ptx"], asm["cubin"]). pdl, prefetch: as packed_matmul launches it with
-    programmatic dependent launch (kernels/pdl.py). x_op: the input made in the kernel ("silu",
-    "sigmoid", "norm_silu": GatedInput's ops, float32 a and b). Call it in a process without TRITON_INTERPRET."""
+    programmatic dependent launch (kernels/pdl.py). Call it in a process without TRITON_INTERPRET."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -54,12 +49,10 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
     p = pack_weight(_random_weight(qt, tile_n, k), qt, tile_n, k, tile_n=tile_n, tile_k=tile_k)
     const = dict(kernel_constants(p), BLOCK_M=16, SWAP_AB=swap_ab, FAST_CVT=True, TMA=False, SPLIT=split,
                  SUM_HERE=split > 1, HAS_ADD=False, PDL=pdl, PREFETCH=prefetch,
-                 EARLY_TRIGGER=False, X_OP=0, A_GROUP=1, B_GROUP=1, HEAD=1)
-    const.update(_X_OPS[x_op] if x_op else {})
-    pointers = dict(_MM_POINTERS, x_ptr="*fp32") if x_op else _MM_POINTERS
-    sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "x_eps" else "i32") for n in fn.arg_names}
-    # what the launcher specializes: pointers and the strides divisible by 16
+                 EARLY_TRIGGER=False)
+    sig = {n: "constexpr" if n in const else _MM_POINTERS.get(n, "i32") for n in fn.arg_names}
+    # what the launcher specializes: pointers and the row stride divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n in _MM_POINTERS or n in ("stride_xm", "sx1", "sb0", "sb1")}
+             if n in _MM_POINTERS or n == "stride_xm"}
     return triton_compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))

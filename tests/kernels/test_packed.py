@@ -265,6 +265,17 @@ def test_swapped_operands_and_tuned_configs(qtype):
         _check(packed_matmul(x, p, **cfg), x, p)
 
 
+def test_deep_pipeline_only_where_it_measured_faster():
+    """4 stages for 4-bit-only weights with at most DEEP_PIPELINE_MAX_N outputs (the 27B's projections back
+    to its 5120 hidden values), 3 elsewhere: a high plane, or more rows (H200, seventeenth session)."""
+    from kernels.quant.packed import DEEP_PIPELINE_MAX_N, tuned_config
+    stages = {}
+    for qtype, n in ((QT.Q4_K, DEEP_PIPELINE_MAX_N), (QT.Q4_K, DEEP_PIPELINE_MAX_N + 1152), (QT.Q6_K, 1024)):
+        p = pack_weight(_random_weight(qtype, n, 256, seed=8), qtype, n, 256, tile_k=128)
+        stages[qtype.name, n] = tuned_config(p, False, 132)["num_stages"]
+    assert list(stages.values()) == [4, 3, 3]
+
+
 @CODED
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
 def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
