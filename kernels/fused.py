@@ -77,10 +77,16 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 
-def ref_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w over the last dim (engine.models.common.rms_norm)."""
+def ref_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim (engine.models.common.rms_norm), rounded to
+    out_dtype when given."""
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y * w if w is not None else y
+    return _as(y * w if w is not None else y, out_dtype)
+
+
+def _as(y: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def ref_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor | None, eps: float,
@@ -121,18 +127,18 @@ def ref_qk_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: t
     return ref_rope(x, cos, sin, rope_dim, neox)
 
 
-def ref_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+def ref_silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _as(F.silu(gate) * up, out_dtype)
 
 
-def ref_gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.gelu(gate, approximate="tanh") * up
+def ref_gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _as(F.gelu(gate, approximate="tanh") * up, out_dtype)
 
 
-def ref_sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def ref_sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a * sigmoid(gate); gate may have another shape with as many values (qwen35:
     a [N, H*D] and gate [N, H, D], a strided view of the joint Q|gate projection)."""
-    return a * torch.sigmoid(gate.reshape(a.shape))
+    return _as(a * torch.sigmoid(gate.reshape(a.shape)), out_dtype)
 
 
 def ref_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -326,11 +332,12 @@ def _need_triton():
         raise RuntimeError("Triton is not installed")
 
 
-def triton_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+def triton_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     _need_triton()
     x = _last_contig(x)
     N, E = x.shape
-    out = torch.empty((N, E), dtype=x.dtype, device=x.device)
+    out = torch.empty((N, E), dtype=out_dtype or x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     block = _next_pow2(E)
@@ -411,11 +418,12 @@ def _as3d(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, int]:
     return t, t.shape[0], t.shape[1], t.shape[2], t.stride(0), t.stride(1)
 
 
-def _gated(a: torch.Tensor, b: torch.Tensor, op: int, block: int = 1024) -> torch.Tensor:
+def _gated(a: torch.Tensor, b: torch.Tensor, op: int, block: int = 1024,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     _need_triton()
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    out = torch.empty(a.shape, dtype=out_dtype or a.dtype, device=a.device)
     if out.numel() == 0:
         return out
     a3, N, G, D, sa0, sa1 = _as3d(a)
@@ -426,23 +434,23 @@ def _gated(a: torch.Tensor, b: torch.Tensor, op: int, block: int = 1024) -> torc
     return out
 
 
-def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _gated(gate, up, 0)
+def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _gated(gate, up, 0, out_dtype=out_dtype)
 
 
-def triton_gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _gated(gate, up, 1)
+def triton_gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _gated(gate, up, 1, out_dtype=out_dtype)
 
 
-def triton_sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def triton_sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if a.shape != gate.shape:
         if a.numel() != gate.numel():
             raise ValueError(f"a {tuple(a.shape)} and gate {tuple(gate.shape)} differ in size")
         try:  # gate as it is (a strided view), a seen in gate's shape
-            return _gated(a.view(gate.shape), gate, 2).view(a.shape)
+            return _gated(a.view(gate.shape), gate, 2, out_dtype=out_dtype).view(a.shape)
         except RuntimeError:
             gate = gate.reshape(a.shape)
-    return _gated(a, gate, 2)
+    return _gated(a, gate, 2, out_dtype=out_dtype)
 
 
 def _argmax_chunk(N: int, V: int, block: int) -> int:
@@ -499,8 +507,9 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and (t.is_cuda or _FORCE)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return (triton_rms_norm if use_triton(x) else ref_rms_norm)(x, w, eps)
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out_dtype (default x's): a matmul's fp16 input is rounded here, once, as the matmul would round it."""
+    return (triton_rms_norm if use_triton(x) else ref_rms_norm)(x, w, eps, out_dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor | None, eps: float,
@@ -521,12 +530,12 @@ def qk_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch
     return (triton_qk_norm_rope if use_triton(x) else ref_qk_norm_rope)(x, w, eps, cos, sin, rope_dim, neox)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (triton_silu_mul if use_triton(gate) else ref_silu_mul)(gate, up)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (triton_silu_mul if use_triton(gate) else ref_silu_mul)(gate, up, out_dtype)
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (triton_gelu_tanh_mul if use_triton(gate) else ref_gelu_tanh_mul)(gate, up)
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (triton_gelu_tanh_mul if use_triton(gate) else ref_gelu_tanh_mul)(gate, up, out_dtype)
 
 
 def silu_mul_cat(gate_up: torch.Tensor) -> torch.Tensor:
@@ -539,8 +548,8 @@ def gelu_tanh_mul_cat(gate_up: torch.Tensor) -> torch.Tensor:
     return gelu_tanh_mul(*_halves(gate_up))
 
 
-def sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    return (triton_sigmoid_gate_mul if use_triton(a) else ref_sigmoid_gate_mul)(a, gate)
+def sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (triton_sigmoid_gate_mul if use_triton(a) else ref_sigmoid_gate_mul)(a, gate, out_dtype)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

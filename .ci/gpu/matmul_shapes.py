@@ -1,9 +1,11 @@
 """Where a decode step's matmul time goes, per weight shape: every packed matrix a decode step multiplies
 (stacks as one), grouped by (type, rows, K, tile), each timed alone with the engine's settings at 1 and
 16 rows (cloned past the L2, in one CUDA graph: sweep_scales.graph_time), times how often a step runs
-it. The sum is what the matmuls would cost back to back; `bench decode` gives the whole step.
+it. The sum is what the matmuls would cost back to back; `bench decode` gives the whole step. x is fp16,
+as the engine hands it over (Weight.input_dtype); --x32 also times float32 x (the kernel rounding it, as
+before the eighteenth session).
 
-    python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf [--json OUT]
+    python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf [--x32] [--json OUT]
 """
 from __future__ import annotations
 
@@ -58,26 +60,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--json")
+    ap.add_argument("--x32", action="store_true", help="also float32 x")
     a = ap.parse_args()
-    rows, total = [], {1: 0.0, 16: 0.0}
+    rows, total = [], {1: 0.0, 16: 0.0, "1_x32": 0.0, "16_x32": 0.0}
     for key, p, c, cfg in decode_configs(a.model):
         ws = clones(p)
         r = dict(type=key[0], n=key[1], k=key[2], tile_n=key[3], tile_k=key[4], per_step=c, mb=p.nbytes / 1e6,
                  config=dict(cfg))
         for m in (1, 16):
-            x = torch.randn(m, p.k, device="cuda")
-            t = graph_time(lambda w: packed_matmul(x, w, **cfg), ws)
-            r[f"us_{m}"], r[f"tbps_{m}"] = t * 1e6, p.nbytes / t / 1e12
-            total[m] += c * t
+            for x32 in (False, True) if a.x32 else (False,):
+                x = torch.randn(m, p.k, device="cuda", dtype=torch.float32 if x32 else torch.float16)
+                t = graph_time(lambda w: packed_matmul(x, w, **cfg), ws)
+                tag = f"{m}_x32" if x32 else m
+                r[f"us_{tag}"], r[f"tbps_{tag}"] = t * 1e6, p.nbytes / t / 1e12
+                total[tag] += c * t
         rows.append(r)
         print(f"{key[0]:5s} {key[1]:6d} x {key[2]:5d} tile {key[3]}x{key[4]} x{c:3d}/step {r['mb']:7.1f} MB  "
               f"1 row {r['us_1']:7.1f} us {r['tbps_1']:.2f} TB/s  16 rows {r['us_16']:7.1f} us {r['tbps_16']:.2f} TB/s  "
-              f"split {cfg['split_k']}", flush=True)
+              f"split {cfg['split_k']}" + (f"  float32 x: {r['us_1_x32']:7.1f} / {r['us_16_x32']:7.1f} us" if a.x32 else ""),
+              flush=True)
         del ws
         torch.cuda.empty_cache()
     mb = sum(r["mb"] * r["per_step"] for r in rows)
     print(f"all decode matmuls: {mb / 1e3:.2f} GB, 1 row {total[1] * 1e3:.2f} ms ({mb / 1e6 / total[1]:.2f} TB/s), "
-          f"16 rows {total[16] * 1e3:.2f} ms")
+          f"16 rows {total[16] * 1e3:.2f} ms" + (f"; float32 x: {total['1_x32'] * 1e3:.2f} / {total['16_x32'] * 1e3:.2f} ms"
+                                                 if a.x32 else ""))
     if a.json:
         json.dump(dict(device=torch.cuda.get_device_name(0), shapes=rows, total_ms={m: t * 1e3 for m, t in total.items()},
                        gb=mb / 1e3), open(a.json, "w"), indent=1)

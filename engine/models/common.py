@@ -95,6 +95,18 @@ class Weight:
 
     gpu = None  # the matrix on the GPU (engine/runner.py): a PackedWeight, or a float tensor for F32/F16/BF16
 
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """The dtype the kernel that makes this matrix's input should write: fp16 when the matrix is packed
+        on a CUDA device, else None (as it is). Packed matmuls round x to fp16 before anything else, so a
+        producer that rounds instead gives the same bits, and the decode matmul then copies x straight into
+        its tensor-core operand instead of converting each tile's x on the way (on the H200, 15 % of the
+        gate+up stack's stall samples were that conversion: docs/PERFORMANCE.md, eighteenth session)."""
+        g = self.gpu
+        if g is None or isinstance(g, torch.Tensor) or g.device.type != "cuda":
+            return None
+        return torch.float16
+
     def to_device(self, device: torch.device) -> None:
         """Put this tensor on `device` once: vectors as float32, matrices repacked for the GPU
         kernels (kernels/quant/packed.py) or, for float types, as they are."""
@@ -211,6 +223,12 @@ class StackedWeights:
     def release(self) -> None:
         self.groups, self.single = [], list(range(len(self.parts)))
 
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """fp16 when every part takes it (Weight.input_dtype), else None."""
+        dts = {w.input_dtype for w in self.parts}
+        return dts.pop() if len(dts) == 1 else None
+
     def matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each part's x @ W.T, in the parts' order."""
         if not self.groups or not x.is_cuda:
@@ -270,10 +288,13 @@ class WeightSet:
 # always used), its fused Triton kernels on the GPU (one launch each instead of several, which matters
 # inside a decode step's CUDA graph).
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out_dtype: the result rounded to it (a matmul's `input_dtype`), else x's dtype."""
     if not x.is_cuda or x.ndim not in (2, 3):
-        return fused.ref_rms_norm(x, w, eps)
-    return fused.rms_norm(x, w, eps) if x.ndim == 2 else fused.head_rms_norm(x, w, eps)
+        return fused.ref_rms_norm(x, w, eps, out_dtype)
+    if x.ndim == 3:
+        return fused.head_rms_norm(x, w, eps) if out_dtype is None else fused.head_rms_norm(x, w, eps).to(out_dtype)
+    return fused.rms_norm(x, w, eps, out_dtype)
 
 
 silu_mul = fused.silu_mul

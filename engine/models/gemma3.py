@@ -56,7 +56,7 @@ class Gemma3Model(DecoderModel):
         local = s.is_swa(il)
         rope = self.rope_local if local else self.rope_global
         cos, sin = batch.rope[local]
-        h = rms_norm(x, L["attn_norm"].dense, s.rms_eps)
+        h = rms_norm(x, L["attn_norm"].dense, s.rms_eps, L["attn_in"].input_dtype)
         q, k, v = L["attn_in"].matmul(h)
         q = q.view(n, s.n_head, s.head_dim)
         k = k.view(n, s.n_head_kv, s.head_dim)
@@ -66,7 +66,7 @@ class Gemma3Model(DecoderModel):
         a = self.attend(il, q, k, v, batch, s.attn_scale, s.sliding_window if local else 0)
         a = L["wo"].matmul(a.reshape(n, -1))
         x = x + rms_norm(a, L["post_attn_norm"].dense, s.rms_eps)
-        h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
-        f = gelu_tanh_mul(*L["ffn_in"].matmul(h))
+        h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps, L["ffn_in"].input_dtype)
+        f = gelu_tanh_mul(*L["ffn_in"].matmul(h), out_dtype=L["down"].input_dtype)
         f = L["down"].matmul(f)
         return x + rms_norm(f, L["post_ffn_norm"].dense, s.rms_eps)

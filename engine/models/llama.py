@@ -56,7 +56,7 @@ class LlamaModel(DecoderModel):
     def layer(self, il: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         s, L = self.spec, self.layers[il]
         n = x.shape[0]
-        h = rms_norm(x, L["attn_norm"].dense, s.rms_eps)
+        h = rms_norm(x, L["attn_norm"].dense, s.rms_eps, L["attn_in"].input_dtype)
         q, k, v = L["attn_in"].matmul(h)
         q = self._bias(q, L["bq"]).view(n, s.n_head, s.head_dim)
         k = self._bias(k, L["bk"]).view(n, s.n_head_kv, s.head_dim)
@@ -69,9 +69,9 @@ class LlamaModel(DecoderModel):
         k = self.rope.apply(k, cos, sin)
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, -1)
         x = L["wo"].matmul(a, add=x) if L["bo"] is None else x + (L["wo"].matmul(a) + L["bo"].dense)
-        h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps)
+        h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps, L["ffn_in"].input_dtype)
         gate, up = L["ffn_in"].matmul(h)
-        return L["down"].matmul(silu_mul(gate, up), add=x)
+        return L["down"].matmul(silu_mul(gate, up, L["down"].input_dtype), add=x)
 
 
 class Qwen2Model(LlamaModel):

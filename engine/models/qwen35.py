@@ -285,7 +285,8 @@ class Qwen35Model(DecoderModel):
 
     def layer(self, il: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         L = self.layers[il]
-        h = rms_norm(x, L["attn_norm"].dense, self.spec.rms_eps)
+        h = rms_norm(x, L["attn_norm"].dense, self.spec.rms_eps,
+                     L["ssm_in" if L["recurrent"] else "attn_in"].input_dtype)
         if L["recurrent"]:
             x = self._gated_delta_net(il, L, h, batch, residual=x)
         else:
@@ -293,9 +294,9 @@ class Qwen35Model(DecoderModel):
         return self._ffn(L, x)
 
     def _ffn(self, L: dict, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, L["post_norm"].dense, self.spec.rms_eps)
+        h = rms_norm(x, L["post_norm"].dense, self.spec.rms_eps, L["ffn_in"].input_dtype)
         gate, up = L["ffn_in"].matmul(h)
-        return L["down"].matmul(silu_mul(gate, up), add=x)
+        return L["down"].matmul(silu_mul(gate, up, L["down"].input_dtype), add=x)
 
     def _gated_attention(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
                          residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -313,7 +314,7 @@ class Qwen35Model(DecoderModel):
         q = self.rope.apply(q, cos, sin)
         k = self.rope.apply(k, cos, sin)
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, s.n_head * hd)
-        a = sigmoid_mul(a, gate)
+        a = sigmoid_mul(a, gate, L["wo"].input_dtype)
         return L["wo"].matmul(a, add=residual)
 
     def _gated_delta_net(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
@@ -343,7 +344,7 @@ class Qwen35Model(DecoderModel):
                 c.kv.recurrent[il] = state
                 outs.append(o)
             o = torch.cat(outs, dim=0)
-        o = silu_mul(z.view(n, Hv, D), rms_norm(o, L["ssm_norm"].dense, s.rms_eps))
+        o = silu_mul(z.view(n, Hv, D), rms_norm(o, L["ssm_norm"].dense, s.rms_eps), L["ssm_out"].input_dtype)
         return L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
 
     def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

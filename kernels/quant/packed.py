@@ -17,8 +17,8 @@ Row-major, the tensors would be (what `row_major` returns):
 
     planes[0]    hi_bits in (0, 1, 2): the 4-bit plane, uint8 [N, K/2]: bits 0..3 of the values, two
                  per byte, in the order a tensor-core fragment takes them (`_interleave_nibbles`: in
-                 each 32 values, byte 4t + 2c + p holds value 16c + 2t + p and, high nibble, that + 8;
-                 `nibble_values` gives them in order)
+                 each tile row of R = TILE_K / 32 runs of 32 values, byte 4Rt + 4r + 2c + p holds value
+                 32r + 16c + 2t + p and, high nibble, that + 8; `nibble_values` gives them in order)
                  hi_bits == 8: the int8 plane, int8 [N, K]: q itself (signed)
     planes[1]    only when hi_bits is 1 or 2: the high plane, uint8 [N, K*hi_bits/8]: bits 4..
                  of the values; hi_bits == 2 in fragment order like the 4-bit plane
@@ -288,54 +288,59 @@ def _pack_bits(h: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def _interleave_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, K] values 0..15 -> the 4-bit plane, uint8 [R, K/2]. Each 32 values (16 bytes) of a row:
-    byte 4*t + 2*chunk + parity holds value 16*chunk + 2*t + parity in its low nibble and that + 8 in its
-    high nibble (t, chunk, parity: 0..3, 0..1, 0..1). A tensor-core fragment wants from each 16 values
-    the pairs 2t, 2t+1 and 2t+8, 2t+9 in one thread (t = its lane % 4): in this order the thread's 8
-    values of 32 are one 32-bit word, one shared-memory load, spread to fp16 pairs by whole-word PRMT and
-    LOP3 (_nibbles_f16) instead of one load and ~4 instructions per byte (docs/PERFORMANCE.md)."""
+def _interleave_nibbles(q: torch.Tensor, tile_k: int) -> torch.Tensor:
+    """uint8 [R, K] values 0..15 -> the 4-bit plane, uint8 [R, K/2], in the order a tensor-core fragment
+    takes it. A fragment wants from each 16 values the pairs 2t, 2t+1 and 2t+8, 2t+9 in one thread
+    (t = its lane % 4). Each 32 values (a run) of a row give thread t one 32-bit word: byte 2*chunk + parity
+    of it holds value 16*chunk + 2*t + parity in its low nibble and that + 8 in its high nibble (chunk,
+    parity: 0..1), spread to fp16 pairs by whole-word PRMT and LOP3 (_nibbles_f16) instead of one load and
+    ~4 instructions per byte. Within each tile row (tile_k values), thread t's words of all runs lie
+    together: byte 4 * runs * t + 4 * run + 2 * chunk + parity (runs = tile_k / 32). So a thread reads its
+    row of a tile as one 16-byte shared-memory load (128-value tiles), and the 8 rows a warp reads at once
+    are one contiguous stretch: no bank conflicts (with the words of one run together, 8 rows 64 bytes
+    apart hit the same banks 4 ways: the H200 profile of the eighteenth session, docs/PERFORMANCE.md)."""
     r = q.shape[0]
-    v = q.view(r, -1, 2, 2, 4, 2)                    # [R, run, chunk, high, t, parity]
-    v = v.permute(0, 1, 4, 2, 5, 3)                  # [R, run, t, chunk, parity, high]
+    v = q.view(r, -1, tile_k // 32, 2, 2, 4, 2)      # [R, tile, run, chunk, high, t, parity]
+    v = v.permute(0, 1, 5, 2, 3, 6, 4)               # [R, tile, t, run, chunk, parity, high]
     return (v[..., 0] | (v[..., 1] << 4)).reshape(r, -1)
 
 
-def _deinterleave_nibbles(b: torch.Tensor) -> torch.Tensor:
+def _deinterleave_nibbles(b: torch.Tensor, tile_k: int) -> torch.Tensor:
     """Inverse of _interleave_nibbles: uint8 [R, K/2] -> uint8 [R, K] values in order."""
     r = b.shape[0]
-    v = torch.stack([b & 0x0F, b >> 4], dim=-1).view(r, -1, 4, 2, 2, 2)   # [R, run, t, chunk, parity, high]
-    return v.permute(0, 1, 3, 5, 2, 4).reshape(r, -1)
+    v = torch.stack([b & 0x0F, b >> 4], dim=-1).view(r, -1, 4, tile_k // 32, 2, 2, 2)
+    return v.permute(0, 1, 3, 4, 6, 2, 5).reshape(r, -1)      # [R, tile, run, chunk, high, t, parity]
 
 
 def nibble_values(p: "PackedWeight", ids: torch.Tensor | None = None) -> torch.Tensor:
     """The 4-bit plane's values (the low 4 bits of q) row-major, uint8 [rows, K]: all rows or rows ids."""
-    return _deinterleave_nibbles(row_major(p, p.planes[0], ids))
+    return _deinterleave_nibbles(row_major(p, p.planes[0], ids), p.tile_k)
 
 
-def _interleave_crumbs(h: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, K] values 0..3 -> the 2-bit high plane in fragment order, uint8 [R, K/4]. Each 32 values
-    (8 bytes) of a row: byte 2*t + parity holds, in bits 2f, 2f+1 (f = chunk + 2*high), value
-    16*chunk + 8*high + 2*t + parity: the same values of thread t (= lane % 4) as its word of the 4-bit
-    plane (_interleave_nibbles), 2 bytes per 32 values, spread to fp16 by _crumbs_f16."""
+def _interleave_crumbs(h: torch.Tensor, tile_k: int) -> torch.Tensor:
+    """uint8 [R, K] values 0..3 -> the 2-bit high plane in fragment order, uint8 [R, K/4]. Each run of 32
+    values gives thread t (= lane % 4) two bytes: byte `parity` of them holds, in bits 2f, 2f+1
+    (f = chunk + 2*high), value 16*chunk + 8*high + 2*t + parity: the same values as its word of the
+    4-bit plane (_interleave_nibbles), spread to fp16 by _crumbs_f16. Within each tile row thread t's
+    bytes of all runs lie together, as in the 4-bit plane: byte 2 * runs * t + 2 * run + parity."""
     r = h.shape[0]
-    v = h.view(r, -1, 2, 2, 4, 2)                    # [R, run, chunk, high, t, parity]
-    v = v.permute(0, 1, 4, 5, 3, 2).reshape(r, -1, 4)  # [R, run * t * parity, (high, chunk) -> f]
+    v = h.view(r, -1, tile_k // 32, 2, 2, 4, 2)      # [R, tile, run, chunk, high, t, parity]
+    v = v.permute(0, 1, 5, 2, 6, 4, 3).reshape(r, -1, 4)  # [R, tile * t * run * parity, (high, chunk) -> f]
     return v[..., 0] | (v[..., 1] << 2) | (v[..., 2] << 4) | (v[..., 3] << 6)
 
 
-def _deinterleave_crumbs(b: torch.Tensor) -> torch.Tensor:
+def _deinterleave_crumbs(b: torch.Tensor, tile_k: int) -> torch.Tensor:
     """Inverse of _interleave_crumbs: uint8 [R, K/4] -> uint8 [R, K] values in order."""
     r = b.shape[0]
     v = torch.stack([(b >> (2 * f)) & 3 for f in range(4)], dim=-1)   # [R, bytes, f = chunk + 2 * high]
-    v = v.view(r, -1, 4, 2, 2, 2)                                        # [R, run, t, parity, high, chunk]
-    return v.permute(0, 1, 5, 4, 2, 3).reshape(r, -1)
+    v = v.view(r, -1, 4, tile_k // 32, 2, 2, 2)                        # [R, tile, t, run, parity, high, chunk]
+    return v.permute(0, 1, 3, 6, 5, 2, 4).reshape(r, -1)
 
 
 def high_values(p: "PackedWeight", ids: torch.Tensor | None = None) -> torch.Tensor:
     """The high plane's values (bits 4.. of q) row-major, uint8 [rows, K]: all rows or rows ids."""
     b = row_major(p, p.planes[1], ids)
-    return _deinterleave_crumbs(b) if p.hi_bits == 2 else _unpack_bits(b, p.hi_bits)
+    return _deinterleave_crumbs(b, p.tile_k) if p.hi_bits == 2 else _unpack_bits(b, p.hi_bits)
 
 
 def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_k: int = 0,
@@ -403,9 +408,9 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
             put(planes[0], r0, lo.reshape(rr, k))
         else:
             lo = lo.reshape(rr, k)
-            put(planes[0], r0, _interleave_nibbles(lo))
+            put(planes[0], r0, _interleave_nibbles(lo, tk))
             if hi_bits == 2:
-                put(planes[1], r0, _interleave_crumbs(hi.reshape(rr, k)))
+                put(planes[1], r0, _interleave_crumbs(hi.reshape(rr, k), tk))
             elif hi_bits:
                 put(planes[1], r0, _pack_bits(hi.reshape(rr, k), hi_bits))
         if keeps_codes:
@@ -632,9 +637,9 @@ if triton is not None:
         else:
             f0, f1, f2, f3 = b & 3, (b >> 2) & 3, (b >> 4) & 3, b >> 6
         # join(join(f0, f1), join(f2, f3))[..., chunk, high] = field chunk + 2 * high; the bytes are
-        # [.., run, t, parity] -> value 32 * run + 16 * chunk + 8 * high + 2 * t + parity
+        # [.., t, run, parity] -> value 32 * run + 16 * chunk + 8 * high + 2 * t + parity
         f = tl.join(tl.join(f0, f1), tl.join(f2, f3))
-        f = tl.permute(tl.reshape(f, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2)), (0, 1, 4, 5, 2, 3))
+        f = tl.permute(tl.reshape(f, (BLOCK_N, 4, BLOCK_K // 32, 2, 2, 2)), (0, 2, 4, 5, 1, 3))
         return tl.reshape(f, (BLOCK_N, BLOCK_K))
 
     @triton.jit
@@ -651,13 +656,13 @@ if triton is not None:
         if BITS == 8:   # the int8 plane: the values themselves
             f = b
         elif BITS == 4:
-            # the nibble order of `_interleave_nibbles`: [.., run, t, chunk, parity, (low, high)] ->
+            # the nibble order of `_interleave_nibbles`: [.., t, run, chunk, parity, (low, high)] ->
             # value 32 * run + 16 * chunk + 8 * high + 2 * t + parity
             if AS_F16:
                 f = _nibbles_f16(b)
             else:
                 f = tl.join(b & 0x0F, b >> 4)
-            f = tl.permute(tl.reshape(f, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2)), (0, 1, 3, 5, 2, 4))
+            f = tl.permute(tl.reshape(f, (BLOCK_N, 4, BLOCK_K // 32, 2, 2, 2)), (0, 2, 3, 5, 1, 4))
         else:   # BITS == 1 (the 2-bit plane is _load_high2's)
             f = tl.join(tl.join(tl.join(b & 1, (b >> 4) & 1), tl.join((b >> 2) & 1, (b >> 6) & 1)),
                         tl.join(tl.join((b >> 1) & 1, (b >> 5) & 1), tl.join((b >> 3) & 1, b >> 7)))
@@ -929,7 +934,11 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
         # Q4_K 5120x17408 30.7 -> 28.4 us, 5120x6144 13.4 -> 12.7; on 6272x5120 and 16512x5120, and with a
         # high plane, 3 stages measured faster; docs/perf/sweep_stages_h200_s17.json, same bits either way)
         deep = p.hi_bits == 0 and p.n <= DEEP_PIPELINE_MAX_N
-        return dict(block_m=16, num_warps=4, num_stages=4 if deep else 3, swap_ab=True, split_k=split)
+        cfg = dict(block_m=16, num_warps=4, num_stages=4 if deep else 3, swap_ab=True, split_k=split)
+        cap = DECODE_MAXNREG.get(p.tile_n)
+        if cap:
+            cfg["maxnreg"] = cap
+        return cfg
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
 
 
@@ -937,7 +946,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
                   block_m: int = 16, split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
                   tma: bool = False, add: torch.Tensor | None = None,
-                  sum_here: bool | None = None) -> torch.Tensor:
+                  sum_here: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed; plus `add`
     ([..., N], float32, e.g. the residual stream) when given: add + x @ W.T, the same bits as adding
     afterwards, without a launch of its own.
@@ -947,6 +956,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     partial sums (in k-slice order, so the same bits) instead of a second kernel; p keeps a small
     arrival count per output block for it (made on the first such call, not while a CUDA graph is
     being captured: then the second kernel is used).
+    maxnreg: a cap on the registers per thread (ptxas's .maxnreg; CUDA only), so that more programs share
+    an SM.
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
     of x, tile_n outputs, K slice); split_k (a divisor of the K tiles, else the next one up) from the
@@ -997,7 +1008,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
-        **(dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}))
+        **(dict(num_warps=num_warps, num_stages=num_stages, **(dict(maxnreg=maxnreg) if maxnreg else {}))
+           if x2.is_cuda else {}))
     if split_k > 1 and counts is None:
         block = 1024
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
@@ -1153,3 +1165,10 @@ PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill con
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
 # HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
 DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))
+# a cap on the decode matmul's registers per thread by tile rows (packed_matmul's maxnreg), so that more
+# programs share an SM: 128-row tiles need ~141 (3 programs of 4 warps per SM), capped at 128 without a spill
+# (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_regs2_h200_s18.json);
+# 64-row tiles gained nothing from caps of 80 / 72 / 64. HIVEJET_DECODE_MAXNREG="128:128,64:80" (tile rows:
+# registers; "" for none) overrides.
+DECODE_MAXNREG = {int(t): int(r) for t, r in (kv.split(":") for kv in
+                  os.environ.get("HIVEJET_DECODE_MAXNREG", "128:128").split(",") if kv)}

@@ -561,6 +561,33 @@ GPU_TYPE_CASES = ([("llama", t, t) for t in CACHE_TYPES] + [("llama", k, v) for 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen35"])
+def test_gpu_fp16_matmul_inputs_change_no_bit(tiny, arch, monkeypatch):
+    """The kernels that make a packed matmul's input write it in fp16 (Weight.input_dtype): prompt logits
+    and decode logits are the same bits as with float32 inputs, which the matmuls rounded to fp16 first."""
+    from engine.models.common import StackedWeights, Weight
+    model = open_model(tiny(arch))
+    try:
+        V = model.spec.vocab_size
+        outs = []
+        for fp16 in (True, False):
+            if not fp16:
+                monkeypatch.setattr(Weight, "input_dtype", property(lambda self: None))
+                monkeypatch.setattr(StackedWeights, "input_dtype", property(lambda self: None))
+            r = Runner(model, device="cuda", n_slots=2, max_ctx=96, block_size=16)
+            first = r.prefill(0, prompt(20, 0, V)).clone()
+            steps = [r.decode([0], [t], [20 + i]).clone() for i, t in enumerate((5, 9, 2))]
+            outs.append((first, steps))
+            r.close()
+        assert torch.equal(outs[0][0], outs[1][0])
+        for a, b in zip(outs[0][1], outs[1][1]):
+            assert torch.equal(a, b)
+    finally:
+        model.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("arch,kt,vt", GPU_TYPE_CASES, ids=[f"{a}-{k}-{v}" for a, k, v in GPU_TYPE_CASES])
 def test_gpu_runner_matches_cpu_runner_every_cache_type(tiny, short_segments, arch, kt, vt):
     """The CUDA runner (Triton encoders incl. the Viterbi kernel, segment_bias, paged attention with the

@@ -32,11 +32,12 @@ _MM_POINTERS = dict(x_ptr="*fp16", lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_
 
 def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5120, *, num_warps: int = 4,
                           num_stages: int = 3, swap_ab: bool = True, split: int = 4, pdl: bool = False,
-                          prefetch: int = 0):
+                          prefetch: int = 0, maxnreg: int | None = None):
     """kernels/quant/packed.py's decode matmul for a [tile_n, k] weight of GGUF type `qtype` packed as the
     engine packs it (its layout's constants from `kernel_constants`), compiled for sm_90: the
     CompiledKernel (asm["ptx"], asm["cubin"]). pdl, prefetch: as packed_matmul launches it with
-    programmatic dependent launch (kernels/pdl.py). Call it in a process without TRITON_INTERPRET."""
+    programmatic dependent launch (kernels/pdl.py); maxnreg: a cap on the registers per thread. Call it in a
+    process without TRITON_INTERPRET."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,4 +56,23 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n in _MM_POINTERS or n == "stride_xm"}
     return triton_compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **(dict(maxnreg=maxnreg) if maxnreg else {})))
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """cuobjdump's resource usage of a compiled kernel: {"REG": registers per thread, "STACK": bytes of
+    stack frame (spills), ...} (the cuobjdump of Triton's wheel, else the CUDA toolkit's)."""
+    import re
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return {k: int(v) for k, v in re.findall(r"\b([A-Z]+):(\d+)", out)}

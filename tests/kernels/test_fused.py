@@ -189,6 +189,27 @@ def test_sigmoid_gate_mul():
     _close(ref_sigmoid_gate_mul(a, view), a * torch.sigmoid(view.reshape(n, h * hd)))
 
 
+def test_fp16_outputs_are_the_float32_results_rounded():
+    """out_dtype=fp16 (a packed matmul's input, Weight.input_dtype): the kernels write their float32
+    result rounded to nearest, the same bits as rounding the float32 output afterwards (what the matmul
+    did to its x before), for the norm and each gate; the references round the same way."""
+    g = _gen(21)
+    x, w = torch.randn(3, 160, generator=g) * 3, torch.randn(160, generator=g)
+    a, b = torch.randn(3, 2, 96, generator=g) * 3, torch.randn(3, 2, 96, generator=g) * 3
+    f16 = torch.float16
+    assert torch.equal(triton_rms_norm(x, w, EPS, f16), triton_rms_norm(x, w, EPS).to(f16))
+    assert triton_rms_norm(x, w, EPS, f16).dtype == f16
+    for tri, ref in ((triton_silu_mul, ref_silu_mul), (triton_gelu_tanh_mul, ref_gelu_tanh_mul),
+                     (triton_sigmoid_gate_mul, ref_sigmoid_gate_mul)):
+        out = tri(a, b, f16)
+        assert out.dtype == f16 and torch.equal(out, tri(a, b).to(f16))
+        assert torch.equal(ref(a, b, f16), ref(a, b).to(f16))
+    assert torch.equal(ref_rms_norm(x, w, EPS, f16), ref_rms_norm(x, w, EPS).to(f16))
+    with force_triton():
+        assert torch.equal(fused.rms_norm(x, w, EPS, f16), triton_rms_norm(x, w, EPS).to(f16))
+        assert torch.equal(fused.silu_mul(a, b, f16), triton_silu_mul(a, b).to(f16))
+
+
 # --------------------------------------------------------------------------- argmax
 
 @pytest.mark.parametrize("n", [1, 3])

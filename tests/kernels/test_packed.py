@@ -92,41 +92,49 @@ def test_4bit_types_pack_exactly_like_packed4(qtype):
 
 
 def test_4bit_plane_is_in_fragment_order():
-    """In each 32 values of a row, byte 4t + 2c + p holds value 16c + 2t + p (low nibble) and that + 8
-    (high nibble): the values a tensor-core fragment gives thread t, one 32-bit word per 32 values."""
-    n, k = 64, 128
+    """In each tile row of R = tile_k / 32 runs of 32 values, byte 4Rt + 4r + 2c + p holds value
+    32r + 16c + 2t + p (low nibble) and that + 8 (high nibble): the values a tensor-core fragment gives
+    thread t, one 32-bit word per run, thread t's words of the tile row side by side (one 16-byte load
+    for a 128-value tile)."""
+    n, k = 64, 256
     q = (torch.arange(n * k) % 16).to(torch.uint8).view(n, k)
     q = (q + torch.arange(n, dtype=torch.uint8)[:, None] * 3) % 16
     raw = _random_weight(QT.Q4_0, n, k, seed=2)
-    p = pack_weight(raw, QT.Q4_0, n, k, tile_k=64)
-    vals = nibble_values(p)
-    row = row_major(p, p.planes[0])[5]
-    for byte in (0, 1, 2, 3, 4, 13, 16 + 7, 63):
-        run, t, c, par = byte // 16, byte % 16 // 4, byte % 4 // 2, byte % 2
-        v = 32 * run + 16 * c + 2 * t + par
-        assert row[byte] & 15 == vals[5, v] and row[byte] >> 4 == vals[5, v + 8]
-    from kernels.quant.packed import _deinterleave_nibbles, _interleave_nibbles
-    assert torch.equal(_deinterleave_nibbles(_interleave_nibbles(q)), q)
-    assert not torch.equal(_interleave_nibbles(q), q[:, 0::2] | (q[:, 1::2] << 4))
+    for tk in (64, 128):
+        p = pack_weight(raw, QT.Q4_0, n, k, tile_k=tk)
+        vals = nibble_values(p)
+        row = row_major(p, p.planes[0])[5]
+        runs = tk // 32
+        for byte in (0, 1, 2, 3, 4, 13, 16 + 7, 63, 64 + 17, 127):
+            tile, b = byte // (tk // 2), byte % (tk // 2)
+            t, r, c, par = b // (4 * runs), b % (4 * runs) // 4, b % 4 // 2, b % 2
+            v = tk * tile + 32 * r + 16 * c + 2 * t + par
+            assert row[byte] & 15 == vals[5, v] and row[byte] >> 4 == vals[5, v + 8]
+        from kernels.quant.packed import _deinterleave_nibbles, _interleave_nibbles
+        assert torch.equal(_deinterleave_nibbles(_interleave_nibbles(q, tk), tk), q)
+        assert not torch.equal(_interleave_nibbles(q, tk), q[:, 0::2] | (q[:, 1::2] << 4))
 
 
 def test_2bit_high_plane_is_in_fragment_order():
-    """Q6_K's high plane: in each 32 values of a row, byte 2t + p holds in bits 2f, 2f+1 (f = c + 2h) the
-    high bits of value 16c + 8h + 2t + p: thread t's 8 values, the same ones as its word of the 4-bit
-    plane; a weight packs and dequantizes as gguf does (test_packed_dequant_matches_gguf) either way."""
+    """Q6_K's high plane: in each tile row of R = tile_k / 32 runs, byte 2Rt + 2r + p holds in bits 2f,
+    2f+1 (f = c + 2h) the high bits of value 32r + 16c + 8h + 2t + p: thread t's 8 values per run, the
+    same ones as its word of the 4-bit plane, its bytes of the tile row side by side; a weight packs and
+    dequantizes as gguf does (test_packed_dequant_matches_gguf) either way."""
     from kernels.quant.packed import _deinterleave_crumbs, _interleave_crumbs, high_values
     n, k = 64, 256
     raw = _random_weight(QT.Q6_K, n, k, seed=3)
     p = pack_weight(raw, QT.Q6_K, n, k, tile_k=128)
     vals = high_values(p)
     row = row_major(p, p.planes[1])[7]
-    for byte in (0, 1, 2, 5, 7, 8 + 3, 31, 63):
-        run, t, par = byte // 8, byte % 8 // 2, byte % 2
+    for byte in (0, 1, 2, 5, 7, 8 + 3, 31, 32 + 9, 63):
+        tile, b = byte // 32, byte % 32
+        t, r, par = b // 8, b % 8 // 2, b % 2
         for f in range(4):
             c, h = f % 2, f // 2
-            assert (row[byte] >> (2 * f)) & 3 == vals[7, 32 * run + 16 * c + 8 * h + 2 * t + par]
-    q = torch.randint(0, 4, (8, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(_deinterleave_crumbs(_interleave_crumbs(q)), q)
+            assert (row[byte] >> (2 * f)) & 3 == vals[7, 128 * tile + 32 * r + 16 * c + 8 * h + 2 * t + par]
+    q = torch.randint(0, 4, (8, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for tk in (64, 128, 256):
+        assert torch.equal(_deinterleave_crumbs(_interleave_crumbs(q, tk), tk), q)
     assert vals.max() == 3 and vals.float().std() > 0.5      # a real plane, not zeros
 
 
@@ -142,10 +150,11 @@ except (RuntimeError, FileNotFoundError) as e:
     print("cannot compile for sm_90 here:", e)
     sys.exit(3)
 ptx = k.asm["ptx"]
-# scalar byte loads, two-byte loads (ld.shared.v2.b8, one 16-bit load: a thread's part of 32 values of
-# Q6_K's 2-bit plane), PRMTs
-print(len(re.findall(r"ld\.shared(\.(?!v\d)\w+)*\.[ub]8\b", ptx)), len(re.findall(r"ld\.shared\.v2\.[ub]8\b", ptx)),
-      len(re.findall(r"prmt\.b32", ptx)))
+# scalar byte loads, byte-pair loads (ld.shared.v2.b8), 16-byte and 8-byte word loads, ldmatrix, PRMTs
+count = lambda pat: len(re.findall(pat, ptx))
+print(count(r"ld\.shared(\.(?!v\d)\w+)*\.[ub]8\b"), count(r"ld\.shared\.v2\.[ub]8\b"),
+      count(r"ld\.shared\.v4\.b32\b"), count(r"ld\.shared\.v2\.b32\b"), count(r"ldmatrix\."),
+      count(r"prmt\.b32"))
 """
 
 
@@ -153,17 +162,43 @@ print(len(re.findall(r"ld\.shared(\.(?!v\d)\w+)*\.[ub]8\b", ptx)), len(re.findal
 def test_decode_matmul_reads_the_planes_as_words(qtype):
     """The Q4_K and Q6_K decode matmuls compiled for the H200 (sm_90, on this machine: Triton's compiler
     and ptxas, in a process without TRITON_INTERPRET) read the 4-bit plane (and Q6_K's 2-bit plane) from
-    shared memory in words and spread the fields with PRMT (_nibbles_f16, _crumbs_f16), not one byte load
-    and ~4 instructions per byte as before the planes went to fragment order (Q4_K: 64 8-bit shared loads
-    per tile and thread, its matmuls 15-20 % slower on the H200; Q6_K's 1.3-1.45x slower;
-    docs/PERFORMANCE.md, fifteenth session)."""
-    byte_loads, pair_loads, prmt = sm90_figures(_PTX_SCRIPT, qtype)[-3:]
-    assert byte_loads == 0
+    shared memory as one 16-byte (8-byte) load per tile row and thread and spread the fields with PRMT
+    (_nibbles_f16, _crumbs_f16): not one byte load and ~4 instructions per byte as before the planes went
+    to fragment order (Q4_K's matmuls 15-20 % slower on the H200, Q6_K's 1.3-1.45x; fifteenth session),
+    nor ldmatrix over rows 64 bytes apart, whose 4-way bank conflicts were 30 % of the gate+up stack's
+    shared-memory wavefronts (eighteenth session; docs/PERFORMANCE.md)."""
+    byte_loads, pair_loads, quads, pairs, ldmatrix, prmt = sm90_figures(_PTX_SCRIPT, qtype)[-6:]
+    assert byte_loads == 0 and pair_loads == 0
     # two per 8 values of the 4-bit plane, and for Q6_K two per 8 of the 2-bit one: 128 values per
     # thread and tile for Q4_K, 64 for Q6_K
     assert prmt >= 32
-    if qtype == "Q6_K":     # the 2-bit plane: 2 bytes per 32 values and thread, 2 rows x 4 runs of 32
-        assert pair_loads >= 8
+    if qtype == "Q4_K":   # 4 rows of 64 bytes a thread; the epilogue's 4 ldmatrix remain
+        assert quads >= 8 and ldmatrix <= 4
+    else:                 # 2 rows: the 4-bit plane's 16 bytes and the 2-bit plane's 8 bytes each
+        assert quads >= 2 and pairs >= 2 and ldmatrix == 0
+
+
+_REGS_SCRIPT = r"""
+import sys
+from tests.kernels.sm90 import compile_decode_matmul, resource_usage
+from kernels.quant.packed import DECODE_MAXNREG
+# the 128-row Q4_K decode matmul as the engine launches it (PDL, the register cap of its tile rows)
+try:
+    k = compile_decode_matmul("Q4_K", tile_n=128, split=4, pdl=True, prefetch=1, maxnreg=DECODE_MAXNREG.get(128))
+except (RuntimeError, FileNotFoundError) as e:
+    print("cannot compile for sm_90 here:", e)
+    sys.exit(3)
+u = resource_usage(k.asm["cubin"])
+print(u["REG"], u.get("STACK", 0), u.get("LOCAL", 0))
+"""
+
+
+def test_128_row_decode_matmul_fits_four_programs_per_sm():
+    """The engine caps the 128-row decode matmul's registers (DECODE_MAXNREG) so that four 4-warp programs
+    share an SM (128 registers per thread; ~141 uncapped: three), without spilling to local memory: the
+    Q4_K gate+up stack 5 % faster on the H200 (eighteenth session)."""
+    regs, stack, local = sm90_figures(_REGS_SCRIPT)[-3:]
+    assert regs <= 128 and stack == 0 and local == 0
 
 
 def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
@@ -263,6 +298,21 @@ def test_swapped_operands_and_tuned_configs(qtype):
     for prefill in (False, True):
         cfg = tuned_config(p, prefill, 4)
         _check(packed_matmul(x, p, **cfg), x, p)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_fp16_input_gives_the_same_bits(qtype):
+    """x handed over in fp16 (what the producers of a packed matmul's input write on the GPU:
+    Weight.input_dtype) gives the bits of float32 x, which the kernel rounds to fp16 first, in the engine's
+    decode settings and with the residual added in the epilogue."""
+    from kernels.quant.packed import tuned_config
+    n, k = 64, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=9), qtype, n, k, tile_n=32, tile_k=128)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
+    add = torch.randn(3, n, generator=torch.Generator().manual_seed(10))
+    cfg = tuned_config(p, False, 4)
+    assert torch.equal(packed_matmul(x.half(), p, **cfg), packed_matmul(x, p, **cfg))
+    assert torch.equal(packed_matmul(x.half(), p, add=add, **cfg), packed_matmul(x, p, add=add, **cfg))
 
 
 def test_deep_pipeline_only_where_it_measured_faster():
