@@ -65,3 +65,25 @@ if [ "$1" = 6 ]; then
     timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_packed.py > "$OUT/gpu_tests_s18_6.txt" 2>&1
     grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_s18_6.txt" | tail -6
 fi
+#   run 7 (and .bench-bin; rows r and r + 8 paired in the fragment-order planes): GPU tests of the packed
+#          matmul and the runner, then bench27b.sh with llama-bench
+if [ "$1" = 7 ]; then
+    m27_start
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_packed.py tests/engine/test_runner.py \
+        -k "not smollm2 and not gemma3 and (not test_runner or fp16_matmul or graphs_equal_eager or greedy_equals_cpu)" \
+        > "$OUT/gpu_tests_s18_7.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_s18_7.txt" | tail -8
+    timeout 230 bash .ci/gpu/bench27b.sh --rows 1 4 16 2>&1 | grep -v Warn | tail -12
+fi
+#   run 8 (and .bench-bin; the row pairs stored in 16-byte chunks per thread, no bank conflicts): the packed
+#          matmul's Q4_K / Q6_K GPU tests, then bench decode at depth 0 with llama-bench
+if [ "$1" = 8 ]; then
+    m27_start
+    timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_packed.py -k "Q4_K or Q6_K" \
+        > "$OUT/gpu_tests_s18_8.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_s18_8.txt" | tail -6
+    m27_wait
+    tar xJf .bench-bin/llama-bench-b11434-cuda-sm90.tar.xz -C /tmp
+    timeout 100 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --llamacpp /tmp --depths 0 --rows 1 16 \
+        --json "$OUT/decode27b.json" 2>&1 | grep -v Warn | tail -8
+fi

@@ -12,30 +12,12 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.pop("TRITON_INTERPRET", None)
 
-import triton  # noqa: E402
-
-from tests.kernels.sm90 import compile_decode_matmul  # noqa: E402
-
-
-def sass_of(cubin: bytes) -> tuple[str, str]:
-    """(the SASS, cuobjdump's resource usage line: registers, shared memory)"""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    tool = tool if os.path.exists(tool) else "cuobjdump"       # (the wheel's, else the CUDA toolkit's)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        run = lambda flag: subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
-        res = [ln.strip() for ln in run("-res-usage").splitlines() if "REG" in ln]
-        return run("-sass"), (res[0] if res else "")
-    finally:
-        os.unlink(f.name)
+from tests.kernels.sm90 import compile_decode_matmul, resource_usage, sass_of  # noqa: E402
 
 
 def main():
@@ -49,9 +31,10 @@ def main():
     ap.add_argument("--no-swap", action="store_true")
     ap.add_argument("--sass", help="write the whole SASS here")
     a = ap.parse_args()
-    k = compile_decode_matmul(a.type, a.tile_n, a.tile_k, num_warps=a.warps, num_stages=a.stages,
-                              swap_ab=not a.no_swap, split=a.split)
-    sass, usage = sass_of(k.asm["cubin"])
+    kern = compile_decode_matmul(a.type, a.tile_n, a.tile_k, num_warps=a.warps, num_stages=a.stages,
+                                 swap_ab=not a.no_swap, split=a.split)
+    sass = sass_of(kern.asm["cubin"])
+    usage = " ".join(f"{k}:{v}" for k, v in resource_usage(kern.asm["cubin"]).items())
     if a.sass:
         open(a.sass, "w").write(sass)
     ops = collections.Counter()

@@ -60,10 +60,8 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
                                        **(dict(maxnreg=maxnreg) if maxnreg else {})))
 
 
-def resource_usage(cubin: bytes) -> dict:
-    """cuobjdump's resource usage of a compiled kernel: {"REG": registers per thread, "STACK": bytes of
-    stack frame (spills), ...} (the cuobjdump of Triton's wheel, else the CUDA toolkit's)."""
-    import re
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump FLAG on a compiled kernel (the cuobjdump of Triton's wheel, else the CUDA toolkit's)."""
     import tempfile
 
     import triton
@@ -72,7 +70,18 @@ def resource_usage(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    return {k: int(v) for k, v in re.findall(r"\b([A-Z]+):(\d+)", out)}
+
+
+def sass_of(cubin: bytes) -> str:
+    """A compiled kernel's SASS."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """cuobjdump's resource usage of a compiled kernel: {"REG": registers per thread, "STACK": bytes of
+    stack frame (spills), ...}."""
+    import re
+    return {k: int(v) for k, v in re.findall(r"\b([A-Z]+):(\d+)", _cuobjdump(cubin, "-res-usage"))}
