@@ -116,7 +116,7 @@ except ImportError:  # CPU-only installs use the torch reference instead
 
 __all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "dequant_packed",
            "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "stack_rows", "stack_key", "nibble_values",
-           "high_values", "plane_rows"]
+           "high_values"]
 
 
 @dataclass
@@ -314,7 +314,7 @@ def _deinterleave_nibbles(b: torch.Tensor, tile_k: int) -> torch.Tensor:
 
 def nibble_values(p: "PackedWeight", ids: torch.Tensor | None = None) -> torch.Tensor:
     """The 4-bit plane's values (the low 4 bits of q) row-major, uint8 [rows, K]: all rows or rows ids."""
-    return _deinterleave_nibbles(plane_rows(p, 0, ids), p.tile_k)
+    return _deinterleave_nibbles(row_major(p, p.planes[0], ids), p.tile_k)
 
 
 def _interleave_crumbs(h: torch.Tensor, tile_k: int) -> torch.Tensor:
@@ -337,64 +337,9 @@ def _deinterleave_crumbs(b: torch.Tensor, tile_k: int) -> torch.Tensor:
     return v.permute(0, 1, 3, 6, 5, 2, 4).reshape(r, -1)
 
 
-def _pair_dims(w: int, unit: int) -> tuple[int, int, int]:
-    """(C, RL, X) of a fragment-order plane whose tile rows are W bytes of [thread (4), run, `unit` bytes]
-    (the 4-bit plane: unit 4; the 2-bit plane: 2): a thread's bytes of a row pair come in C chunks of
-    RL runs (at most 16 bytes a chunk), each run's unit being X two-byte parts."""
-    runs = w // (4 * unit)
-    c = max(1, runs * unit // 8)
-    return c, runs // c, unit // 2
-
-
-def _pair_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
-    """A tiled fragment-order plane [tiles, K tiles, tile_n, W] (rows of [thread t, run, `unit` bytes]) with
-    rows r and r + 8 of every 16 paired two bytes at a time. A tensor-core fragment gives a thread rows r
-    and r + 8, and Triton hands the nibble conversion (`_nibbles_f16`, 4 bytes a word) a thread's values in
-    the order (parity, row r / r + 8, ...): in a paired plane such a 4-byte group is one word as it lies,
-    where with the rows apart each word took two PRMTs to assemble (16 per 128 values and thread; sm_90
-    SASS). Each 16 rows are stored as [chunk, pair i (8), t, run within the chunk, part, row r / r + 8,
-    parity]: a thread's bytes of its pair in 16-byte chunks, and the 8 lanes of a quarter warp (pairs i, i + 1,
-    4 threads each) read 128 contiguous bytes per chunk, free of bank conflicts (with a pair's 2W bytes
-    together, lanes 128 bytes apart hit the same banks: 2-way, the 16-row step 4 % slower on the H200)."""
-    nt, kt, tn, w = t.shape
-    c, rl, x = _pair_dims(w, unit)
-    v = t.view(nt, kt, tn // 16, 2, 8, 4, c, rl, x, 2)       # [.., block, half, i, t, chunk, run, part, parity]
-    return v.permute(0, 1, 2, 6, 4, 5, 7, 8, 3, 9).reshape(nt, kt, tn, w)
-
-
-def _unpair_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
-    """Inverse of _pair_rows."""
-    nt, kt, tn, w = t.shape
-    c, rl, x = _pair_dims(w, unit)
-    v = t.view(nt, kt, tn // 16, c, 8, 4, rl, x, 2, 2)       # [.., block, chunk, i, t, run, part, half, parity]
-    return v.permute(0, 1, 2, 8, 4, 5, 3, 6, 7, 9).reshape(nt, kt, tn, w)
-
-
-def _pair_unit(p: "PackedWeight", i: int) -> int:
-    """The unit (bytes per run, thread and row) of plane i where it is paired, else 0 (not paired)."""
-    if i == 0 and p.hi_bits != 8:
-        return 4
-    return 2 if i == 1 and p.hi_bits == 2 else 0
-
-
-def plane_rows(p: "PackedWeight", i: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Plane i's bytes of each row (the 4-bit and 2-bit planes' row pairs taken apart again: _pair_rows),
-    row-major [rows, bytes per row]: all rows or rows `ids` (then only their 16-row blocks are unpaired)."""
-    t, unit = p.planes[i], _pair_unit(p, i)
-    if not unit:
-        return row_major(p, t, ids)
-    if ids is None:
-        return row_major(p, _unpair_rows(t, unit), None)
-    nt, kt, tn, w = t.shape
-    blocks = t.view(nt, kt, tn // 16, 16 * w).permute(0, 2, 1, 3)[ids // tn, ids % tn // 16]   # [n, K tiles, 16W]
-    rows = _unpair_rows(blocks.reshape(ids.shape[0], kt, 16, w), unit)                        # [n, K tiles, 16, W]
-    pick = (ids % 16).view(-1, 1, 1, 1).expand(-1, kt, 1, w)
-    return rows.gather(2, pick).reshape(ids.shape[0], kt * w)
-
-
 def high_values(p: "PackedWeight", ids: torch.Tensor | None = None) -> torch.Tensor:
     """The high plane's values (bits 4.. of q) row-major, uint8 [rows, K]: all rows or rows ids."""
-    b = plane_rows(p, 1, ids)
+    b = row_major(p, p.planes[1], ids)
     return _deinterleave_crumbs(b, p.tile_k) if p.hi_bits == 2 else _unpack_bits(b, p.hi_bits)
 
 
@@ -479,9 +424,6 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
             put(scale, r0, s.reshape(rr, k // group).to(torch.float16))
             if m is not None:
                 put(minv, r0, m.reshape(rr, k // group).to(torch.float16))
-    if hi_bits != 8:     # the fragment-order planes: rows r and r + 8 paired (_pair_rows)
-        planes = tuple(_pair_rows(t, 4 if i == 0 else 2) if i == 0 or hi_bits == 2 else t
-                       for i, t in enumerate(planes))
     return PackedWeight(planes=planes, scale=scale, minv=minv, n=n, k=k, group=group, hi_bits=hi_bits,
                         qtype=qt, tile_n=tn, tile_k=tk, supers=supers, offset=offset)
 
@@ -694,13 +636,10 @@ if triton is not None:
             f0, f1, f2, f3 = _crumbs_f16(b)
         else:
             f0, f1, f2, f3 = b & 3, (b >> 2) & 3, (b >> 4) & 3, b >> 6
-        # join(join(f0, f1), join(f2, f3))[..., chunk, high] = field chunk + 2 * high; each 16 rows are
-        # (_pair_rows, unit 2) [piece (C), pair i, t, run within the piece (RL), row r / r + 8, parity] ->
-        # row 16 * block + 8 * half + i, value 32 * (RL * piece + run) + 16 * chunk + 8 * high + 2 * t + parity
-        C: tl.constexpr = (BLOCK_K + 127) // 128
+        # join(join(f0, f1), join(f2, f3))[..., chunk, high] = field chunk + 2 * high; the bytes are
+        # [.., t, run, parity] -> value 32 * run + 16 * chunk + 8 * high + 2 * t + parity
         f = tl.join(tl.join(f0, f1), tl.join(f2, f3))
-        f = tl.reshape(f, (BLOCK_N // 16, C, 8, 4, BLOCK_K // 32 // C, 2, 2, 2, 2))
-        f = tl.permute(f, (0, 5, 2, 1, 4, 7, 8, 3, 6))
+        f = tl.permute(tl.reshape(f, (BLOCK_N, 4, BLOCK_K // 32, 2, 2, 2)), (0, 2, 4, 5, 1, 3))
         return tl.reshape(f, (BLOCK_N, BLOCK_K))
 
     @triton.jit
@@ -717,16 +656,13 @@ if triton is not None:
         if BITS == 8:   # the int8 plane: the values themselves
             f = b
         elif BITS == 4:
-            # the nibble order of `_interleave_nibbles`, rows paired (_pair_rows, unit 4): each 16 rows are
-            # [piece (C), pair i, t, run within the piece (RL), chunk, row r / r + 8, parity, (low, high)] ->
-            # row 16 * block + 8 * half + i, value 32 * (RL * piece + run) + 16 * chunk + 8 * high + 2 * t + parity
-            C: tl.constexpr = (BLOCK_K + 63) // 64
+            # the nibble order of `_interleave_nibbles`: [.., t, run, chunk, parity, (low, high)] ->
+            # value 32 * run + 16 * chunk + 8 * high + 2 * t + parity
             if AS_F16:
                 f = _nibbles_f16(b)
             else:
                 f = tl.join(b & 0x0F, b >> 4)
-            f = tl.reshape(f, (BLOCK_N // 16, C, 8, 4, BLOCK_K // 32 // C, 2, 2, 2, 2))
-            f = tl.permute(f, (0, 6, 2, 1, 4, 5, 8, 3, 7))
+            f = tl.permute(tl.reshape(f, (BLOCK_N, 4, BLOCK_K // 32, 2, 2, 2)), (0, 2, 3, 5, 1, 4))
         else:   # BITS == 1 (the 2-bit plane is _load_high2's)
             f = tl.join(tl.join(tl.join(b & 1, (b >> 4) & 1), tl.join((b >> 2) & 1, (b >> 6) & 1)),
                         tl.join(tl.join((b >> 1) & 1, (b >> 5) & 1), tl.join((b >> 3) & 1, b >> 7)))

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 from kernels.quant.packed import (  # noqa: E402
     PACKED_TYPES, dequant_packed, dequant_packed_ref, group_scales, nibble_values, pack_weight, packed_matmul,
-    packed_rows, plane_rows, prefill_matmul, row_major,
+    packed_rows, prefill_matmul, row_major,
 )
 from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
 from tests.kernels.sm90 import sm90_figures  # noqa: E402
@@ -103,7 +103,7 @@ def test_4bit_plane_is_in_fragment_order():
     for tk in (64, 128):
         p = pack_weight(raw, QT.Q4_0, n, k, tile_k=tk)
         vals = nibble_values(p)
-        row = plane_rows(p, 0)[5]
+        row = row_major(p, p.planes[0])[5]
         runs = tk // 32
         for byte in (0, 1, 2, 3, 4, 13, 16 + 7, 63, 64 + 17, 127):
             tile, b = byte // (tk // 2), byte % (tk // 2)
@@ -125,7 +125,7 @@ def test_2bit_high_plane_is_in_fragment_order():
     raw = _random_weight(QT.Q6_K, n, k, seed=3)
     p = pack_weight(raw, QT.Q6_K, n, k, tile_k=128)
     vals = high_values(p)
-    row = plane_rows(p, 1)[7]
+    row = row_major(p, p.planes[1])[7]
     for byte in (0, 1, 2, 5, 7, 8 + 3, 31, 32 + 9, 63):
         tile, b = byte // 32, byte % 32
         t, r, par = b // 8, b % 8 // 2, b % 2
@@ -136,49 +136,6 @@ def test_2bit_high_plane_is_in_fragment_order():
     for tk in (64, 128, 256):
         assert torch.equal(_deinterleave_crumbs(_interleave_crumbs(q, tk), tk), q)
     assert vals.max() == 3 and vals.float().std() > 0.5      # a real plane, not zeros
-
-
-@pytest.mark.parametrize("unit", [4, 2])
-@pytest.mark.parametrize("tile_k", [32, 64, 128, 256])
-def test_pair_rows_layout(unit, tile_k):
-    """Each 16 rows of a fragment-order plane (rows of [thread t, run, `unit` bytes]: 4 for the 4-bit plane,
-    2 for the 2-bit one) are stored as [chunk, pair i, t, run within the chunk, part, row r / r + 8, parity]
-    for rows r = i and i + 8: a thread's two values of row r then the same two of row r + 8 in one word, its
-    bytes of a pair in chunks of at most 16, a quarter warp's chunk 128 contiguous bytes."""
-    from kernels.quant.packed import _pair_rows, _unpair_rows
-    w = tile_k // 2 if unit == 4 else tile_k // 4
-    t = torch.arange(16 * w, dtype=torch.int32).view(1, 1, 16, w)
-    paired = _pair_rows(t, unit).flatten().tolist()
-    runs = w // (4 * unit)
-    chunk = min(16, 2 * runs * unit)                    # a thread's bytes of a pair: 2 * runs * unit
-    per_chunk = chunk // (2 * unit)                     # runs in a chunk
-    pos = 0
-    for c in range(2 * runs * unit // chunk):
-        for i in range(8):
-            for th in range(4):
-                for r in range(per_chunk):
-                    for part in range(unit // 2):
-                        for half in range(2):
-                            for par in range(2):
-                                run = c * per_chunk + r
-                                assert paired[pos] == (8 * half + i) * w + th * runs * unit + run * unit + 2 * part + par
-                                pos += 1
-    assert pos == 16 * w and torch.equal(_unpair_rows(_pair_rows(t, unit), unit), t)
-
-
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_plane_rows_undo_the_pairing(qtype):
-    """plane_rows gives each row's bytes as before the pairing, for all rows and for rows picked (an
-    embedding lookup), in several tile sizes; packed_rows dequantizes picked rows as the reference does."""
-    n, k = 80, 256
-    raw = _random_weight(qtype, n, k, seed=12)
-    for tn, tk in ((16, 128), (32, 64), (64, 256)):
-        p = pack_weight(raw, qtype, n, k, tile_n=tn, tile_k=tk)
-        for i in range(len(p.planes)):
-            ids = torch.tensor([0, 9, 17, 63, 79, 8])
-            assert torch.equal(plane_rows(p, i, ids), plane_rows(p, i)[ids])
-        ids2 = torch.tensor([[3, 11], [79, 40]])
-        assert torch.equal(packed_rows(p, ids2), dequant_packed_ref(p)[ids2])
 
 
 _PTX_SCRIPT = r"""
@@ -193,14 +150,11 @@ except (RuntimeError, FileNotFoundError) as e:
     print("cannot compile for sm_90 here:", e)
     sys.exit(3)
 ptx = k.asm["ptx"]
-from tests.kernels.sm90 import sass_of
-sass = sass_of(k.asm["cubin"])
-# scalar byte loads, byte-pair loads (ld.shared.v2.b8), 16-byte word loads, ldmatrix, PRMTs; in the SASS,
-# PRMTs that pair 16-bit halves of two registers (selectors 0x5410, 0x7632)
-count = lambda pat, text=ptx: len(re.findall(pat, text))
+# scalar byte loads, byte-pair loads (ld.shared.v2.b8), 16-byte and 8-byte word loads, ldmatrix, PRMTs
+count = lambda pat: len(re.findall(pat, ptx))
 print(count(r"ld\.shared(\.(?!v\d)\w+)*\.[ub]8\b"), count(r"ld\.shared\.v2\.[ub]8\b"),
-      count(r"ld\.shared\.v4\.b32\b"), count(r"ldmatrix\."), count(r"prmt\.b32"),
-      count(r"PRMT [^;]*0x(5410|7632)", sass))
+      count(r"ld\.shared\.v4\.b32\b"), count(r"ld\.shared\.v2\.b32\b"), count(r"ldmatrix\."),
+      count(r"prmt\.b32"))
 """
 
 
@@ -212,17 +166,16 @@ def test_decode_matmul_reads_the_planes_as_words(qtype):
     (_nibbles_f16, _crumbs_f16): not one byte load and ~4 instructions per byte as before the planes went
     to fragment order (Q4_K's matmuls 15-20 % slower on the H200, Q6_K's 1.3-1.45x; fifteenth session),
     nor ldmatrix over rows 64 bytes apart, whose 4-way bank conflicts were 30 % of the gate+up stack's
-    shared-memory wavefronts, nor with PRMTs assembling each word from two rows' registers (the rows are
-    paired in memory instead: _pair_rows; eighteenth session, docs/PERFORMANCE.md)."""
-    byte_loads, pair_loads, quads, ldmatrix, prmt, shuffles = sm90_figures(_PTX_SCRIPT, qtype)[-6:]
-    assert byte_loads == 0 and pair_loads == 0 and shuffles == 0
-    # the conversions' own: two per 8 values of the 4-bit plane and, for Q6_K, two per 16 of the 2-bit one;
-    # 128 values per thread and tile for Q4_K, 64 for Q6_K
-    assert prmt >= (32 if qtype == "Q4_K" else 24)
-    if qtype == "Q4_K":   # 2 row pairs of 2 x 64 bytes a thread; the epilogue's 4 ldmatrix remain
+    shared-memory wavefronts (eighteenth session; docs/PERFORMANCE.md)."""
+    byte_loads, pair_loads, quads, pairs, ldmatrix, prmt = sm90_figures(_PTX_SCRIPT, qtype)[-6:]
+    assert byte_loads == 0 and pair_loads == 0
+    # two per 8 values of the 4-bit plane, and for Q6_K two per 8 of the 2-bit one: 128 values per
+    # thread and tile for Q4_K, 64 for Q6_K
+    assert prmt >= 32
+    if qtype == "Q4_K":   # 4 rows of 64 bytes a thread; the epilogue's 4 ldmatrix remain
         assert quads >= 8 and ldmatrix <= 4
-    else:                 # 1 row pair: the 4-bit plane's 2 x 16 bytes and the 2-bit plane's 2 x 8
-        assert quads >= 3 and ldmatrix == 0
+    else:                 # 2 rows: the 4-bit plane's 16 bytes and the 2-bit plane's 8 bytes each
+        assert quads >= 2 and pairs >= 2 and ldmatrix == 0
 
 
 _REGS_SCRIPT = r"""
