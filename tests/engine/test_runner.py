@@ -320,10 +320,16 @@ def test_every_cache_type_matches_cpu_path(tiny, short_segments, arch, kt, vt):
         assert toks[0] == want
         assert_close_logits(logits[0], want_logits, 2e-3)
         assert bool(runner.kprep) == (get_codec(kt).rotated)
+        # the trellis (tcq) encoders choose among near-equal paths; which one a last-bit difference picks
+        # depends on the CPU's float kernels (AVX-512 machines pick others than AVX2 ones), so a center
+        # made by a decode row from stored keys (the third) may move by a code step over 256 keys: ~4e-3
+        # here; a missing or wrong center is ~0.3
+        atol = 1e-2 if kt.endswith("_tcq") else 1e-5
         for il, kp in runner.kprep.items():             # the preconditioning itself, layer by layer
             ref = kv.kprep[il]
             assert len(ref["centers"]) == 3 and int(kp.ncent[0]) == 3
-            assert torch.allclose(kp.centers[0, :3], torch.stack(ref["centers"]), atol=1e-5, rtol=1e-4)
+            assert torch.allclose(kp.centers[0, :2], torch.stack(ref["centers"][:2]), atol=1e-5, rtol=1e-4)
+            assert torch.allclose(kp.centers[0, 2], ref["centers"][2], atol=atol, rtol=1e-4)
             assert torch.allclose(kp.w[0], ref["w"], atol=1e-6)
     finally:
         model.close()
