@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, ".ci/gpu")
 sys.path.insert(0, "tests/kernels")
-from sweep_scales import clones, time_it  # noqa: E402
+from sweep_scales import clones, time_case  # noqa: E402
 from sweep_tile_k import ALL_SHAPES  # noqa: E402
 from test_packed import _random_weight  # noqa: E402
 
@@ -60,19 +60,8 @@ def main():
         clone_sets = {}
         for name, p, cfg in cases:
             ws = clone_sets.setdefault(p.tile_n, clones(p))
-            for m in (1, 16):
-                try:
-                    out = packed_matmul(xs[m], p, **cfg)
-                    err = ((out - ref[m]).abs().max() / ref[m].abs().max()).item()
-                    t = time_it(ws, m, cfg)
-                except Exception as e:   # (a cap ptxas cannot meet)
-                    print(f"{qt} {n}x{k} {name} M={m}: {type(e).__name__} {str(e)[:80]}", flush=True)
-                    continue
-                r = dict(type=qt, n=n, k=k, tile_n=p.tile_n, variant=name, rows=m, us=t * 1e6,
-                         tbps=p.nbytes / t / 1e12, err=err, split=cfg["split_k"])
-                rows.append(r)
-                print(f"{qt} {n}x{k} {name:32s} M={m:2d}: {r['us']:7.1f} us {r['tbps']:.2f} TB/s "
-                      f"split {cfg['split_k']} err {err:.1e}", flush=True)
+            rows += time_case(f"{qt} {n}x{k} {name:32s} (split {cfg['split_k']:2d})", p, ws, xs, ref, cfg, type=qt,
+                              n=n, k=k, tile_n=p.tile_n, variant=name, split=cfg["split_k"])
         del clone_sets
         torch.cuda.empty_cache()
         if args.json:

@@ -71,6 +71,25 @@ def time_it(ws, m, cfg):
     return graph_time(lambda w: packed_matmul(x, w, **cfg), ws)
 
 
+def time_case(label, p, ws, xs, ref, cfg, **fields) -> list[dict]:
+    """One variant (settings cfg) of the decode matmul on p, timed on its clones ws (time_it) at each row
+    count of xs {rows: x} and checked against ref {rows: the engine's output}: a result dict per row count
+    (fields, rows, us, tbps, err), each printed after `label`; a variant that does not compile or launch
+    (registers, shared memory) is reported and left out."""
+    out = []
+    for m, x in xs.items():
+        try:
+            y = packed_matmul(x, p, **cfg)
+            err = ((y - ref[m]).abs().max() / ref[m].abs().max()).item()
+            t = time_it(ws, m, cfg)
+        except Exception as e:
+            print(f"{label} M={m}: {type(e).__name__} {str(e)[:80]}", flush=True)
+            continue
+        out.append(dict(fields, rows=m, us=t * 1e6, tbps=p.nbytes / t / 1e12, err=err))
+        print(f"{label} M={m:2d}: {t * 1e6:7.1f} us {p.nbytes / t / 1e12:.2f} TB/s err {err:.1e}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, ".ci/gpu")
 sys.path.insert(0, "tests/kernels")
-from sweep_scales import clones, time_it  # noqa: E402
+from sweep_scales import clones, time_case  # noqa: E402
 from test_packed import _random_weight  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -43,19 +43,9 @@ def main():
         cases += [(f"split {s}", dict(cfg0, split_k=s)) for s in splits]
         ws = clones(p)
         for name, cfg in cases:
-            for m in (1, 16):
-                try:
-                    out = packed_matmul(xs[m], p, **cfg)
-                    err = ((out - ref[m]).abs().max() / ref[m].abs().max()).item()
-                    t = time_it(ws, m, cfg)
-                except Exception as e:   # (shared memory)
-                    print(f"{qt} {n}x{k} {name} M={m}: {type(e).__name__} {str(e)[:80]}", flush=True)
-                    continue
-                r = dict(type=qt, n=n, k=k, variant=name, rows=m, us=t * 1e6, tbps=p.nbytes / t / 1e12, err=err,
-                         split=cfg["split_k"], stages=cfg["num_stages"])
-                rows.append(r)
-                print(f"{qt} {n}x{k} {name:12s} (split {cfg['split_k']:2d}, {cfg['num_stages']} stages) M={m:2d}: "
-                      f"{r['us']:7.1f} us {r['tbps']:.2f} TB/s err {err:.1e}", flush=True)
+            label = f"{qt} {n}x{k} {name:12s} (split {cfg['split_k']:2d}, {cfg['num_stages']} stages)"
+            rows += time_case(label, p, ws, xs, ref, cfg, type=qt, n=n, k=k, variant=name, split=cfg["split_k"],
+                              stages=cfg["num_stages"])
         del ws
         torch.cuda.empty_cache()
         if args.json:

@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".ci/gpu")
-from sweep_scales import clones, time_it  # noqa: E402
+from sweep_scales import clones, time_case  # noqa: E402
 from test_packed import _random_weight  # noqa: E402
 
 from kernels.quant.packed import _has_tma, _sm_count, pack_weight, packed_matmul, tuned_config  # noqa: E402
@@ -91,18 +91,7 @@ def main():
                 cases.append((f"tile_k {tk} {s}", p, dict(c, **s)))
         for name, p, cfg in cases:
             ws = clones(p)
-            for m in (1, 16):
-                try:
-                    out = packed_matmul(xs[m], p, **cfg)
-                    err = ((out - ref[m]).abs().max() / ref[m].abs().max()).item()
-                    t = time_it(ws, m, cfg)
-                except Exception as e:   # (registers / shared memory)
-                    print(f"{qt} {n}x{k} {name} M={m}: {type(e).__name__} {str(e)[:80]}", flush=True)
-                    continue
-                r = dict(type=qt, n=n, k=k, variant=name, rows=m, us=t * 1e6, tbps=p.nbytes / t / 1e12, err=err)
-                rows.append(r)
-                print(f"{qt} {n}x{k} {name:45s} M={m:2d}: {r['us']:7.1f} us {r['tbps']:.2f} TB/s err {err:.1e}",
-                      flush=True)
+            rows += time_case(f"{qt} {n}x{k} {name:45s}", p, ws, xs, ref, cfg, type=qt, n=n, k=k, variant=name)
             del ws
             torch.cuda.empty_cache()
     if args.json:
