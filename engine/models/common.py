@@ -100,7 +100,7 @@ class Weight:
         """The dtype the kernel that makes this matrix's input should write: fp16 when the matrix is packed
         on a CUDA device, else None (as it is). Packed matmuls round x to fp16 before anything else, so a
         producer that rounds instead gives the same bits, and the decode matmul then copies x straight into
-        its tensor-core operand instead of converting each tile's x on the way (on the H200, 15 % of the
+        its tensor-core operand instead of converting each tile's x on the way (on the H200, ~14 % of the
         gate+up stack's stall samples were that conversion: docs/PERFORMANCE.md, eighteenth session)."""
         g = self.gpu
         if g is None or isinstance(g, torch.Tensor) or g.device.type != "cuda":
@@ -292,9 +292,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, out_dtype: tor
     """out_dtype: the result rounded to it (a matmul's `input_dtype`), else x's dtype."""
     if not x.is_cuda or x.ndim not in (2, 3):
         return fused.ref_rms_norm(x, w, eps, out_dtype)
-    if x.ndim == 3:
-        return fused.head_rms_norm(x, w, eps) if out_dtype is None else fused.head_rms_norm(x, w, eps).to(out_dtype)
-    return fused.rms_norm(x, w, eps, out_dtype)
+    if x.ndim == 2:
+        return fused.rms_norm(x, w, eps, out_dtype)
+    y = fused.head_rms_norm(x, w, eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 silu_mul = fused.silu_mul

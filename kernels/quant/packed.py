@@ -1003,13 +1003,15 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         weight = _pointers(p)
     grid = (m_blocks, bands, split_k)
     pdl = pdl_args(x2)
+    launch = dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}   # (not under the interpreter)
+    if maxnreg and x2.is_cuda:
+        launch["maxnreg"] = maxnreg
     _packed_mm_kernel[grid](
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
-        **(dict(num_warps=num_warps, num_stages=num_stages, **(dict(maxnreg=maxnreg) if maxnreg else {}))
-           if x2.is_cuda else {}))
+        **launch)
     if split_k > 1 and counts is None:
         block = 1024
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
