@@ -27,6 +27,15 @@ def _sum_rows(x: torch.Tensor) -> torch.Tensor:
     return x[:, 0]
 
 
+def _einsum_cpu_wide(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.einsum of float32 operands; on the CPU in float64, rounded once, so that its sums (whose
+    order BLAS picks by shape and instruction set) give the bits SequenceKV.score_bias gives
+    (docs/ACCURACY.md)."""
+    if a.device.type != "cpu":
+        return torch.einsum(eq, a, b)
+    return torch.einsum(eq, a.double(), b.double()).float()
+
+
 class KeyPrep:
     """One attention layer's key preconditioning for every slot, in static device buffers (the
     runner's form of SequenceKV.kprep): w [slots, Hkv, D] (ones: no smoothing), centers [slots,
@@ -65,10 +74,10 @@ class KeyPrepMixin:
                 bias = segment_bias(q, kp.centers, slots)
             else:
                 cs = kp.centers.index_select(0, slots)                      # [n, n_seg, Hkv, D]
-                bias = torch.einsum("nkgd,nskd->nkgs", qg, cs).reshape(n, H, self.n_seg)
+                bias = _einsum_cpu_wide("nkgd,nskd->nkgs", qg, cs).reshape(n, H, self.n_seg)
         else:
             n_seg = -(-(b.start + n) // self.segment)
-            bias = torch.einsum("nkgd,skd->nkgs", qg, kp.centers[b.slot, :n_seg]).reshape(n, H, n_seg)
+            bias = _einsum_cpu_wide("nkgd,skd->nkgs", qg, kp.centers[b.slot, :n_seg]).reshape(n, H, n_seg)
         return k_st, q_st, bias
 
     def _first_kept(self, start, window):

@@ -80,13 +80,19 @@ __all__ = [
 def ref_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * w over the last dim (engine.models.common.rms_norm), rounded to
-    out_dtype when given."""
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return _as(y * w if w is not None else y, out_dtype)
+    out_dtype when given (else to x's dtype)."""
+    xd = x.double()
+    y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    return _round(y * w.double() if w is not None else y, x, out_dtype)
 
 
-def _as(y: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
-    return y if out_dtype is None else y.to(out_dtype)
+def _round(y: torch.Tensor, like: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """The references compute in float64 and round once, here: torch's float32 reductions and
+    transcendental functions differ with the CPU's instruction set (AVX2 / AVX-512 / scalar kernels sum
+    in other orders, exp and tanh come from other approximations), and the CPU path's 8-bit activation
+    rounding turns such 1e-7 differences into different tokens (docs/ACCURACY.md). In float64 they are
+    ~1e-16, and the float32 result hardly ever depends on them."""
+    return y.to(out_dtype or like.dtype)
 
 
 def ref_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor | None, eps: float,
@@ -128,17 +134,17 @@ def ref_qk_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: t
 
 
 def ref_silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _as(F.silu(gate) * up, out_dtype)
+    return _round(F.silu(gate.double()) * up.double(), gate, out_dtype)
 
 
 def ref_gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _as(F.gelu(gate, approximate="tanh") * up, out_dtype)
+    return _round(F.gelu(gate.double(), approximate="tanh") * up.double(), gate, out_dtype)
 
 
 def ref_sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a * sigmoid(gate); gate may have another shape with as many values (qwen35:
     a [N, H*D] and gate [N, H, D], a strided view of the joint Q|gate projection)."""
-    return _as(a * torch.sigmoid(gate.reshape(a.shape)), out_dtype)
+    return _round(a.double() * torch.sigmoid(gate.reshape(a.shape).double()), a, out_dtype)
 
 
 def ref_argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -272,7 +272,9 @@ class SequenceKV:
         T, H, D = q.shape
         hkv = c.shape[1]
         qg = q.float()[..., :c.shape[2]].reshape(T, hkv, H // hkv, -1)
-        bias = torch.einsum("tkgd,skd->tkgs", qg, c)
+        # in float64 (as the runner's, engine/runner_keyprep.py): BLAS's float32 sums move with the shapes
+        # and the CPU's instruction set, and the 8-bit activation rounding turns a last bit into a logit change
+        bias = torch.einsum("tkgd,skd->tkgs", qg.double(), c.double()).float()
         return bias.reshape(T, H, c.shape[0]), self.SEGMENT
 
     def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None,

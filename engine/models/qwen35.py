@@ -362,8 +362,14 @@ class Qwen35Model(DecoderModel):
             S = qkv.new_zeros((Hv, D, D))
         else:
             conv_state, S = state
+        conv_w = L["conv"]
+        # the CPU path in float64, rounded back once below: torch's float32 exp, sums and products change with
+        # the CPU's instruction set (docs/ACCURACY.md), and this block feeds its result to the rest in float32
+        wide = qkv.device.type == "cpu" and qkv.dtype == torch.float32
+        if wide:
+            qkv, conv_state, S, g, beta, conv_w = (t.double() for t in (qkv, conv_state, S, g, beta, conv_w))
         xin = torch.cat([conv_state, qkv], dim=0)                            # [K-1+m, conv_dim]
-        conv = F.silu((xin.unfold(0, K, 1) * L["conv"]).sum(-1))            # [m, conv_dim]
+        conv = F.silu((xin.unfold(0, K, 1) * conv_w).sum(-1))               # [m, conv_dim]
         q = l2_norm(conv[:, :self.key_dim].reshape(m, Hk, D), s.rms_eps)
         k = l2_norm(conv[:, self.key_dim:2 * self.key_dim].reshape(m, Hk, D), s.rms_eps)
         v = conv[:, 2 * self.key_dim:].reshape(m, Hv, D)
@@ -373,6 +379,8 @@ class Qwen35Model(DecoderModel):
         rule = delta_rule_recurrent if m == 1 else delta_rule_chunked
         o, S = rule(q, k, v, g, beta, S)
         window = xin[-(K - 1):].clone() if keep is None else xin.index_select(0, keep)
+        if wide:
+            o, window, S = o.float(), window.float(), S.float()
         return o, (window, S)
 
     # ------------------------------------------------------------------------------------------

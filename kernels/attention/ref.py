@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from kernels.kvcodec import KVCodec
-from kernels.quant.ref import wide_matmul
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
@@ -26,10 +25,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     qh = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3)            # [Hkv, g, T, D]
     kh = k.permute(1, 0, 2)[:, None]                              # [Hkv, 1, S, D]
     vh = v.permute(1, 0, 2)[:, None]
-    # the products summed in float64 (wide_matmul): BLAS sums in an order that depends on T (a prompt's row
-    # against the same row alone), so in float32 a query's result moved with the number of queries beside
-    # it, and through the CPU path's 8-bit activation rounding that could move a logit by 0.4
-    scores = wide_matmul(qh, kh.transpose(-1, -2))                # [Hkv, g, T, S]
+    # in float64 up to the output: BLAS sums in an order that depends on T (a prompt's row against the same
+    # row alone) and the CPU's instruction set, and so do torch's softmax (its exp and sums); in float32 a
+    # query's result moved with the number of queries beside it, and through the CPU path's 8-bit activation
+    # rounding that could move a logit by 0.4 (docs/ACCURACY.md)
+    wide = q.dtype == torch.float32
+    if wide:
+        qh, kh, vh = qh.double(), kh.double(), vh.double()
+    scores = qh @ kh.transpose(-1, -2)                            # [Hkv, g, T, S]
     # (in place: the same values as new tensors, two fewer passes over the largest tensor here)
     if seg_bias is not None:
         kseg = torch.arange(k_start, k_start + S, device=scores.device) // seg_len
@@ -44,7 +47,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     for lo, hi in bidirectional or ():
         masked &= ~((qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi))
     scores.masked_fill_(masked.to(scores.device, non_blocking=True), float("-inf"))
-    out = wide_matmul(torch.softmax(scores, dim=-1), vh)          # [Hkv, g, T, Dv]
+    out = torch.softmax(scores, dim=-1) @ vh                      # [Hkv, g, T, Dv]
+    if wide:
+        out = out.float()
     return out.permute(2, 0, 1, 3).reshape(T, H, v.shape[-1])
 
 
@@ -77,7 +82,7 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first, seg_bias=seg_bias,
                            seg_len=seg_len)
     out = codec_v.from_stored(out, head_dim_v)
-    return out * torch.sigmoid(gate.float()) if gate is not None else out
+    return (out.double() * torch.sigmoid(gate.double())).float() if gate is not None else out
 
 
 def ref_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

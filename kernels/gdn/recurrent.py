@@ -88,8 +88,12 @@ def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Te
         return o
     sl = slots[rows].long()
     key_dim = Hk * D
-    xin = torch.cat([conv_state[sl].float(), qkv[rows].float()[:, None, :]], dim=1)   # [n, K, C]
-    conv = F.silu((xin.transpose(1, 2) * conv_w.float()).sum(-1))                      # [n, C]
+    # on the CPU in float64, rounded once into S and o: torch's float32 sums and exp differ with the CPU's
+    # instruction set and with the number of rows (docs/ACCURACY.md; the prompt path, engine/models/qwen35.py
+    # delta_net_rows, does the same)
+    wt = torch.float64 if qkv.device.type == "cpu" else torch.float32
+    xin = torch.cat([conv_state[sl].to(wt), qkv[rows].to(wt)[:, None, :]], dim=1)        # [n, K, C]
+    conv = F.silu((xin.transpose(1, 2) * conv_w.to(wt)).sum(-1))                        # [n, C]
     q = conv[:, :key_dim].reshape(n, Hk, D)
     k = conv[:, key_dim:2 * key_dim].reshape(n, Hk, D)
     v = conv[:, 2 * key_dim:].reshape(n, Hv, D)
@@ -99,12 +103,12 @@ def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Te
         q = q.repeat(1, Hv // Hk, 1)
         k = k.repeat(1, Hv // Hk, 1)
     q = q * D ** -0.5
-    decay = g[rows].double().exp().float()   # (float64: the same bits however many rows, as gdn_gates)
-    St = S[sl].float() * decay[:, :, None, None]                                       # [n, Hv, D, D]
+    decay = g[rows].double().exp().to(wt)   # (float64: the same bits however many rows, as gdn_gates)
+    St = S[sl].to(wt) * decay[:, :, None, None]                                          # [n, Hv, D, D]
     kv_mem = torch.einsum("nhkv,nhk->nhv", St, k)
-    delta = (v - kv_mem) * beta[rows].float()[:, :, None]
+    delta = (v - kv_mem) * beta[rows].to(wt)[:, :, None]
     St = St + k[:, :, :, None] * delta[:, :, None, :]
-    o[rows] = torch.einsum("nhkv,nhk->nhv", St, q)
+    o[rows] = torch.einsum("nhkv,nhk->nhv", St, q).float()
     S[sl] = St.to(S.dtype)
     conv_state[sl] = xin[:, 1:].to(conv_state.dtype)
     return o
