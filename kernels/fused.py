@@ -4,7 +4,8 @@ kernel when the input is on CUDA (or when forced: `force_triton()`, for tests un
 interpreter) and the reference otherwise.
 
 Each replaces a few separate torch ops (and their round trips through memory) of the layer code in
-engine/models, with the same semantics (fp32 math throughout; the references are that code):
+engine/models, with the same semantics (the kernels in fp32; the references, which are that code, in float64
+rounded once: `_round`):
 
 - `rms_norm(x [N, E], w | None, eps)`: every pre-norm (attn_norm, ffn_norm, post_norm,
   output_norm) of llama/qwen2/qwen3 (engine/models/llama.py), gemma3 and qwen35;
