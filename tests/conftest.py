@@ -5,6 +5,9 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see engine.default_threads)
+# Qt without a screen, for every test module (pytest-qt's qtbot makes the QApplication before a test body runs:
+# `pytest tests/installer` alone aborted on a headless machine)
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import torch  # noqa: E402
 

@@ -2,13 +2,11 @@
 regenerate, edit-and-resend (branches), delete, attachments, persistence across a restart, bad models."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtGui import QColor, QImage  # noqa: E402
 

@@ -3,13 +3,11 @@ pause/resume/cancel, lost network and full disk as messages; local import/delete
 from __future__ import annotations
 
 import collections
-import os
 import shutil
 
 import pytest
 
 pytest.importorskip("PySide6")
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from app import downloads as D  # noqa: E402
 from app.store import Store  # noqa: E402

@@ -1,12 +1,10 @@
 """Planner page: the numbers are engine/planner's; no GPU here -> the CPU-mode state."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
 pytest.importorskip("PySide6")
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from engine import planner as P  # noqa: E402
 from engine.synth import write_synthetic  # noqa: E402

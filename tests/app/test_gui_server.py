@@ -2,14 +2,11 @@
 generated key; settings snippets; monitor and settings pages on the same window."""
 from __future__ import annotations
 
-import os
 import socket
-import time
 
 import pytest
 
 pytest.importorskip("PySide6")
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from app.store import Store  # noqa: E402
 

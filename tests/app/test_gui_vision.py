@@ -3,7 +3,6 @@ with its mmproj found beside it and gets the attached image; a model without one
 planner cell's KV cache type reaches the engine's config."""
 from __future__ import annotations
 
-import os
 import shutil
 import time
 
@@ -11,7 +10,6 @@ import pytest
 
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtGui import QColor, QImage  # noqa: E402
 from PySide6.QtWidgets import QLabel  # noqa: E402

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 import sys
 from pathlib import Path
@@ -225,7 +224,6 @@ sys.exit(%d)
 @pytest.mark.parametrize("ok", [True, False])
 def test_progress_dialog_runs_the_setup_and_reports(qtbot, tmp_path, ok):
     pytest.importorskip("PySide6")
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     script = tmp_path / "fake_setup.py"
     result = "ok GPU support is ready" if ok else "fail Downloading failed; nothing was changed"
     script.write_text(FAKE_SETUP % (result, 0 if ok else 1))
@@ -243,7 +241,6 @@ def test_progress_dialog_runs_the_setup_and_reports(qtbot, tmp_path, ok):
 
 
 def test_progress_dialog_parses_pip_raw_progress(qtbot):
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     dlg = fr.make_progress_dialog([sys.executable, "-c", "pass"])
     qtbot.addWidget(dlg)
     dlg.handle_line("@@step 1 3 Downloading PyTorch")
@@ -253,7 +250,6 @@ def test_progress_dialog_parses_pip_raw_progress(qtbot):
 
 
 def test_progress_dialog_missing_command(qtbot):
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     dlg = fr.make_progress_dialog(["/nonexistent/hivejet-setup"])
     qtbot.addWidget(dlg)
     with qtbot.waitSignal(dlg.finished, timeout=10000):
@@ -263,7 +259,6 @@ def test_progress_dialog_missing_command(qtbot):
 
 # ------------------------------------------------------------------------------------------ launch
 def test_launch_sets_up_before_opening_the_app(monkeypatch, tmp_path):
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     monkeypatch.setenv("HIVEJET_HOME", str(tmp_path))
     order = []
     plan = fr.choose([gpu()], "", CPU)
@@ -282,7 +277,6 @@ def test_launch_sets_up_before_opening_the_app(monkeypatch, tmp_path):
 
 
 def test_ask_and_setup_without_question_runs_the_window(qtbot, tmp_path, monkeypatch):
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtWidgets import QMessageBox
     warned = []
     monkeypatch.setattr(QMessageBox, "warning", staticmethod(lambda *a: warned.append(a[2])))
