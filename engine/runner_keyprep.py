@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.quant.ref import wide_einsum
+
 if TYPE_CHECKING:
     from engine.runner import SlotBatch
 
@@ -25,15 +27,6 @@ def _sum_rows(x: torch.Tensor) -> torch.Tensor:
         h = x.shape[1] // 2
         x = x[:, :h] + x[:, h:]
     return x[:, 0]
-
-
-def _einsum_cpu_wide(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.einsum of float32 operands; on the CPU in float64, rounded once, so that its sums (whose
-    order BLAS picks by shape and instruction set) give the bits SequenceKV.score_bias gives
-    (docs/ACCURACY.md)."""
-    if a.device.type != "cpu":
-        return torch.einsum(eq, a, b)
-    return torch.einsum(eq, a.double(), b.double()).float()
 
 
 class KeyPrep:
@@ -74,10 +67,10 @@ class KeyPrepMixin:
                 bias = segment_bias(q, kp.centers, slots)
             else:
                 cs = kp.centers.index_select(0, slots)                      # [n, n_seg, Hkv, D]
-                bias = _einsum_cpu_wide("nkgd,nskd->nkgs", qg, cs).reshape(n, H, self.n_seg)
+                bias = wide_einsum("nkgd,nskd->nkgs", qg, cs).reshape(n, H, self.n_seg)
         else:
             n_seg = -(-(b.start + n) // self.segment)
-            bias = _einsum_cpu_wide("nkgd,skd->nkgs", qg, kp.centers[b.slot, :n_seg]).reshape(n, H, n_seg)
+            bias = wide_einsum("nkgd,skd->nkgs", qg, kp.centers[b.slot, :n_seg]).reshape(n, H, n_seg)
         return k_st, q_st, bias
 
     def _first_kept(self, start, window):

@@ -36,6 +36,7 @@ import torch
 from engine.kv.pool import KVPool, LayerGroup, LayerKV
 from kernels.attention.ref import causal_attention
 from kernels.kvcodec import cache_type_name
+from kernels.quant.ref import wide_einsum
 
 
 class BlockTable:
@@ -272,9 +273,8 @@ class SequenceKV:
         T, H, D = q.shape
         hkv = c.shape[1]
         qg = q.float()[..., :c.shape[2]].reshape(T, hkv, H // hkv, -1)
-        # in float64 (as the runner's, engine/runner_keyprep.py): BLAS's float32 sums move with the shapes
-        # and the CPU's instruction set, and the 8-bit activation rounding turns a last bit into a logit change
-        bias = torch.einsum("tkgd,skd->tkgs", qg.double(), c.double()).float()
+        # (wide: the bits the runner's correction has, engine/runner_keyprep.py, whatever the CPU's instruction set)
+        bias = wide_einsum("tkgd,skd->tkgs", qg, c)
         return bias.reshape(T, H, c.shape[0]), self.SEGMENT
 
     def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None,

@@ -437,6 +437,14 @@ def wide_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double()).float()
 
 
+def wide_einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.einsum; on the CPU, float32 operands in float64 and the result rounded back, as wide_matmul
+    (on a GPU as given: one kind of GPU gives one set of bits, and float64 there is slow)."""
+    if a.device.type != "cpu" or a.dtype != torch.float32:
+        return torch.einsum(eq, a, b)
+    return torch.einsum(eq, a.double(), b.double()).float()
+
+
 def matmul_row_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w.T (float32) with every row computed by the same [ROW_BLOCK, K] x [K, N] product, so a
     row's result does not depend on M or on the other rows (BLAS picks different kernels, and so

@@ -2,7 +2,6 @@
 regenerate, edit-and-resend (branches), delete, attachments, persistence across a restart, bad models."""
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("PySide6")

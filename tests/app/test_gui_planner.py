@@ -1,7 +1,6 @@
 """Planner page: the numbers are engine/planner's; no GPU here -> the CPU-mode state."""
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("PySide6")
