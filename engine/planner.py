@@ -45,9 +45,10 @@ Every number comes from the GGUF header (nothing is loaded):
 * **workspace**: an allowance HiveJet defines (and the runner must stay inside):
 
   - CUDA context, cuBLAS/Triton handles: 400 MiB (`CUDA_CONTEXT_BYTES`; outside torch's allocator);
-  - CUDA graphs' memory pool for the decode shapes: 256 MiB (`CUDA_GRAPH_BYTES`; reserved, mostly
-    not allocated between steps); the prompt chunk's graphs (engine/runner_prefill.py) share that pool
-    and keep the chunk's activations below in it;
+  - CUDA graphs' memory pool for the decode shapes and a small prompt chunk's graph: 384 MiB
+    (`CUDA_GRAPH_BYTES`; reserved, mostly not allocated between steps; the 64-row chunk's graph reserved
+    124 MiB more on the 27B, H200, twentieth session); the prompt chunk's graphs
+    (engine/runner_prefill.py) share that pool and keep the chunk's activations below in it;
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
     bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk), the fp16 copy
     of the largest matrix that a prompt chunk's matmul dequantizes (kernels/quant/packed.py:
@@ -111,7 +112,7 @@ CONTEXTS = (8192, 16384, 32768, 65536, 131072, 204800, 262144)
 KV_BLOCK_TOKENS = 256
 
 CUDA_CONTEXT_BYTES = 400 * MiB
-CUDA_GRAPH_BYTES = 256 * MiB
+CUDA_GRAPH_BYTES = 384 * MiB   # (256 for the decode graphs, 128 for the 64-row prompt chunk's)
 STEP_TOKENS = 512
 LOGIT_ROWS_PER_SEQ = 4
 

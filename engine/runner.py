@@ -56,6 +56,7 @@ from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.gdn import gdn_decode, gdn_gates
 from kernels.kvcodec import cache_type_name, get_codec
+from kernels.quant.packed import SMALL_PROMPT_ROWS
 
 if TYPE_CHECKING:
     from engine.runner_prefill import PrefillGraph
@@ -73,6 +74,14 @@ class DecodeGraph(NamedTuple):
     logits: torch.Tensor
     hidden: torch.Tensor
     features: torch.Tensor | None
+
+
+def chunk_rows(n: int, chunk: int) -> int:
+    """The rows a prompt piece of n tokens (cut at multiples of `chunk`) runs as: padded to `chunk`, or,
+    when it fits a small prompt chunk (a short request, a follow-up's new tokens, a prompt's tail), to
+    SMALL_PROMPT_ROWS, whose matmuls take the packed kernel instead of dequantize + cuBLAS
+    (kernels/quant/packed.py)."""
+    return SMALL_PROMPT_ROWS if 0 < n <= SMALL_PROMPT_ROWS < chunk else chunk
 
 
 def _wave_bucket(waves: list | None) -> int:
@@ -814,10 +823,11 @@ class Runner(AttentionMixin, KeyPrepMixin):
             live = self._live[slot]
             self._rewrite(slot, start + lo)
             self._live[slot] = -1                  # (not known should the chunk fail)
-            flag = PREFILL_ROWS.set(chunk)     # prompt rows: the prefill matmul, padded to `chunk` rows
+            rows = chunk_rows(hi - lo, chunk)
+            flag = PREFILL_ROWS.set(rows)      # prompt rows: the prefill matmul, padded to `rows` rows
             try:
                 if self.padded_prefill:
-                    x = self._prefill_graph(chunk).run(tokens[lo:hi], start + lo, slot)
+                    x = self._prefill_graph(rows).run(tokens[lo:hi], start + lo, slot)
                 else:
                     pos = torch.arange(start + lo, start + hi, device=self.device)
                     b = SlotBatch(self, pos, torch.full((hi - lo,), slot, dtype=torch.long, device=self.device),
@@ -850,16 +860,18 @@ class Runner(AttentionMixin, KeyPrepMixin):
 
     @torch.inference_mode()
     def capture_prefill(self, chunk: int = 512) -> None:
-        """Run and capture the padded prompt chunk of `chunk` tokens now (on a free slot, released after),
-        so that no request pays for compiling and capturing it; skipped when the pool is too small."""
-        if not self.padded_prefill or chunk in self._prefill_graphs:
-            return
+        """Run and capture the padded prompt chunks of `chunk` tokens and of a small prompt chunk's rows
+        (chunk_rows) now (on a free slot, released after), so that no request pays for compiling and
+        capturing them; skipped when the pool is too small."""
+        sizes = [r for r in sorted({chunk, chunk_rows(1, chunk)}, reverse=True) if r not in self._prefill_graphs]
         free = [s for s in range(self.n_slots) if not self._blocks[s]]
-        if not free or self.blocks_needed(free[0], 0, chunk) > self.pool.n_free or chunk > self.max_ctx:
+        if not self.padded_prefill or not sizes or not free or chunk > self.max_ctx \
+                or self.blocks_needed(free[0], 0, chunk) > self.pool.n_free:
             return
         n_ckpt, self.n_checkpoints = self.n_checkpoints, 0     # (no checkpoint of the dummy prompt)
         try:
-            self.prefill(free[0], [0] * chunk, chunk=chunk)
+            for rows in sizes:
+                self.prefill(free[0], [0] * rows, chunk=chunk)
         finally:
             self.n_checkpoints = n_ckpt
             self.reset(free[0])

@@ -102,7 +102,7 @@ def main():
         for m in (512, 2048):
             x = torch.randn(m, k, device="cuda")
             flop = 2 * m * n * k
-            cfg = tuned_config(p, True, torch.cuda.get_device_properties(0).multi_processor_count)
+            cfg = tuned_config(p, 512, torch.cuda.get_device_properties(0).multi_processor_count)
             for name, fn in (("triton_prefill_tiles", lambda: packed_matmul(x, p, **cfg)),
                              ("dequant_cublas", lambda: prefill_matmul(x, p)),
                              ("dequant_only", lambda: dequant_packed(p)),

@@ -27,7 +27,8 @@ from kernels.quant import (activations_like_llamacpp, block_mins, check_supporte
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # While the GPU path runs prompt rows (engine/runner.py's prefill): the chunk size, to which matmuls pad
-# the rows of their prefill product (kernels/quant/packed.py: matmul_tuned); 0 for decode rows
+# the rows of their prefill product (kernels/quant/packed.py: matmul_tuned; a small chunk, at most
+# SMALL_PROMPT_ROWS, takes the packed kernel instead); 0 for decode rows
 PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
 _POOL_LOCK = threading.Lock()
 
@@ -233,9 +234,11 @@ class StackedWeights:
         """Each part's x @ W.T, in the parts' order."""
         if not self.groups or not x.is_cuda:
             return [w.matmul(x) for w in self.parts]
-        if PREFILL_ROWS.get():
+        from kernels.quant.packed import SMALL_PROMPT_ROWS
+        rows = PREFILL_ROWS.get()
+        if rows > SMALL_PROMPT_ROWS:
             return self._prefill(x)
-        return self.stacked_matmul(x)
+        return self.stacked_matmul(x, rows)   # (decode rows, or a small prompt chunk: the packed kernel)
 
     def _prefill(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Prompt rows: one cuBLAS product per part, their fp16 operand made once (the same bits as apart)."""
@@ -247,12 +250,13 @@ class StackedWeights:
         return [prefill_matmul(x, w.gpu, pad, rows16=rows16) if isinstance(w.gpu, PackedWeight) else w.matmul(x)
                 for w in self.parts]
 
-    def stacked_matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """matmul's decode-row path: one product per stack (on the CPU: Triton's interpreter, for tests)."""
+    def stacked_matmul(self, x: torch.Tensor, prefill: int = 0) -> list[torch.Tensor]:
+        """matmul's decode-row path (and a small prompt chunk's, prefill its padded rows): one product per
+        stack (on the CPU: Triton's interpreter, for tests)."""
         from kernels.quant.packed import matmul_tuned
         out: list = [None] * len(self.parts)
         for stack, cols in self.groups:
-            y = matmul_tuned(x, stack)
+            y = matmul_tuned(x, stack, prefill)
             for i, c in cols:
                 out[i] = y[..., c:c + self.parts[i].n_out]
         for i in self.single:

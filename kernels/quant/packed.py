@@ -89,6 +89,7 @@ the host, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -898,9 +899,11 @@ def _split_for(n_tiles: int, steps: int, n_sm: int, waves: int) -> int:
     return max(steps, 1)
 
 
-def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -> dict:
+def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False) -> dict:
     """Launch settings from the weight's shape only (never from M: batch invariance), measured on the
     H200 (.ci/gpu/diag_tiled.py, docs/PERFORMANCE.md). The tile is the weight's (tile_n x tile_k).
+    prefill: the rows a prompt chunk is padded to (0: decode rows); a small prompt chunk (at most
+    SMALL_PROMPT_ROWS rows) takes the decode settings with all its rows in one block of x (small_prompt).
     decode rows (M <= 64): memory-bound; 4 warps (8 with a high plane: registers), 4 pipeline stages
     (3 with a high plane: shared memory) and split-K to about 4 programs per SM: 1.3-1.46 TB/s on Q4_K
     17408x5120 and 5120x17408 at M = 1 and 16, vs 1.0-1.07 with row-major tiles.
@@ -908,15 +911,17 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
     descriptors with TMA_CONFIG's settings (measured end to end on the 27B: a 1-row step 18.2 instead of
     19.0 ms, docs/PERFORMANCE.md); the int8-plane types keep per-thread loads (not measured).
     prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split."""
-    if prefill:
+    if prefill > SMALL_PROMPT_ROWS:
         return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
+    if prefill:
+        return small_prompt(p, tuned_config(p, 0, n_sm, tma))
     # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
     # 27B: not used there; the TMA settings were picked end to end)
     hi = p.hi_bits in (1, 2)
     # TMA boxes need rows of at least 16 bytes: a tile's scale row (tile_k / group fp16 values) has them
     # only for 256-value tiles
     tma = tma and p.tile_k >= 256
-    by_tma = (TMA_CONFIG or {}).get("hi" if hi else "plain" if p.hi_bits == 0 else "int8") if tma else None
+    by_tma = (TMA_CONFIG or {}).get(weight_class(p)) if tma else None
     if by_tma:
         c = dict(by_tma)
         split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, c.pop("waves", 4))
@@ -940,6 +945,23 @@ def tuned_config(p: PackedWeight, prefill: bool, n_sm: int, tma: bool = False) -
             cfg["maxnreg"] = cap
         return cfg
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
+
+
+def weight_class(p: PackedWeight) -> str:
+    """The kind of weight settings are kept by: the 4-bit plane alone ("plain"), with a high plane ("hi"),
+    an int8 plane ("int8")."""
+    return "hi" if p.hi_bits in (1, 2) else "plain" if p.hi_bits == 0 else "int8"
+
+
+def small_prompt(p: PackedWeight, decode: dict) -> dict:
+    """A small prompt chunk's settings from the weight's decode settings: every row in one block of x
+    (each weight tile dequantized once for all of them, where decode's 16-row blocks would dequantize it
+    once per 16 rows), SMALL_PROMPT_CONFIG's changes for the weight's class, no register cap (the cap was
+    set for 16-row blocks; a 64-row accumulator needs more)."""
+    cfg = {k: v for k, v in decode.items() if k != "maxnreg"}
+    cfg["block_m"] = SMALL_PROMPT_ROWS
+    cfg.update((SMALL_PROMPT_CONFIG or {}).get(weight_class(p), {}))
+    return cfg
 
 
 def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = torch.float32, *,
@@ -1107,15 +1129,17 @@ def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0,
 
 
 def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
-    """What the engine's GPU path calls. prefill > 0: the rows are prompt rows (a chunk of at most
-    `prefill` rows, padded to that many): dequantize + cuBLAS (`prefill_matmul`); else decode/draft
-    rows: packed_matmul with `tuned_config` (fixed per weight shape), so a decode row's result does not
-    depend on the other rows. add: add + x @ W.T (float32, x's rows by p.n), the same bits as adding after."""
+    """What the engine's GPU path calls. prefill > SMALL_PROMPT_ROWS: the rows are prompt rows (a chunk
+    of at most `prefill` rows, padded to that many): dequantize + cuBLAS (`prefill_matmul`); a smaller
+    prefill: a small prompt chunk, packed_matmul with all its rows in one block (`small_prompt`); else
+    decode/draft rows: packed_matmul with `tuned_config` (fixed per weight shape), so a decode row's
+    result does not depend on the other rows. add: add + x @ W.T (float32, x's rows by p.n), the same bits
+    as adding after."""
     if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
         return add + matmul_tuned(x, p, prefill)
     if not x.is_cuda:
         return packed_matmul(x, p, add=add)
-    if prefill and PREFILL_CUBLAS:
+    if prefill > SMALL_PROMPT_ROWS and PREFILL_CUBLAS:
         y = prefill_matmul(x, p, pad_rows=int(prefill))
         return y if add is None else add + y
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -1164,6 +1188,21 @@ PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
 EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
+# Prompt chunks of at most this many rows (a power of two, at least 16; 0: none): a short request, a
+# follow-up's new tokens, a prompt's tail. They take the packed kernel with all rows in one block of x
+# (small_prompt), not dequantize + cuBLAS: cuBLAS needs an fp16 copy of every weight first, one pass over
+# ~54 GB on the 27B whatever the rows (a 32-token prompt padded to 256 rows took 53-68 ms there), where the
+# packed kernel reads each weight once. HIVEJET_SMALL_PROMPT_ROWS overrides.
+SMALL_PROMPT_ROWS = int(os.environ.get("HIVEJET_SMALL_PROMPT_ROWS", "64"))
+if SMALL_PROMPT_ROWS and (SMALL_PROMPT_ROWS < 16 or SMALL_PROMPT_ROWS & (SMALL_PROMPT_ROWS - 1)):
+    raise ValueError(f"HIVEJET_SMALL_PROMPT_ROWS={SMALL_PROMPT_ROWS}: a power of two, at least 16 (or 0)")
+# what small prompt chunks change in the decode settings, per weight class (weight_class): picked by
+# .ci/gpu/small_prompt.py on the H200 over the 27B's matrices at 64 rows (docs/perf/small_prompt_h200_s20.json:
+# 4 warps, 3 stages, the weight tile as the dot's first operand; a chunk's matmuls 15.7 ms against 40.1 for
+# dequantize + cuBLAS padded to 256 rows, 21.8 with the decode rows' 16-row blocks); "int8" (Q8_0) was not
+# measured and keeps its decode settings. HIVEJET_SMALL_PROMPT_CONFIG (JSON, same form) replaces it.
+SMALL_PROMPT_CONFIG: dict | None = json.loads(os.environ.get("HIVEJET_SMALL_PROMPT_CONFIG", "null")) or {
+    "plain": dict(num_warps=4, num_stages=3, swap_ab=True), "hi": dict(num_warps=4, num_stages=3, swap_ab=True)}
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
 # HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
 DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))

@@ -31,22 +31,27 @@ def _run(runner: Runner, slot: int, toks: list[int], cut: int, chunk: int) -> li
     return [t.float().cpu() for t in out]
 
 
-@pytest.mark.parametrize("arch,ct", [("qwen35", "f16"), ("llama", "q8_0"), ("gemma3", "f16"),
-                                     ("qwen35", "turbo3"), ("qwen2", "f32")])
-def test_padded_chunks_equal_plain_chunks(tiny, arch, ct, monkeypatch):
+@pytest.mark.parametrize("arch,ct,chunk", [("qwen35", "f16", 32), ("llama", "q8_0", 32), ("gemma3", "f16", 32),
+                                           ("qwen35", "turbo3", 32), ("qwen2", "f32", 32),
+                                           ("qwen35", "f16", 128), ("gemma3", "turbo3", 128)])
+def test_padded_chunks_equal_plain_chunks(tiny, arch, ct, chunk, monkeypatch):
     """Prompts whose last chunk is partial (padding rows), a follow-up at a position inside a chunk,
     two slots used one after another (the device slot index): the same logits as unpadded chunks.
-    turbo3: key preconditioning (segments of 8) on the real rows only."""
+    turbo3: key preconditioning (segments of 8) on the real rows only. Chunks of 128: pieces of at most
+    64 tokens run as small prompt chunks of 64 rows (engine/runner.py: chunk_rows), longer ones as 128."""
     monkeypatch.setattr(SequenceKV, "SEGMENT", 8)
     monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 4)
     model = open_model(tiny(arch))
     try:
         runs = []
         for padded in (False, True):
-            r = Runner(model, device="cpu", n_slots=3, max_ctx=128, cache_type=ct, padded_prefill=padded)
-            runs.append(_run(r, 2, _prompt(80, 1), 48, 32) + _run(r, 0, _prompt(32, 2), 16, 32))
+            r = Runner(model, device="cpu", n_slots=3, max_ctx=384, cache_type=ct, padded_prefill=padded)
+            runs.append(_run(r, 2, _prompt(80 + 2 * chunk, 1), 48 + chunk, chunk)
+                        + _run(r, 0, _prompt(32, 2), 16, chunk))
             if padded:
-                assert set(r._prefill_graphs) == {32} and not r._prefill_graphs[32].segments   # (no capture on CPU)
+                sizes = {32} if chunk == 32 else {chunk, 64}
+                assert set(r._prefill_graphs) == sizes                      # (no capture on the CPU)
+                assert not any(g.segments for g in r._prefill_graphs.values())
         for a, b in zip(*runs):
             assert torch.equal(a, b), (a - b).abs().max()
     finally:
@@ -72,24 +77,27 @@ def test_padding_rows_leave_the_recurrent_state_alone(tiny):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("arch,ct", [("qwen35", "f16"), ("llama", "q8_0"), ("gemma3", "turbo3"),
-                                     ("qwen35", "turbo3_tcq")])
-def test_captured_chunks_equal_eager_padded_chunks(tiny, arch, ct):
+@pytest.mark.parametrize("arch,ct,chunk", [("qwen35", "f16", 32), ("llama", "q8_0", 32), ("gemma3", "turbo3", 32),
+                                           ("qwen35", "turbo3_tcq", 32), ("qwen35", "f16", 128),
+                                           ("llama", "q8_0", 128)])
+def test_captured_chunks_equal_eager_padded_chunks(tiny, arch, ct, chunk):
     """The captured segments (one per stretch between attention layers) replayed for later chunks give
     the eager padded chunk's logits bit for bit, on several slots, depths and chunk fillings; the plain
-    (unpadded) prefill gives the same greedy tokens."""
+    (unpadded) prefill gives the same greedy tokens. Chunks of 128: the pieces of at most 64 tokens run
+    as small prompt chunks (64 rows, the packed matmul), the others as 128 rows (dequantize + cuBLAS)."""
     model = open_model(tiny(arch))
     try:
         runs = {}
         for mode in ("graphs", "eager", "plain"):
             r = Runner(model, device="cuda", n_slots=3, max_ctx=256, cache_type=ct, graphs=mode != "eager",
                        padded_prefill=mode != "plain")
-            runs[mode] = [_run(r, 1, _prompt(100, 1), 70, 32), _run(r, 0, _prompt(40, 2), 31, 32),
-                          _run(r, 1, _prompt(64, 3), 32, 32)]
+            runs[mode] = [_run(r, 1, _prompt(100, 1), 70, chunk), _run(r, 0, _prompt(40, 2), 31, chunk),
+                          _run(r, 1, _prompt(64, 3), 32, chunk)]
             if mode == "graphs":
-                g = r._prefill_graphs[32]
+                assert set(r._prefill_graphs) == ({32} if chunk == 32 else {chunk, 64})
                 n_attn = sum(1 for il in range(model.spec.n_layer) if not model.spec.is_recurrent(il))
-                assert len(g.segments) == n_attn + 1 and len(g.splits) == n_attn
+                for g in r._prefill_graphs.values():
+                    assert len(g.segments) == n_attn + 1 and len(g.splits) == n_attn
             r.close()
         for a, b in zip(runs["graphs"], runs["eager"]):
             for x, y in zip(a, b):

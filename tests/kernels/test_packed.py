@@ -295,9 +295,29 @@ def test_swapped_operands_and_tuned_configs(qtype):
     y = packed_matmul(x, p, **kw)
     _check(y, x, p)
     assert torch.equal(packed_matmul(x[:1], p, **kw), y[:1])
-    for prefill in (False, True):
+    for prefill in (0, 64, 256):      # decode rows, a small prompt chunk, a prompt chunk (Triton's path)
         cfg = tuned_config(p, prefill, 4)
         _check(packed_matmul(x, p, **cfg), x, p)
+
+
+def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
+    """A prompt chunk of at most SMALL_PROMPT_ROWS rows: the weight's decode settings with every row in
+    one block of x (each weight tile dequantized once), without the decode rows' register cap; longer
+    chunks keep the prefill settings; HIVEJET_SMALL_PROMPT_ROWS=0 turns small chunks off."""
+    import kernels.quant.packed as packed
+    from kernels.quant.packed import SMALL_PROMPT_ROWS, tuned_config
+    assert SMALL_PROMPT_ROWS == 64
+    for qtype, tile_n in ((QT.Q4_K, 128), (QT.Q6_K, 64)):
+        p = pack_weight(_random_weight(qtype, 256, 512, seed=7), qtype, 256, 512, tile_n=tile_n, tile_k=128)
+        dec, small = tuned_config(p, 0, 132), tuned_config(p, 64, 132)
+        assert dec["block_m"] == 16 and small["block_m"] == 64 and "maxnreg" not in small
+        assert small["split_k"] == dec["split_k"] and small["swap_ab"] == dec["swap_ab"]
+        assert tuned_config(p, 256, 132)["block_m"] == 128
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+    _check(packed_matmul(x, p, **dict(small, split_k=2)), x, p)
+    assert packed.weight_class(p) == "hi"
+    monkeypatch.setattr(packed, "SMALL_PROMPT_ROWS", 0)
+    assert tuned_config(p, 64, 132)["block_m"] == 128
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -479,6 +499,22 @@ def test_prefill_matmul_on_gpu(qtype):
     whole = prefill_matmul(x, p, pad_rows=256)
     assert torch.equal(prefill_matmul(x[200:237], p, pad_rows=256), whole[200:237])
     assert torch.equal(prefill_matmul(x[:1], p, pad_rows=256), whole[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+def test_small_prompt_matmul_on_gpu(qtype):
+    """A small prompt chunk's rows (matmul_tuned with prefill <= SMALL_PROMPT_ROWS: the packed kernel, all
+    rows in one block) match the reference at the 27B's widest shape, with and without the residual."""
+    from kernels.quant.packed import SMALL_PROMPT_ROWS, matmul_tuned
+    n, k = 17408, 5120
+    p = pack_weight(_random_weight(qtype, n, k, seed=15).cuda(), qtype, n, k)
+    for m in (1, 37, SMALL_PROMPT_ROWS):
+        x = torch.randn(m, k, device="cuda")
+        y = matmul_tuned(x, p, SMALL_PROMPT_ROWS)
+        _check(y, x, p)
+        add = torch.randn(m, n, device="cuda")
+        assert torch.equal(matmul_tuned(x, p, SMALL_PROMPT_ROWS, add=add), add + y)
 
 
 @pytest.mark.gpu
