@@ -39,6 +39,8 @@ checkpoint (enable_checkpoints); the result is bit for bit a cold run's (tests/e
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -74,6 +76,23 @@ class DecodeGraph(NamedTuple):
     logits: torch.Tensor
     hidden: torch.Tensor
     features: torch.Tensor | None
+
+
+@contextlib.contextmanager
+def capture_guard():
+    """Around a CUDA graph's capture: CUDA graphs left in dead reference cycles (a closed runner's, a
+    failed request's traceback) are destroyed when Python's garbage collector reaches them, and one
+    destroyed while another graph is being captured invalidates that capture
+    (cudaErrorStreamCaptureInvalidated: torch 2.11 no longer collects before capturing). So collect
+    first and keep the collector off until the capture has ended."""
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def chunk_rows(n: int, chunk: int) -> int:
@@ -992,7 +1011,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         self._replay_inputs.clear()
-        with torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
+        with capture_guard(), torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
             out = self._decode_eager(tok, pos, sl, wv, centers)
         if W:
             self._graph_waves[key] = wv

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.runner import SlotBatch
+from engine.runner import SlotBatch, capture_guard
 
 if TYPE_CHECKING:
     from engine.runner import Runner
@@ -171,7 +171,7 @@ class PrefillGraph:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         try:
-            with torch.cuda.stream(side), torch.inference_mode():
+            with capture_guard(), torch.cuda.stream(side), torch.inference_mode():
                 self._capturing = self._begin()
                 x = r._hidden(self.inp.tokens, PaddedBatch(self))
                 self._capturing.capture_end()

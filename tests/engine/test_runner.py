@@ -511,6 +511,39 @@ def _gpu_vs_cpu(path, n_new=64, prompt_len=24, seed=0, chunk=16, text=None):
         gpu_model.close()
 
 
+def dead_runner_then_capture(model) -> torch.Tensor:
+    """A runner with captured decode and prompt graphs dropped inside a reference cycle (as a failed
+    request's traceback leaves one), then a new runner capturing its graphs while Python's collector runs
+    at almost every allocation: the old graphs must not be destroyed during the new captures."""
+    import gc
+    old = Runner(model, device="cuda", n_slots=1, max_ctx=128)
+    old.prefill(0, list(range(1, 40)), chunk=32)
+    old.decode([0], [5], [39])
+    old.cycle = old
+    del old
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        new = Runner(model, device="cuda", n_slots=1, max_ctx=128)
+        new.prefill(0, list(range(1, 40)), chunk=32)
+        return new.decode([0], [5], [39]).float().cpu()
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captures_survive_dead_runners_graphs(tiny):
+    """engine/runner.py capture_guard: collecting first and not during a capture keeps a dead runner's
+    graphs from invalidating a new runner's captures (torch 2.11 stopped collecting before captures)."""
+    model = open_model(tiny("llama"))
+    try:
+        logits = dead_runner_then_capture(model)
+        assert torch.isfinite(logits).all()
+    finally:
+        model.close()
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("which", ["smollm2", "gemma3", "qwen35"])
