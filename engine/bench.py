@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 # (name, N, K): the Q4_K matrices of a Qwen3.5-27B Q4_K_M (engine/synth.py's 27b-q4_k_m preset)
@@ -101,6 +102,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="agents: seconds of the paused-agents run")
     p.add_argument("--servers", nargs="+", default=["hivejet", "llama.cpp"], choices=["hivejet", "llama.cpp"],
                    help="agents: which servers to run (llama.cpp needs --llamacpp)")
+    p.add_argument("--scenarios", type=int, nargs="+", default=[1, 2, 3, 4, 5], choices=[1, 2, 3, 4, 5],
+                   help="agents: which scenarios to run (default all five)")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="agents: more `hivejet serve` arguments, e.g. \"--prefill-chunk 512\"")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -116,7 +121,11 @@ def run_bench(args) -> int:
         if all("results" in r for r in loaded):   # agents: the servers of every file in one chart
             from engine.bench_agents import plot_agents
             merged = {name: res for r in loaded for name, res in r["results"].items()}
-            plot_agents(merged, args.paths[-1], f"hivejet bench agents, {loaded[0].get('model', '')}")
+            try:
+                plot_agents(merged, args.paths[-1], f"hivejet bench agents, {loaded[0].get('model', '')}")
+            except ValueError as e:
+                print(f"bench plot: {e}", file=sys.stderr)
+                return 2
             return 0
         if len(loaded) != 1 or "rows" not in loaded[0]:
             print("bench plot: give one decode result, or agents results", file=sys.stderr)
@@ -131,7 +140,8 @@ def run_bench(args) -> int:
         from engine.bench_agents import bench_agents, print_agents
         res = bench_agents(args.model, llamacpp=args.llamacpp, device=args.device, servers=args.servers,
                            json_path=args.json, agents=tuple(args.agents), gen=args.n_gen, context=args.context,
-                           long_prompt=args.long_prompt, duration=args.duration)
+                           long_prompt=args.long_prompt, duration=args.duration,
+                           scenarios=tuple(args.scenarios), serve_args=tuple(shlex.split(args.serve_args)))
         print_agents(res)
     elif args.scenario == "spec":
         from engine.bench_spec import run

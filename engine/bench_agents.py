@@ -62,11 +62,12 @@ class Server:
                 self.proc.kill()
 
 
-def hivejet_server(model: str, agents: int, ctx: int, device: str = "auto") -> Server:
+def hivejet_server(model: str, agents: int, ctx: int, device: str = "auto", extra: tuple = ()) -> Server:
+    """extra: more `hivejet serve` arguments (e.g. --prefill-chunk 512)."""
     port = _free_port()
     return Server("HiveJet", [sys.executable, "-m", "app.cli", "serve", "-m", model, "--port", str(port),
                               "--agents", str(agents), "--ctx", str(ctx), "--any-model", "--device", device,
-                              "--max-queue", "256"], port)
+                              "--max-queue", "256", *extra], port)
 
 
 def llama_server(llamacpp: str, model: str, agents: int, ctx: int) -> Server:
@@ -147,17 +148,23 @@ def _log(msg: str) -> None:
     print(f"[bench agents {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+SCENARIOS = (1, 2, 3, 4, 5)
+
+
 def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, context: int = 23000,
                   new_tokens: int = 50, long_prompt: int = 20000, duration: float = 60.0, seed: int = 0,
-                  on_result=None) -> dict:
-    """The five scenarios against one server; `on_result(res)` after each (partial results survive
-    a benchmark cut short)."""
+                  on_result=None, scenarios=SCENARIOS) -> dict:
+    """The five scenarios (or those in `scenarios`) against one server; `on_result(res)` after each
+    (partial results survive a benchmark cut short). Scenario 3 reads its conversations first when 2 did
+    not run, and 4 its three when 3 did not (the three agents then start decoding together, as in a full
+    run)."""
     rng = random.Random(seed)
     res: dict = {}
-    res["decode"] = []
     done = on_result or (lambda r: None)
     complete(url, _prompt(rng, 32, vocab), 16)   # one-time costs (kernel compilation, graphs) out of the figures
-    for n in agents:
+    if 1 in scenarios:
+        res["decode"] = []
+    for n in agents if 1 in scenarios else ():
         t0 = time.perf_counter()
         rs = _parallel([lambda: complete(url, _prompt(rng, 32, vocab), gen) for _ in range(n)])
         wall = time.perf_counter() - t0
@@ -166,19 +173,36 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
         _log(f"1. {n} agents: {res['decode'][-1]['total']:.1f} tok/s total ({wall:.1f} s)")
         done(res)
     convs = [_prompt(rng, context, vocab) for _ in range(4)]
-    t0 = time.perf_counter()
-    # the four conversations are read first (together), then each asks again and all four decode at once
-    pre = _parallel([lambda c=c: complete(url, c, 1) for c in convs])
-    rs = _parallel([lambda c=c: complete(url, c, gen) for c in convs])
-    res["long_context"] = dict(context=context, per_agent=_window_rates(rs), whole=[_decode_rate(r) for r in rs],
-                               prefill_s=[r["ttft"] for r in pre], again_ttft=[r["ttft"] for r in rs])
-    _log(f"2. 4 x {context} tokens: {[round(x, 1) for x in res['long_context']['per_agent']]} tok/s each "
-         f"({time.perf_counter() - t0:.1f} s; first reads {[round(r['ttft'], 1) for r in pre]} s)")
-    done(res)
+    if 2 in scenarios or 3 in scenarios:
+        t0 = time.perf_counter()
+        # the four conversations are read first (together), then each asks again and all four decode at once
+        pre = _parallel([lambda c=c: complete(url, c, 1) for c in convs])
+    if 2 in scenarios:
+        rs = _parallel([lambda c=c: complete(url, c, gen) for c in convs])
+        res["long_context"] = dict(context=context, per_agent=_window_rates(rs), whole=[_decode_rate(r) for r in rs],
+                                   prefill_s=[r["ttft"] for r in pre], again_ttft=[r["ttft"] for r in rs])
+        _log(f"2. 4 x {context} tokens: {[round(x, 1) for x in res['long_context']['per_agent']]} tok/s each "
+             f"({time.perf_counter() - t0:.1f} s; first reads {[round(r['ttft'], 1) for r in pre]} s)")
+        done(res)
     follow = [c + _prompt(rng, new_tokens, vocab) for c in convs]
-    res["follow_up_ttft"] = [complete(url, f, 8)["ttft"] for f in follow]
-    _log(f"3. follow-up first token: {[round(x, 2) for x in res['follow_up_ttft']]} s")
-    done(res)
+    if 3 in scenarios:
+        res["follow_up_ttft"] = [complete(url, f, 8)["ttft"] for f in follow]
+        _log(f"3. follow-up first token: {[round(x, 2) for x in res['follow_up_ttft']]} s")
+        done(res)
+    if 4 in scenarios:
+        if 3 not in scenarios:   # (the three conversations resident, as after scenario 3: they start together)
+            _parallel([lambda f=f: complete(url, f, 1) for f in follow[:3]])
+        _during_prefill(url, vocab, rng, follow[:3], gen, long_prompt, res)
+        done(res)
+    if 5 in scenarios:
+        _paused_agents(url, vocab, seed, gen, duration, res)
+        done(res)
+    return res
+
+
+def _during_prefill(url: str, vocab: int, rng: random.Random, follow: list, gen: int, long_prompt: int,
+                    res: dict) -> None:
+    """Scenario 4 into res["during_prefill"]."""
     # three agents decode; a fourth sends a long prompt once they are going
     progress, ended, sent = [0, 0, 0], [False] * 3, {}
 
@@ -197,7 +221,7 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
             return complete(url, f, gen * 8, on_token=lambda: progress.__setitem__(i, progress[i] + 1))
         finally:
             ended[i] = True   # (a follower that ended early does not hold the intruder back)
-    rs = _parallel([lambda i=i, f=f: follower(i, f) for i, f in enumerate(follow[:3])])
+    rs = _parallel([lambda i=i, f=f: follower(i, f) for i, f in enumerate(follow)])
     th.join()
     t_sent, t_first = sent["t"], sent["r"]["t_first"]
     res["during_prefill"] = dict(long_prompt=long_prompt,
@@ -205,8 +229,10 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
                                  during=[_rate([t for t in r["times"] if t_sent <= t < t_first]) for r in rs],
                                  intruder_ttft=sent["r"]["ttft"])
     _log(f"4. {res['during_prefill']}")
-    done(res)
-    # agents with tool pauses
+
+
+def _paused_agents(url: str, vocab: int, seed: int, gen: int, duration: float, res: dict) -> None:
+    """Scenario 5 (agents with tool pauses) into res["paused_agents"]."""
     t_end = time.perf_counter() + duration
     counts = [0] * 4
 
@@ -219,14 +245,12 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
     _parallel([lambda i=i: agent(i) for i in range(4)])
     res["paused_agents"] = dict(duration=time.perf_counter() - t0, total=sum(counts) / (time.perf_counter() - t0))
     _log(f"5. {res['paused_agents']}")
-    done(res)
-    return res
 
 
 def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", servers=("hivejet", "llama.cpp"),
-                 json_path: str | None = None, **kw) -> dict:
+                 json_path: str | None = None, serve_args: tuple = (), **kw) -> dict:
     """Both servers (or those in `servers`) through run_scenarios; with json_path the results so far
-    are written after every scenario."""
+    are written after every scenario. serve_args: more `hivejet serve` arguments."""
     from engine.gguf.reader import GGUFFile
     from engine.gguf.spec import spec_from_gguf
     f = GGUFFile(model)
@@ -240,7 +264,7 @@ def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", 
     out = dict(model=os.path.basename(model), date=time.strftime("%Y-%m-%d %H:%M"), results={})
     makers = []
     if "hivejet" in servers:
-        makers.append(("HiveJet", lambda: hivejet_server(model, n_agents, ctx, device)))
+        makers.append(("HiveJet", lambda: hivejet_server(model, n_agents, ctx, device, tuple(serve_args))))
     if llamacpp and "llama.cpp" in servers:
         makers.append(("llama.cpp", lambda: llama_server(llamacpp, model, n_agents, ctx)))
 
@@ -261,45 +285,57 @@ def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", 
 
 
 def print_agents(res: dict) -> None:
+    """The results as text, the scenarios every server ran."""
     names = list(res["results"])
     print(f"model {res['model']}; " + " | ".join(names))
-    first = res["results"][names[0]]
-    for i, d in enumerate(first["decode"]):
-        cells = [f"{res['results'][n]['decode'][i]['total']:.1f} total, {res['results'][n]['decode'][i]['per_agent']:.1f}/agent"
-                 for n in names]
-        print(f"1. {d['agents']:2d} agents decode: " + " | ".join(cells))
-    print("2. 4 agents at long context, tok/s each: " + " | ".join(
-        ", ".join(f"{x:.1f}" for x in res["results"][n]["long_context"]["per_agent"]) for n in names))
-    print("3. follow-up first token, s: " + " | ".join(
-        ", ".join(f"{x:.2f}" for x in res["results"][n]["follow_up_ttft"]) for n in names))
-    print("4. 3 agents before / during a long prompt, tok/s; its first token: " + " | ".join(
-        f"{sum(r['before']) / 3:.1f} / {sum(r['during']) / 3:.1f}; {r['intruder_ttft']:.2f} s"
-        for r in (res["results"][n]["during_prefill"] for n in names)))
-    print("5. 4 agents with pauses, total tok/s: " + " | ".join(
-        f"{res['results'][n]['paused_agents']['total']:.1f}" for n in names))
+    runs = [res["results"][n] for n in names]
+
+    def ran(key):
+        return all(key in r for r in runs)
+    if ran("decode"):
+        for i, d in enumerate(runs[0]["decode"]):
+            cells = [f"{r['decode'][i]['total']:.1f} total, {r['decode'][i]['per_agent']:.1f}/agent" for r in runs]
+            print(f"1. {d['agents']:2d} agents decode: " + " | ".join(cells))
+    if ran("long_context"):
+        print("2. 4 agents at long context, tok/s each: " + " | ".join(
+            ", ".join(f"{x:.1f}" for x in r["long_context"]["per_agent"]) for r in runs))
+    if ran("follow_up_ttft"):
+        print("3. follow-up first token, s: " + " | ".join(
+            ", ".join(f"{x:.2f}" for x in r["follow_up_ttft"]) for r in runs))
+    if ran("during_prefill"):
+        print("4. 3 agents before / during a long prompt, tok/s; its first token: " + " | ".join(
+            f"{sum(d['before']) / 3:.1f} / {sum(d['during']) / 3:.1f}; {d['intruder_ttft']:.2f} s"
+            for d in (r["during_prefill"] for r in runs)))
+    if ran("paused_agents"):
+        print("5. 4 agents with pauses, total tok/s: " + " | ".join(f"{r['paused_agents']['total']:.1f}" for r in runs))
 
 
 def plot_agents(results: dict, out_png: str, title: str = "") -> None:
-    """The five scenarios as grouped bars, one colour per server (Pillow). results: server name ->
-    run_scenarios' result (several result files merged: each server may come from its own run)."""
+    """The scenarios every server ran (all five in a full run) as grouped bars, one colour per server
+    (Pillow). results: server name -> run_scenarios' result (several result files merged: each server
+    may come from its own run)."""
     from PIL import Image, ImageDraw
     names = list(results)
     colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
-    first = results[names[0]]
-    panels = [
-        ("1. decode, short prompts: total tok/s", [f"{d['agents']} agents" for d in first["decode"]],
-         {n: [d["total"] for d in results[n]["decode"]] for n in names}),
-        ("2. four agents at 23K: tok/s each (mean)", ["per agent"],
-         {n: [sum(results[n]["long_context"]["per_agent"]) / 4] for n in names}),
-        ("3. follow-up first token, s (lower is better)", ["conv 1", "conv 2", "conv 3", "conv 4"],
-         {n: results[n]["follow_up_ttft"] for n in names}),
-        ("4. three agents' tok/s before / during a 20K prompt; its first token, s",
-         ["before", "during", "1st token s"],
-         {n: [sum(results[n]["during_prefill"]["before"]) / 3, sum(results[n]["during_prefill"]["during"]) / 3,
-              results[n]["during_prefill"]["intruder_ttft"]] for n in names}),
-        ("5. four agents pausing for tools: total tok/s", ["total"],
-         {n: [results[n]["paused_agents"]["total"]] for n in names}),
+    runs = [results[n] for n in names]
+    makers = [
+        ("decode", lambda: ("1. decode, short prompts: total tok/s", [f"{d['agents']} agents" for d in runs[0]["decode"]],
+                            {n: [d["total"] for d in results[n]["decode"]] for n in names})),
+        ("long_context", lambda: ("2. four agents at 23K: tok/s each (mean)", ["per agent"],
+                                  {n: [sum(results[n]["long_context"]["per_agent"]) / 4] for n in names})),
+        ("follow_up_ttft", lambda: ("3. follow-up first token, s (lower is better)", ["conv 1", "conv 2", "conv 3", "conv 4"],
+                                    {n: results[n]["follow_up_ttft"] for n in names})),
+        ("during_prefill", lambda: ("4. three agents' tok/s before / during a 20K prompt; its first token, s",
+                                    ["before", "during", "1st token s"],
+                                    {n: [sum(results[n]["during_prefill"]["before"]) / 3,
+                                         sum(results[n]["during_prefill"]["during"]) / 3,
+                                         results[n]["during_prefill"]["intruder_ttft"]] for n in names})),
+        ("paused_agents", lambda: ("5. four agents pausing for tools: total tok/s", ["total"],
+                                   {n: [results[n]["paused_agents"]["total"]] for n in names})),
     ]
+    panels = [make() for key, make in makers if all(key in r for r in runs)]
+    if not panels:
+        raise ValueError("no scenario that every server ran")
     W, PH, L = 900, 190, 20
     img = Image.new("RGB", (W, 40 + PH * len(panels)), "white")
     d = ImageDraw.Draw(img)

@@ -29,3 +29,29 @@ def test_bench_agents_runs_every_scenario(tmp_path, capsys):
         (tmp_path / name).write_text(json.dumps(obj))
     assert main(["bench", "plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"), str(tmp_path / "a.png")]) == 0
     assert Image.open(tmp_path / "a.png").size == (900, 40 + 5 * 190)
+
+
+def test_bench_agents_runs_chosen_scenarios_with_serve_args(tmp_path, capsys):
+    """--scenarios 3 4 (the follow-ups read their conversations first; the long prompt beside three
+    agents) and --serve-args reach `hivejet serve`: only those results, printed and plotted."""
+    import json
+    from PIL import Image
+
+    from app.cli import main
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, "llama", "tiny", seed=3)
+    res = bench_agents(str(path), device="cpu", gen=4, context=40, new_tokens=5, long_prompt=64,
+                       scenarios=(3, 4), serve_args=("--prefill-chunk", "32"))
+    r = res["results"]["HiveJet"]
+    assert set(r) == {"follow_up_ttft", "during_prefill"}
+    assert len(r["follow_up_ttft"]) == 4 and r["during_prefill"]["intruder_ttft"] > 0
+    print_agents(res)
+    out = capsys.readouterr().out
+    assert "3. follow-up" in out and "4. 3 agents" in out and "1. " not in out
+    (tmp_path / "a.json").write_text(json.dumps(res))
+    assert main(["bench", "plot", str(tmp_path / "a.json"), str(tmp_path / "a.png")]) == 0
+    assert Image.open(tmp_path / "a.png").size == (900, 40 + 2 * 190)
+    # a server that does not start with the given arguments: a clear error, not a hang
+    import pytest
+    with pytest.raises(RuntimeError, match="exited"):
+        bench_agents(str(path), device="cpu", scenarios=(3,), serve_args=("--prefill-chunk", "100"))
