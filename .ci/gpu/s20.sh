@@ -23,3 +23,11 @@ if [ "$1" = 2 ]; then
     agents hivejet 400
     gpu_tests 150
 fi
+# What the session ran after run 1 (the device's calls, in order; the pick of run 1 became the default in
+# between, so the exports below are no longer needed):
+#   run 2 (twice; the first stopped at fastapi 0.165's opentelemetry import: carry fastapi 0.115.14 and
+#          starlette 0.46.2 instead): export HIVEJET_SMALL_PROMPT_CONFIG=<run 1's pick>; agents hivejet 430;
+#          gpu_tests 120
+#   then:  gpu_tests 300; python3 -u .ci/gpu/prefill_profile.py /tmp/m27.gguf 32 256
+#   then:  python3 -u .ci/gpu/gc_check.py; the runner / prompt-chunk / engine / packed GPU tests (twice)
+#   last:  bench agents --scenarios 4 --serve-args "--prefill-chunk 512" (docs/PERFORMANCE.md)
