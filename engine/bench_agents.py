@@ -261,7 +261,8 @@ def bench_agents(model: str, llamacpp: str | None = None, device: str = "auto", 
     ctx = kw.get("context", 23000) + kw.get("new_tokens", 50) + 2 * kw.get("gen", 128) * 4 + 64
     ctx = max(ctx, kw.get("long_prompt", 20000) + 64)
     n_agents = max(max(kw.get("agents", (1, 4, 8, 16))), 4)
-    out = dict(model=os.path.basename(model), date=time.strftime("%Y-%m-%d %H:%M"), results={})
+    out = dict(model=os.path.basename(model), date=time.strftime("%Y-%m-%d %H:%M"), results={},
+               serve_args=list(serve_args), scenarios=list(kw.get("scenarios", SCENARIOS)))
     makers = []
     if "hivejet" in servers:
         makers.append(("HiveJet", lambda: hivejet_server(model, n_agents, ctx, device, tuple(serve_args))))

@@ -44,6 +44,7 @@ def test_bench_agents_runs_chosen_scenarios_with_serve_args(tmp_path, capsys):
                        scenarios=(3, 4), serve_args=("--prefill-chunk", "32"))
     r = res["results"]["HiveJet"]
     assert set(r) == {"follow_up_ttft", "during_prefill"}
+    assert res["serve_args"] == ["--prefill-chunk", "32"] and res["scenarios"] == [3, 4]   # (the run says how)
     assert len(r["follow_up_ttft"]) == 4 and r["during_prefill"]["intruder_ttft"] > 0
     print_agents(res)
     out = capsys.readouterr().out
