@@ -164,14 +164,14 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
     complete(url, _prompt(rng, 32, vocab), 16)   # one-time costs (kernel compilation, graphs) out of the figures
     if 1 in scenarios:
         res["decode"] = []
-    for n in agents if 1 in scenarios else ():
-        t0 = time.perf_counter()
-        rs = _parallel([lambda: complete(url, _prompt(rng, 32, vocab), gen) for _ in range(n)])
-        wall = time.perf_counter() - t0
-        res["decode"].append(dict(agents=n, per_agent=sum(map(_decode_rate, rs)) / n,
-                                  total=sum(r["tokens"] for r in rs) / wall))
-        _log(f"1. {n} agents: {res['decode'][-1]['total']:.1f} tok/s total ({wall:.1f} s)")
-        done(res)
+        for n in agents:
+            t0 = time.perf_counter()
+            rs = _parallel([lambda: complete(url, _prompt(rng, 32, vocab), gen) for _ in range(n)])
+            wall = time.perf_counter() - t0
+            res["decode"].append(dict(agents=n, per_agent=sum(map(_decode_rate, rs)) / n,
+                                      total=sum(r["tokens"] for r in rs) / wall))
+            _log(f"1. {n} agents: {res['decode'][-1]['total']:.1f} tok/s total ({wall:.1f} s)")
+            done(res)
     convs = [_prompt(rng, context, vocab) for _ in range(4)]
     if 2 in scenarios or 3 in scenarios:
         t0 = time.perf_counter()

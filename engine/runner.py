@@ -58,7 +58,7 @@ from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.gdn import gdn_decode, gdn_gates
 from kernels.kvcodec import cache_type_name, get_codec
-from kernels.quant.packed import SMALL_PROMPT_ROWS
+from kernels.quant import packed
 
 if TYPE_CHECKING:
     from engine.runner_prefill import PrefillGraph
@@ -100,7 +100,8 @@ def chunk_rows(n: int, chunk: int) -> int:
     when it fits a small prompt chunk (a short request, a follow-up's new tokens, a prompt's tail), to
     SMALL_PROMPT_ROWS, whose matmuls take the packed kernel instead of dequantize + cuBLAS
     (kernels/quant/packed.py)."""
-    return SMALL_PROMPT_ROWS if 0 < n <= SMALL_PROMPT_ROWS < chunk else chunk
+    small = packed.SMALL_PROMPT_ROWS   # (read here: kernels/quant/packed.py holds the one setting)
+    return small if packed.small_prompt_rows(n) and small < chunk else chunk
 
 
 def _wave_bucket(waves: list | None) -> int:

@@ -45,7 +45,6 @@ def variants(p, cfg: dict) -> dict:
 def sweep(model_path: str, seconds: float) -> tuple:
     t_end = time.time() + seconds
     configs = decode_configs(model_path)
-    model = None
     rows, by_class = [], {}
     for key, p, per_step, cfg in configs:
         ws = clones(p)
@@ -85,7 +84,7 @@ def sweep(model_path: str, seconds: float) -> tuple:
     print(f"matmuls of one 64-row chunk, ms: cuBLAS padded to 256 {step['cublas256']:.2f}, to 64 "
           f"{step['cublas64']:.2f}, decode settings {step['decode16']:.2f}; small_prompt per class: "
           f"{ {c: list(t.items())[:3] for c, t in totals.items()} }; pick {pick}", flush=True)
-    return rows, pick, totals, step, model
+    return rows, pick, totals, step
 
 
 def end_to_end(model_path: str) -> dict:
@@ -97,7 +96,7 @@ def end_to_end(model_path: str) -> dict:
     out = {}
 
     def set_small(v):
-        packed.SMALL_PROMPT_ROWS = runner_mod.SMALL_PROMPT_ROWS = v
+        packed.SMALL_PROMPT_ROWS = v
     set_small(0)
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_reserved()
@@ -140,7 +139,7 @@ def main():
     a = ap.parse_args()
     res = dict(device=torch.cuda.get_device_name(0))
     if not a.no_sweep:
-        rows, pick, totals, step, _ = sweep(a.model, a.seconds)
+        rows, pick, totals, step = sweep(a.model, a.seconds)
         res.update(shapes=rows, pick=pick, per_class_ms=totals, chunk_matmuls_ms=step)
         if a.pick:
             json.dump(pick, open(a.pick, "w"))

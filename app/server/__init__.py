@@ -134,7 +134,7 @@ def run_serve(args) -> int:
                                       prefill_share=args.prefill_share,
                                       prefill_chunk=args.prefill_chunk,
                                       # (a whole chunk fits a step beside every conversation's row)
-                                      step_tokens=max(512, args.prefill_chunk + args.agents),
+                                      step_tokens=max(EngineConfig.step_tokens, args.prefill_chunk + args.agents),
                                       cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))
         except Exception as e:  # shown by /health and the log; the server keeps answering 503

@@ -234,9 +234,9 @@ class StackedWeights:
         """Each part's x @ W.T, in the parts' order."""
         if not self.groups or not x.is_cuda:
             return [w.matmul(x) for w in self.parts]
-        from kernels.quant.packed import SMALL_PROMPT_ROWS
+        from kernels.quant.packed import small_prompt_rows
         rows = PREFILL_ROWS.get()
-        if rows > SMALL_PROMPT_ROWS:
+        if rows and not small_prompt_rows(rows):
             return self._prefill(x)
         return self.stacked_matmul(x, rows)   # (decode rows, or a small prompt chunk: the packed kernel)
 

@@ -911,10 +911,10 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False) ->
     descriptors with TMA_CONFIG's settings (measured end to end on the 27B: a 1-row step 18.2 instead of
     19.0 ms, docs/PERFORMANCE.md); the int8-plane types keep per-thread loads (not measured).
     prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split."""
-    if prefill > SMALL_PROMPT_ROWS:
-        return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
-    if prefill:
+    if small_prompt_rows(prefill):
         return small_prompt(p, tuned_config(p, 0, n_sm, tma))
+    if prefill:
+        return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
     # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
     # 27B: not used there; the TMA settings were picked end to end)
     hi = p.hi_bits in (1, 2)
@@ -951,6 +951,12 @@ def weight_class(p: PackedWeight) -> str:
     """The kind of weight settings are kept by: the 4-bit plane alone ("plain"), with a high plane ("hi"),
     an int8 plane ("int8")."""
     return "hi" if p.hi_bits in (1, 2) else "plain" if p.hi_bits == 0 else "int8"
+
+
+def small_prompt_rows(rows: int) -> bool:
+    """Whether a prompt chunk padded to `rows` rows (PREFILL_ROWS; 0: decode rows) is a small one, whose
+    matmuls take the packed kernel (small_prompt) instead of dequantize + cuBLAS."""
+    return 0 < rows <= SMALL_PROMPT_ROWS
 
 
 def small_prompt(p: PackedWeight, decode: dict) -> dict:
@@ -1139,7 +1145,7 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.
         return add + matmul_tuned(x, p, prefill)
     if not x.is_cuda:
         return packed_matmul(x, p, add=add)
-    if prefill > SMALL_PROMPT_ROWS and PREFILL_CUBLAS:
+    if prefill and not small_prompt_rows(prefill) and PREFILL_CUBLAS:
         y = prefill_matmul(x, p, pad_rows=int(prefill))
         return y if add is None else add + y
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
