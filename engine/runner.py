@@ -84,9 +84,12 @@ def capture_guard():
     failed request's traceback) are destroyed when Python's garbage collector reaches them, and one
     destroyed while another graph is being captured invalidates that capture
     (cudaErrorStreamCaptureInvalidated: torch 2.11 no longer collects before capturing). So collect
-    first and keep the collector off until the capture has ended."""
-    gc.collect()
+    first and keep the collector off until the capture has ended. Nested in another guard (a batch of
+    captures: Runner.capture, capture_drafting, capture_prefill) it does not collect again: one collect
+    per batch (each takes a full pass over the heap)."""
     was_on = gc.isenabled()
+    if was_on:
+        gc.collect()
     gc.disable()
     try:
         yield
@@ -890,8 +893,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
             return
         n_ckpt, self.n_checkpoints = self.n_checkpoints, 0     # (no checkpoint of the dummy prompt)
         try:
-            for rows in sizes:
-                self.prefill(free[0], [0] * rows, chunk=chunk)
+            with capture_guard():
+                for rows in sizes:
+                    self.prefill(free[0], [0] * rows, chunk=chunk)
         finally:
             self.n_checkpoints = n_ckpt
             self.reset(free[0])
@@ -1023,8 +1027,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def capture(self, buckets=BUCKETS) -> None:
         """Capture the decode graphs ahead of time (largest first, so smaller ones reuse its memory)."""
         if self.graphs_enabled:
-            for B in sorted(buckets, reverse=True):
-                self._graph(B)
+            with capture_guard():
+                for B in sorted(buckets, reverse=True):
+                    self._graph(B)
 
     def capture_drafting(self, max_rows: int) -> None:
         """Capture ahead of time the drafting-step graphs of a recurrent model that one sequence with up
@@ -1033,8 +1038,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
         capture theirs at first use)."""
         if self.graphs_enabled and self.conv_state:
             top = min(1 << (max(max_rows, 2) - 1).bit_length(), BUCKETS[-1])
-            for W in (w for w in sorted(BUCKETS, reverse=True) if 2 <= w <= top):
-                self._graph(W, W)
+            with capture_guard():
+                for W in (w for w in sorted(BUCKETS, reverse=True) if 2 <= w <= top):
+                    self._graph(W, W)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:

@@ -531,6 +531,31 @@ def dead_runner_then_capture(model) -> torch.Tensor:
         gc.set_threshold(*thresholds)
 
 
+def test_capture_guard_collects_once_per_batch(monkeypatch):
+    """capture_guard: a collect before the outermost guard only (nested ones are the batch's captures),
+    the collector off inside, on again after, and left off when it was off."""
+    import gc
+
+    from engine import runner as R
+    calls = []
+    monkeypatch.setattr(R.gc, "collect", lambda *a: calls.append(1) or 0)
+    assert gc.isenabled()
+    with R.capture_guard():
+        assert not gc.isenabled()
+        for _ in range(3):
+            with R.capture_guard():
+                assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled() and calls == [1]
+    gc.disable()
+    try:
+        with R.capture_guard():
+            pass
+        assert not gc.isenabled() and calls == [1]
+    finally:
+        gc.enable()
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_captures_survive_dead_runners_graphs(tiny):
