@@ -30,6 +30,7 @@ from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.kv.pool import PoolFullError
 from engine.pacing import PrefillPacer
+from engine.planner import auto_prefill_chunk
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.scheduler_gpu import RunnerScheduler
 from engine.spec import SPEC_MODES
@@ -53,9 +54,11 @@ class EngineConfig:
     max_seqs: int = 16              # sequences advanced together in one step
     ctx_size: int = 0               # context per sequence at most; 0 = the model's training context (GPU
                                     # path: also at most the KV pool, which all sequences share)
-    step_tokens: int = 512          # rows per step: decode rows first, prompt chunks fill the rest
-    prefill_chunk: int = 256        # prompts are cut at multiples of this, whatever else is running,
-                                    # so a sequence's numbers do not depend on its neighbours
+    step_tokens: int = 512          # rows per step: decode rows first, prompt chunks fill the rest (a step
+                                    # always has room for one whole chunk beside its decode rows)
+    prefill_chunk: int = 0          # prompts are cut at multiples of this, whatever else is running,
+                                    # so a sequence's numbers do not depend on its neighbours; 0: auto
+                                    # (engine/planner.py: auto_prefill_chunk, larger on a GPU with memory to spare)
     max_queue: int = 256            # waiting requests beyond this are refused
     threads: int = 0                # torch CPU threads; 0 = torch's default
     cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
@@ -239,7 +242,11 @@ class Engine(RunnerScheduler, SpeculationMixin):
     def __init__(self, config: EngineConfig, progress=None):
         if config.device == "auto":
             config = dataclasses.replace(config, device=resolve_auto_device(config))
-        self.config = config
+        if config.prefill_chunk < 0:
+            raise EngineError(f"prefill_chunk {config.prefill_chunk}: a positive number of tokens, or 0 (auto)")
+        if config.prefill_chunk == 0 and config.device == "cpu" and not config.static_slots:
+            config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(None))
+        self.config = config   # (the GPU path picks an automatic prefill_chunk once the weights are on it)
         if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
             raise EngineError(f"unknown device {config.device!r} (cpu or cuda)")
         if config.device != "cpu" and not torch.cuda.is_available():
@@ -667,6 +674,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 plan.append((s, SeqChunk(torch.tensor(toks), lo, s.kv, "all" if s.drafts else "last", positions=pos,
                                          rowwise=bool(s.drafts))))
                 budget -= len(toks)
+        budget = max(budget, self.config.prefill_chunk)   # (room for one whole chunk beside the decode rows)
         prefilling = False
         for s in self._running:
             if s.n_computed < s.target:

@@ -50,7 +50,8 @@ Every number comes from the GGUF header (nothing is loaded):
     124 MiB more on the 27B, H200, twentieth session); the prompt chunk's graphs
     (engine/runner_prefill.py) share that pool and keep the chunk's activations below in it;
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
-    bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk), the fp16 copy
+    bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk; a chunk of more
+    rows adds four times that per row beyond 512, what its graph measured on the 27B), the fp16 copy
     of the largest matrix that a prompt chunk's matmul dequantizes (kernels/quant/packed.py:
     prefill_matmul; not the output matrix: the runner computes the last row's logits with the decode
     kernel), and for rotated K types the chunk's score-correction table ``step_tokens * n_head *
@@ -115,6 +116,23 @@ CUDA_CONTEXT_BYTES = 400 * MiB
 CUDA_GRAPH_BYTES = 384 * MiB   # (256 for the decode graphs, 128 for the 64-row prompt chunk's)
 STEP_TOKENS = 512
 LOGIT_ROWS_PER_SEQ = 4
+
+
+# The prompt chunk `prefill_chunk=0` picks (H200, synthetic 27B, a 20K prompt beside three decoding agents,
+# docs/PERFORMANCE.md, twenty-first session: its first token after 12.0 s at 256, 9.05 s at 512, 7.94 s at
+# 1024; llama-server 8.88 s). The larger chunk only where it costs little: on a 24 GiB card 1024 takes a
+# third of the 27B's KV pool (activation_bytes), 512 takes 3.7 % more than 256 did.
+PREFILL_CHUNK = 512
+PREFILL_CHUNK_LARGE = 1024
+LARGE_CHUNK_FREE = 16 * GiB     # bytes free after the weights for PREFILL_CHUNK_LARGE
+
+
+def auto_prefill_chunk(free_after_weights: int | None) -> int:
+    """The prompt chunk for prefill_chunk=0: PREFILL_CHUNK_LARGE on a GPU with at least LARGE_CHUNK_FREE
+    bytes free once the weights are loaded (None: the CPU, or a pool size given), else PREFILL_CHUNK."""
+    if free_after_weights is not None and free_after_weights >= LARGE_CHUNK_FREE:
+        return PREFILL_CHUNK_LARGE
+    return PREFILL_CHUNK
 
 
 def kv_bytes_per_value(kv_type: str) -> float:
@@ -336,7 +354,12 @@ def activation_bytes(facts: ModelFacts, ctx: int = 0, kv_type: str = "f16", max_
     module docstring."""
     q_dim = facts.n_head * facts.head_dim
     kv_dim = facts.attn_layers[0][0] if facts.attn_layers else 0
-    act = step_tokens * (4 * facts.n_embd + 3 * facts.n_ff + q_dim + 2 * kv_dim) * 4
+    row = (4 * facts.n_embd + 3 * facts.n_ff + q_dim + 2 * kv_dim) * 4
+    act = step_tokens * row
+    # prompt chunks over STEP_TOKENS rows: their graphs' pool grows by about four more such rows per row
+    # (27B on a 24 GiB card, 1024 against 512 rows: 0.62 GiB less left free than planned; the 512 rows
+    # themselves sit in CUDA_GRAPH_BYTES and the 10 % margin)
+    act += 4 * max(0, step_tokens - STEP_TOKENS) * row
     if kv_type in ROTATED_TYPES and facts.attn_layers:
         act += step_tokens * facts.n_head * max(1, -(-ctx // KEY_SEGMENT)) * 4   # score corrections
     logits = max(1, max_seqs) * LOGIT_ROWS_PER_SEQ * facts.vocab_size * 4
@@ -446,10 +469,11 @@ def drafter_bytes(drafter, pool_tokens: int) -> int:
 
 
 def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vram: int | None = None,
-         kv_type_v: str | None = None, step_tokens: int = STEP_TOKENS, mtp: bool = False,
+         kv_type_v: str | None = None, step_tokens: int = 0, mtp: bool = False,
          drafter=None) -> Plan:
     """GPU memory of the runner with `n_seqs` slots sharing a KV pool of `n_seqs x ctx` tokens (K in
-    kv_type, V in kv_type_v, default the same), prompt chunks of `step_tokens`. One sequence may hold
+    kv_type, V in kv_type_v, default the same), prompt chunks of `step_tokens` (0: the engine's automatic
+    choice for a card of `vram` bytes, auto_prefill_chunk). One sequence may hold
     up to min(training context, the pool) tokens: the key preconditioning is sized for that. mtp: drafting
     with the model's MTP block (its own KV counted); drafter: a loaded DFlash drafter (drafter_bytes)."""
     if ctx <= 0:
@@ -457,10 +481,12 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
     kv_type_v = kv_type_v or kv_type
     _kv_type(kv_type_v)
     seq_ctx = seq_context(facts, ctx, n_seqs)
+    weights = facts.device_weight_bytes or facts.weight_bytes
+    step_tokens = step_tokens or auto_prefill_chunk(vram - CUDA_CONTEXT_BYTES - weights if vram else None)
     kv = runner_kv_bytes(facts, ctx, kv_type, kv_type_v, n_seqs)
     one = facts.recurrent_bytes
     checkpoints = min(64, int(0.02 * kv) // one) * one if one else 0
-    return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,
+    return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=weights,
                 kv=kv, recurrent=n_seqs * facts.recurrent_bytes, checkpoints=checkpoints,
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",

@@ -9,6 +9,7 @@ engine/engine.py.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -93,10 +94,13 @@ class RunnerScheduler:
         for prefix sharing (state_checkpoints; by default as many as fit in 2 % of the KV cache, which
         the fit leaves room for)."""
         from engine.runner import Runner, state_checkpoint_bytes
+        from engine.planner import auto_prefill_chunk
         c = self.config
         dev = torch.device(c.device)
         types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
         want = c.ctx_size or self.spec.context_length
+        if c.prefill_chunk == 0 and (dev.type != "cuda" or c.ctx_pool_tokens):
+            c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(None))
         if c.prefill_chunk % RUNNER_BLOCK:   # shared prefixes end on chunk ends: whole blocks, never copied
             self.model.close()
             raise EngineError(f"prefill_chunk {c.prefill_chunk} must be a multiple of {RUNNER_BLOCK} on the "
@@ -111,6 +115,8 @@ class RunnerScheduler:
                 if self._dflash is not None:
                     self._dflash.to_device(dev)
                 free, _ = torch.cuda.mem_get_info(dev)
+                if c.prefill_chunk == 0:
+                    c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(free))
                 budget = free - max(int(0.1 * free), self._step_workspace(want))
                 pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
                 if pool < 256:
@@ -615,6 +621,7 @@ class RunnerScheduler:
                 rows += len(s.drafts)
                 budget -= len(s.drafts)
                 drafting += bool(s.drafts)
+        budget = max(budget, pc)   # (room for one whole chunk beside the decode rows and drafts)
         chunks = []
         paced = None   # whether this step may take chunks after a request's first (engine/pacing.py)
         for s in self._running:

@@ -49,10 +49,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GPU path: while conversations generate, a long prompt's chunks after its first take "
                         "about this share of the GPU's time (default 0.5: they keep half their speed; 1: "
                         "no pacing)")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
-                   help="prompts are read in chunks cut at multiples of N tokens (a multiple of 16; default 256): "
-                        "larger chunks read long prompts faster, smaller ones keep the other conversations' "
-                        "steps shorter; shared prefixes are reused in whole chunks")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                   help="prompts are read in chunks cut at multiples of N tokens (a multiple of 16; default 0: "
+                        "1024 on a GPU with 16 GiB or more free after the weights, else 512): larger chunks "
+                        "read long prompts faster, smaller ones keep the other conversations' steps shorter "
+                        "and leave more memory to the KV cache; shared prefixes are reused in whole chunks")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
                                                     "cache types), cpu or cuda")
     add_spec_args(p)
@@ -114,8 +115,8 @@ def run_serve(args) -> int:
     if not 0 < args.prefill_share <= 1:
         err("--prefill-share must be in (0, 1]")
         return 2
-    if args.prefill_chunk < 16 or args.prefill_chunk % 16:
-        err(f"--prefill-chunk {args.prefill_chunk}: a multiple of 16, at least 16")
+    if args.prefill_chunk < 0 or args.prefill_chunk % 16:
+        err(f"--prefill-chunk {args.prefill_chunk}: a multiple of 16 (0: automatic)")
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     app = _create(None, settings)
@@ -133,8 +134,6 @@ def run_serve(args) -> int:
                                       kv_memory=int(args.kv_memory * 2**30),
                                       prefill_share=args.prefill_share,
                                       prefill_chunk=args.prefill_chunk,
-                                      # (a whole chunk fits a step beside every conversation's row)
-                                      step_tokens=max(EngineConfig.step_tokens, args.prefill_chunk + args.agents),
                                       cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))
         except Exception as e:  # shown by /health and the log; the server keeps answering 503

@@ -236,6 +236,6 @@ def test_serve_refuses_public_bind_without_key(capsys, monkeypatch):
     assert "API key" in capsys.readouterr().err
     assert run_serve(p.parse_args(["--cache-type-k", "turbo5"])) == 2
     assert "unknown KV cache type" in capsys.readouterr().err
-    for bad in ("100", "0"):
+    for bad in ("100", "-16"):
         assert run_serve(p.parse_args(["--prefill-chunk", bad])) == 2
         assert "--prefill-chunk" in capsys.readouterr().err

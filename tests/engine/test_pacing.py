@@ -99,3 +99,70 @@ def test_steps_still_running_count_at_their_usual_time():
     assert not p.allow()                              # 31 ms done + 31 ms running < 94 ms
     p.planned(False)
     assert p.allow()
+
+
+@pytest.mark.parametrize("runner", [False, True], ids=["cpu_engine", "runner"])
+def test_a_whole_chunk_fits_beside_the_decode_rows(tmp_path, runner):
+    """step_tokens = prefill_chunk: a prompt arriving while another sequence generates still advances a
+    whole chunk per step beside the decode row (before, the chunk waited for a step without decode rows,
+    so a long prompt starved until every other sequence had finished), with the same tokens."""
+    from engine.synth import write_synthetic
+    path = tmp_path / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=3)
+    short = [1 + (5 * j) % 300 for j in range(12)]
+    long = [1 + (7 * j + j * j) % 300 for j in range(64)]
+    cfg = dict(model=str(path), ctx_size=256, max_seqs=2, prefill_chunk=16, step_tokens=16, prefill_share=1.0)
+    eng = Engine(EngineConfig(**cfg, static_slots=runner))
+    mixed = []
+    if runner:
+        plan = eng._plan_runner
+
+        def logged(*a, **kw):
+            dec, chunks = plan(*a, **kw)
+            mixed.append(bool(dec) and bool(chunks))
+            return dec, chunks
+        eng._plan_runner = logged
+    else:
+        plan = eng._plan
+
+        def logged():
+            steps = plan()
+            mixed.append(len({s.n_computed >= s.target for s, _ in steps}) == 2)   # (decode rows and chunks)
+            return steps
+        eng._plan = logged
+    try:
+        a = eng.submit(Request(prompt_ids=short, sampling=SamplingParams(max_tokens=60, temperature=0.0,
+                                                                         ignore_eos=True)))
+        b = eng.submit(Request(prompt_ids=long, sampling=SamplingParams(max_tokens=4, temperature=0.0,
+                                                                        ignore_eos=True)))
+        got = (a.result()[1], b.result()[1])
+    finally:
+        eng.shutdown()
+    assert sum(mixed) >= 3          # B's four chunks went beside A's decode rows (A still had ~50 to go)
+    alone = Engine(EngineConfig(**cfg, static_slots=runner))
+    try:
+        ref_b = alone.submit(Request(prompt_ids=long, sampling=SamplingParams(max_tokens=4, temperature=0.0,
+                                                                              ignore_eos=True))).result()[1]
+    finally:
+        alone.shutdown()
+    assert got[1] == ref_b
+
+
+def test_automatic_prefill_chunk(tmp_path):
+    """prefill_chunk=0 picks PREFILL_CHUNK on the CPU and on a GPU short of memory, the larger chunk with
+    LARGE_CHUNK_FREE free after the weights; a negative chunk is refused."""
+    from engine.planner import LARGE_CHUNK_FREE, PREFILL_CHUNK, PREFILL_CHUNK_LARGE, auto_prefill_chunk
+    from engine.synth import write_synthetic
+    assert auto_prefill_chunk(None) == PREFILL_CHUNK == 512
+    assert auto_prefill_chunk(LARGE_CHUNK_FREE - 1) == PREFILL_CHUNK
+    assert auto_prefill_chunk(LARGE_CHUNK_FREE) == PREFILL_CHUNK_LARGE == 1024
+    path = tmp_path / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=3)
+    for runner in (False, True):
+        eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=2, static_slots=runner))
+        try:
+            assert eng.config.prefill_chunk == PREFILL_CHUNK
+        finally:
+            eng.shutdown()
+    with pytest.raises(EngineError, match="prefill_chunk"):
+        Engine(EngineConfig(model=str(path), prefill_chunk=-16))

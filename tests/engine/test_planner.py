@@ -251,3 +251,18 @@ def test_dflash_drafter_counted(tmp_path, q27, capsys):
     assert P.run_plan(ap.parse_args(["-m", str(llama), "--ctx", "4096", "--drafter", str(path)])) == 2
     assert "out of range" in capsys.readouterr().err
     assert P.run_plan(ap.parse_args(["-m", str(model), "--ctx", "4096", "--drafter", str(tmp_path / "none")])) == 2
+
+
+def test_prompt_chunk_follows_the_card(q27):
+    """plan() counts the prompt chunk the engine picks for the card (auto_prefill_chunk): 512 rows on a
+    24 GiB card or with no card given, 1024 with 16 GiB or more free after the weights, whose graphs need
+    more workspace than twice 512's rows (activation_bytes)."""
+    f = P.model_facts(q27)
+    small = P.plan(f, 8192, "f16", vram=P.parse_size("24GiB"))
+    big = P.plan(f, 8192, "f16", vram=P.parse_size("141GiB"))
+    assert small.workspace == P.workspace_bytes(f, 1, 512, small.seq_ctx, "f16")
+    assert big.workspace == P.workspace_bytes(f, 1, 1024, big.seq_ctx, "f16")
+    row = P.activation_bytes(f, 0, step_tokens=513) - P.activation_bytes(f, 0, step_tokens=512)
+    assert big.workspace - small.workspace == 512 * row           # five rows' worth per row beyond 512
+    assert P.activation_bytes(f, 0, step_tokens=512) - P.activation_bytes(f, 0, step_tokens=511) == row // 5
+    assert P.plan(f, 8192, "f16").workspace == small.workspace
