@@ -566,12 +566,15 @@ def fmt_ctx(n: int) -> str:
 def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int = 1,
                  kv_type_v: str | None = None) -> str:
     table = plan_table(facts, vram, kv_types=kv_types, n_seqs=n_seqs, kv_type_v=kv_type_v)
+    weights = facts.device_weight_bytes or facts.weight_bytes
+    chunk = auto_prefill_chunk(vram - CUDA_CONTEXT_BYTES - weights if vram else None)   # (as plan() takes it)
     lines = [f"{facts.name} ({facts.arch}{', ' + facts.quant if facts.quant else ''}): weights "
              f"{fmt_bytes(facts.weight_bytes)} ({fmt_bytes(facts.device_weight_bytes)} on the GPU), "
              f"{facts.n_full_attn} full-attention + {facts.n_swa} sliding-window "
              f"attention layers, {facts.n_recurrent_layers} recurrent layers "
              f"({fmt_bytes(facts.recurrent_bytes)} state per sequence), training context {facts.context_length}",
-             f"workspace allowance {fmt_bytes(workspace_bytes(facts, n_seqs))} (+ key centers for rotated K types); "
+             f"workspace allowance {fmt_bytes(workspace_bytes(facts, n_seqs, chunk))} for prompt chunks of {chunk} "
+             "tokens (+ key centers for rotated K types); "
              + (f"VRAM {fmt_bytes(vram)}" if vram else "no VRAM given: totals only")
              + (f"; {n_seqs} sequences" if n_seqs > 1 else "") + (f"; V cache {kv_type_v}" if kv_type_v else "")]
     if facts.mmproj:
