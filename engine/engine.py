@@ -244,9 +244,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
             config = dataclasses.replace(config, device=resolve_auto_device(config))
         if config.prefill_chunk < 0:
             raise EngineError(f"prefill_chunk {config.prefill_chunk}: a positive number of tokens, or 0 (auto)")
-        if config.prefill_chunk == 0 and config.device == "cpu" and not config.static_slots:
+        if config.prefill_chunk == 0 and (config.device == "cpu" or config.ctx_pool_tokens):
             config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(None))
-        self.config = config   # (the GPU path picks an automatic prefill_chunk once the weights are on it)
+        self.config = config   # (a GPU fitting its pool picks an automatic prefill_chunk once the weights are on it)
         if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
             raise EngineError(f"unknown device {config.device!r} (cpu or cuda)")
         if config.device != "cpu" and not torch.cuda.is_available():

@@ -135,6 +135,12 @@ def auto_prefill_chunk(free_after_weights: int | None) -> int:
     return PREFILL_CHUNK
 
 
+def planned_chunk(facts: "ModelFacts", vram: int | None) -> int:
+    """The prompt chunk the engine would take for this model on a card of `vram` bytes (None: unknown)."""
+    weights = facts.device_weight_bytes or facts.weight_bytes
+    return auto_prefill_chunk(vram - CUDA_CONTEXT_BYTES - weights if vram else None)
+
+
 def kv_bytes_per_value(kv_type: str) -> float:
     vals, nbytes = _kv_type(kv_type)
     return nbytes / vals
@@ -481,12 +487,11 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
     kv_type_v = kv_type_v or kv_type
     _kv_type(kv_type_v)
     seq_ctx = seq_context(facts, ctx, n_seqs)
-    weights = facts.device_weight_bytes or facts.weight_bytes
-    step_tokens = step_tokens or auto_prefill_chunk(vram - CUDA_CONTEXT_BYTES - weights if vram else None)
+    step_tokens = step_tokens or planned_chunk(facts, vram)
     kv = runner_kv_bytes(facts, ctx, kv_type, kv_type_v, n_seqs)
     one = facts.recurrent_bytes
     checkpoints = min(64, int(0.02 * kv) // one) * one if one else 0
-    return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=weights,
+    return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,
                 kv=kv, recurrent=n_seqs * facts.recurrent_bytes, checkpoints=checkpoints,
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
@@ -566,8 +571,7 @@ def fmt_ctx(n: int) -> str:
 def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int = 1,
                  kv_type_v: str | None = None) -> str:
     table = plan_table(facts, vram, kv_types=kv_types, n_seqs=n_seqs, kv_type_v=kv_type_v)
-    weights = facts.device_weight_bytes or facts.weight_bytes
-    chunk = auto_prefill_chunk(vram - CUDA_CONTEXT_BYTES - weights if vram else None)   # (as plan() takes it)
+    chunk = planned_chunk(facts, vram)
     lines = [f"{facts.name} ({facts.arch}{', ' + facts.quant if facts.quant else ''}): weights "
              f"{fmt_bytes(facts.weight_bytes)} ({fmt_bytes(facts.device_weight_bytes)} on the GPU), "
              f"{facts.n_full_attn} full-attention + {facts.n_swa} sliding-window "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.pacing import StepClock
+from engine.planner import auto_prefill_chunk
 from engine.prefix import common_prefix
 from engine.runner import BUCKETS
 from engine.sample_device import check_chosen, choose_tokens, samples_on_device
@@ -94,13 +95,10 @@ class RunnerScheduler:
         for prefix sharing (state_checkpoints; by default as many as fit in 2 % of the KV cache, which
         the fit leaves room for)."""
         from engine.runner import Runner, state_checkpoint_bytes
-        from engine.planner import auto_prefill_chunk
         c = self.config
         dev = torch.device(c.device)
         types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
         want = c.ctx_size or self.spec.context_length
-        if c.prefill_chunk == 0 and (dev.type != "cuda" or c.ctx_pool_tokens):
-            c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(None))
         if c.prefill_chunk % RUNNER_BLOCK:   # shared prefixes end on chunk ends: whole blocks, never copied
             self.model.close()
             raise EngineError(f"prefill_chunk {c.prefill_chunk} must be a multiple of {RUNNER_BLOCK} on the "
@@ -115,7 +113,7 @@ class RunnerScheduler:
                 if self._dflash is not None:
                     self._dflash.to_device(dev)
                 free, _ = torch.cuda.mem_get_info(dev)
-                if c.prefill_chunk == 0:
+                if c.prefill_chunk == 0:   # (automatic: the CPU and a given pool size were settled by Engine)
                     c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(free))
                 budget = free - max(int(0.1 * free), self._step_workspace(want))
                 pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
