@@ -857,136 +857,6 @@ if triton is not None:
                     tl.atomic_xchg(count, 0)   # ready for the next launch (and graph replay)
 
     @triton.jit
-    def _band_programs(band, KT: tl.constexpr, U, PROGS):
-        """Stream-K: the first and last of the PROGS programs whose runs of tiles meet row band `band`
-        (program p takes the band-major tiles p * U // PROGS .. (p + 1) * U // PROGS - 1 of U; tile u
-        is program ((u + 1) * PROGS - 1) // U's)."""
-        first = ((band * KT + 1) * PROGS - 1) // U
-        last = ((band + 1) * KT * PROGS - 1) // U
-        return first, last
-
-    @triton.jit
-    def _packed_mm_stream_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr,
-                                 cnt_ptr, M, N, stride_xm, BANDS, PROGS,
-                                 KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
-                                 CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 SWAP_AB: tl.constexpr = False, SUM_HERE: tl.constexpr = True,
-                                 HAS_ADD: tl.constexpr = False, PDL: tl.constexpr = False,
-                                 PREFETCH: tl.constexpr = 0):
-        """Stream-K (program (m-block, p) of PROGS per m-block): the weight's BANDS * KT tiles in band-major
-        order (their order in memory) cut into PROGS runs as equal as can be, one per program, so every
-        program does the same work whatever the shape, and PROGS can be what the SMs hold at once (no
-        last, partly filled wave of programs). A run may start or end inside a row band: a band met by
-        one program is written by it; else each of its programs j = 0, 1, .. (from the band's first)
-        writes its partial sums to part[j], and the last to arrive (SUM_HERE; an arrival count per output
-        block in cnt, left at 0 again) adds part[0] + part[1] + ... in that order into out (plus add's
-        block), so the bits do not depend on which one that is; without SUM_HERE _sum_stream_kernel
-        does it afterwards. The runs depend on the weight's shape and PROGS only, never on M."""
-        pid_m = tl.program_id(0)
-        pid = tl.program_id(1)
-        U = BANDS * KT
-        u0 = pid * U // PROGS
-        u1 = (pid + 1) * U // PROGS
-        if PDL and PREFETCH > 0:
-            _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, u0.to(tl.int64), tl.minimum(u1 - u0, PREFETCH),
-                            HI_BITS, GROUP, CODES, HAS_MINV, BLOCK_N, BLOCK_K)
-        pdl_wait(PDL)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        zero64 = pid_m.to(tl.int64) * 0   # (the interpreter's loop indices are Python ints: no .to)
-        MN = M * N      # (int32 offsets into out and part: the caller checks that they fit)
-        u = u0
-        while u < u1:
-            band = u // KT
-            u_end = tl.minimum(u1, (band + 1) * KT)
-            if SWAP_AB:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            k0 = u - band * KT
-            # (counted from 0: with range(u, u_end) ptxas needed ~15 more registers)
-            for i in range(0, u_end - u):
-                offs_k = (k0 + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
-                            other=0.0).to(tl.float16)
-                w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, zero64 + u + i, HI_BITS, GROUP, CODES,
-                                    OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, True)
-                if SWAP_AB:
-                    acc += tl.dot(w16, tl.trans(x))
-                else:
-                    acc += tl.dot(x, tl.trans(w16))
-            if SWAP_AB:
-                res = tl.trans(acc)
-            else:
-                res = acc
-            cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_out = offs_m[:, None] * N + cols[None, :]
-            mask_out = mask_m[:, None] & (cols[None, :] < N)
-            first, last = _band_programs(band, KT, U, PROGS)
-            if first == last:
-                if HAS_ADD:
-                    res = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + res
-                tl.store(out_ptr + offs_out, res.to(out_ptr.dtype.element_ty), mask=mask_out)
-            else:
-                tl.store(part_ptr + (pid - first) * MN + offs_out, res, mask=mask_out)
-            u = u_end
-        pdl_trigger(PDL)
-        if SUM_HERE:
-            # only a run's first and last bands can be shared; their sums wait until the run is done
-            # (kept out of the loop: inside it they cost ~80 registers)
-            b0 = u0 // KT
-            b1 = (u1 - 1) // KT
-            _stream_band_sum(part_ptr, out_ptr, add_ptr, cnt_ptr, b0, pid_m, offs_m, mask_m, N, MN, BANDS, U, PROGS,
-                             KT, BLOCK_N, HAS_ADD)
-            if b1 != b0:
-                _stream_band_sum(part_ptr, out_ptr, add_ptr, cnt_ptr, b1, pid_m, offs_m, mask_m, N, MN, BANDS, U,
-                                 PROGS, KT, BLOCK_N, HAS_ADD)
-
-    @triton.jit
-    def _stream_band_sum(part_ptr, out_ptr, add_ptr, cnt_ptr, band, pid_m, offs_m, mask_m, N, MN, BANDS, U, PROGS,
-                         KT: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ADD: tl.constexpr):
-        """If several programs meet `band` and this one arrives last (its partial already stored): out's
-        block = part[0] + part[1] + ... (then add + that), and the band's arrival count back to 0."""
-        first, last = _band_programs(band, KT, U, PROGS)
-        if first != last:
-            # (as _packed_mm_kernel's: every thread's partial stored before the count says so)
-            tl.debug_barrier()
-            count = cnt_ptr + pid_m * BANDS + band
-            if tl.atomic_add(count, 1, sem="acq_rel") == last - first:
-                cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
-                offs_out = offs_m[:, None] * N + cols[None, :]
-                mask_out = mask_m[:, None] & (cols[None, :] < N)
-                tot = tl.load(part_ptr + offs_out, mask=mask_out, other=0.0, cache_modifier=".cg")
-                for j in range(1, last - first + 1):
-                    tot += tl.load(part_ptr + j * MN + offs_out, mask=mask_out, other=0.0, cache_modifier=".cg")
-                if HAS_ADD:
-                    tot = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + tot
-                tl.store(out_ptr + offs_out, tot.to(out_ptr.dtype.element_ty), mask=mask_out)
-                tl.atomic_xchg(count, 0)
-
-    @triton.jit
-    def _sum_stream_kernel(part_ptr, out_ptr, add_ptr, M, N, BANDS, PROGS, KT: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr = False,
-                           PDL: tl.constexpr = False):
-        """_packed_mm_stream_kernel's sums when its programs leave them (no arrival counts): for the
-        output columns of each band met by several programs, out = part[0] + part[1] + ... (then add +
-        that), in that order: the same bits."""
-        pdl_enter(PDL)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        MN = M.to(tl.int64) * N
-        band = ((offs % N) // BLOCK_N).to(tl.int32)
-        first, last = _band_programs(band, KT, BANDS * KT, PROGS)
-        mask = (offs < MN) & (last > first)
-        acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-        n_max = tl.max(tl.where(mask, last - first, 0), axis=0)
-        for j in range(1, n_max + 1):
-            acc += tl.load(part_ptr + j * MN + offs, mask=mask & (j <= last - first), other=0.0)
-        if HAS_ADD:
-            acc = tl.load(add_ptr + offs, mask=mask, other=0.0) + acc
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _sum_parts_kernel(part_ptr, out_ptr, add_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                           HAS_ADD: tl.constexpr = False, PDL: tl.constexpr = False):
         """out = part[0] + part[1] + ... + part[SPLIT-1], added in that order (then add + that)."""
@@ -1073,8 +943,6 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False) ->
         cap = DECODE_MAXNREG.get(p.tile_n)
         if cap:
             cfg["maxnreg"] = cap
-        if STREAM_PER_SM:
-            cfg["stream"] = STREAM_PER_SM * n_sm
         return cfg
     return dict(block_m=16, num_warps=8 if hi else 4, num_stages=3 if hi else 4, split_k=split)
 
@@ -1096,7 +964,7 @@ def small_prompt(p: PackedWeight, decode: dict) -> dict:
     (each weight tile dequantized once for all of them, where decode's 16-row blocks would dequantize it
     once per 16 rows), SMALL_PROMPT_CONFIG's changes for the weight's class, no register cap (the cap was
     set for 16-row blocks; a 64-row accumulator needs more)."""
-    cfg = {k: v for k, v in decode.items() if k not in ("maxnreg", "stream")}
+    cfg = {k: v for k, v in decode.items() if k != "maxnreg"}
     cfg["block_m"] = SMALL_PROMPT_ROWS
     cfg.update((SMALL_PROMPT_CONFIG or {}).get(weight_class(p), {}))
     return cfg
@@ -1106,7 +974,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
                   block_m: int = 16, split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
                   tma: bool = False, add: torch.Tensor | None = None,
-                  sum_here: bool | None = None, maxnreg: int | None = None, stream: int = 0) -> torch.Tensor:
+                  sum_here: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed; plus `add`
     ([..., N], float32, e.g. the residual stream) when given: add + x @ W.T, the same bits as adding
     afterwards, without a launch of its own.
@@ -1118,9 +986,6 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     being captured: then the second kernel is used).
     maxnreg: a cap on the registers per thread (ptxas's .maxnreg; CUDA only), so that more programs share
     an SM.
-    stream: stream-K with this many programs per block of block_m rows (at most the weight's tiles;
-    split_k unused): the tiles cut into that many equal runs (_packed_mm_stream_kernel), so a launch is
-    whole waves of equal programs whatever the shape. Not with tma.
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
     of x, tile_n outputs, K slice); split_k (a divisor of the K tiles, else the next one up) from the
@@ -1153,11 +1018,6 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     if M == 0 or N == 0:
         out = torch.zeros((*lead, N), dtype=out_dtype, device=x.device)
         return out if add is None else out + add.view(*lead, N)
-    if stream:
-        if tma:
-            raise ValueError("stream-K takes no TMA loads")
-        return _stream_matmul(x2, p, out_dtype, add, block_m, stream, swap_ab, num_warps, num_stages, maxnreg,
-                              SPLIT_SUM_HERE if sum_here is None else sum_here).view(*lead, N)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     m_blocks = -(-M // block_m)
@@ -1185,45 +1045,6 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
                                                    SPLIT=split_k, BLOCK=block, HAS_ADD=add is not None, **pdl)
     return out.view(*lead, N)
-
-
-@lru_cache(maxsize=None)
-def stream_runs(bands: int, kt: int, progs: int) -> int:
-    """The most stream-K programs (of progs over bands * kt band-major tiles) that meet one row band: how
-    many partial sums a band may need."""
-    u = bands * kt
-    return max(((b + 1) * kt * progs - 1) // u - ((b * kt + 1) * progs - 1) // u + 1 for b in range(bands))
-
-
-def _stream_matmul(x2, p, out_dtype, add, block_m, progs, swap_ab, num_warps, num_stages, maxnreg, sum_here):
-    """packed_matmul's stream-K launch (x2 [M, K] with M > 0, add [M, N] float32 or None)."""
-    M, N = x2.shape[0], p.n
-    bands, kt = p.n_pad // p.tile_n, p.k // p.tile_k
-    progs = max(1, min(int(progs), bands * kt))
-    runs = stream_runs(bands, kt, progs)
-    if runs * M * N >= 2 ** 31:
-        raise ValueError(f"stream-K: {M} x {N} outputs times {runs} partial sums do not fit int32 offsets")
-    out = torch.empty((M, N), dtype=out_dtype, device=x2.device)
-    part = torch.empty((runs, M, N), dtype=torch.float32, device=x2.device) if runs > 1 else out
-    m_blocks = -(-M // block_m)
-    counts = _arrival_counts(p, m_blocks) if runs > 1 and sum_here else None
-    pdl = pdl_args(x2)
-    launch = dict(num_warps=num_warps or (8 if p.hi_bits in (1, 2) else 4), num_stages=num_stages) \
-        if x2.is_cuda else {}
-    if maxnreg and x2.is_cuda:
-        launch["maxnreg"] = maxnreg
-    consts = kernel_constants(p)
-    _packed_mm_stream_kernel[(m_blocks, progs)](
-        x2, *_pointers(p), part, out, out if add is None else add, part if counts is None else counts,
-        M, N, x2.stride(0), bands, progs, **consts, BLOCK_M=block_m, SWAP_AB=swap_ab,
-        SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
-        **(dict(PREFETCH=PREFETCH_TILES) if pdl else {}), **launch)
-    if runs > 1 and counts is None:
-        block = 1024
-        _sum_stream_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M, N, bands, progs,
-                                                    KT=kt, BLOCK_N=p.tile_n, BLOCK=block, HAS_ADD=add is not None,
-                                                    **pdl)
-    return out
 
 
 def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
@@ -1396,9 +1217,5 @@ DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))
 # (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_regs2_h200_s18.json);
 # 64-row tiles gained nothing from caps of 80 / 72 / 64. HIVEJET_DECODE_MAXNREG="128:128,64:80" (tile rows:
 # registers; "" for none) overrides.
-# stream-K for the decode matmul with the weight tile in registers (tuned_config): this many programs per SM
-# and block of rows, each taking an equal run of the weight's tiles (_packed_mm_stream_kernel), instead of
-# split-K's programs per (row band, k-slice); 0: split-K. HIVEJET_STREAM_K overrides.
-STREAM_PER_SM = int(os.environ.get("HIVEJET_STREAM_K", "0"))
 DECODE_MAXNREG = {int(t): int(r) for t, r in (kv.split(":") for kv in
                   os.environ.get("HIVEJET_DECODE_MAXNREG", "128:128").split(",") if kv)}

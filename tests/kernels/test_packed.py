@@ -579,31 +579,6 @@ def test_split_sums_in_the_kernel(qtype):
         packed_matmul(x, p, add=a[:, :-1])
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_stream_k(qtype):
-    """Stream-K (each program an equal run of the band-major tiles, runs starting and ending inside row
-    bands): the reference's result for any program count (one program, fewer than the bands, runs of
-    less than a band, one tile each), the in-kernel sums the separate sum kernel's bits, `add` folded in
-    as add + product, a row's bits independent of the other rows (batch invariance), the arrival counts
-    back at 0."""
-    from kernels.quant.packed import stream_runs
-    n, k = 40, 512          # 3 row bands of 16 (the last partly padding) x 8 tiles of 64
-    p = pack_weight(_random_weight(qtype, n, k, seed=21), qtype, n, k, tile_n=16, tile_k=64)
-    assert [stream_runs(3, 8, s) for s in (1, 2, 5, 24)] == [1, 2, 3, 8]
-    g = torch.Generator().manual_seed(21)
-    x, a = torch.randn(20, k, generator=g), torch.randn(20, n, generator=g)
-    for progs in (1, 2, 5, 24, 100):
-        here = packed_matmul(x, p, stream=progs, sum_here=True)
-        _check(here, x, p)
-        assert torch.equal(here, packed_matmul(x, p, stream=progs, sum_here=False))
-        assert torch.equal(packed_matmul(x, p, stream=progs, add=a), a + here)
-        assert torch.equal(packed_matmul(x, p, stream=progs, add=a, sum_here=False), a + here)
-        assert torch.equal(packed_matmul(x[:1], p, stream=progs), here[:1])
-        assert p.counts is None or int(p.counts.abs().sum()) == 0
-    with pytest.raises(ValueError, match="TMA"):
-        packed_matmul(x, p, stream=4, tma=True)
-
-
 def test_stacked_weights_give_each_parts_result():
     """Weights of one tile layout stacked into one: each part becomes a view of the stack, and the stack's
     product holds each part's product, bit for bit at the same split, at its column offset; a Q6_K part
@@ -655,42 +630,6 @@ def test_stacked_weights_give_each_parts_result():
         stack_rows([parts[0].orig, parts[1].orig])
     st.release()
     assert not st.groups and st.single == [0, 1, 2, 3]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_stream_k_on_gpu(qtype):
-    """On the GPU, where programs really race: stream-K at several program counts (the 27B's gate+up and
-    down shapes: runs inside a band and across bands) gives the reference's result, its in-kernel sums the
-    separate sum kernel's bits every time (30 launches) and in a replayed CUDA graph, a row's bits
-    independent of the other rows, and matches split-K to float32 rounding."""
-    from kernels.quant.packed import _sm_count, tuned_config
-    n_sm = _sm_count(0)
-    for n, k in ((34816, 5120), (5120, 17408)):
-        p = pack_weight(_random_weight(qtype, n, k, seed=22).cuda(), qtype, n, k)
-        cfg = {key: v for key, v in tuned_config(p, False, n_sm).items() if key != "stream"}
-        x = torch.randn(16, k, device="cuda")
-        a = torch.randn(16, n, device="cuda")
-        split = packed_matmul(x, p, **cfg)
-        for per_sm in (2, 4, 7):
-            s = dict(cfg, stream=per_sm * n_sm)
-            apart = packed_matmul(x, p, **dict(s, sum_here=False))
-            assert ((apart - split).abs().max() / split.abs().max()).item() < 1e-5
-            for _ in range(30):
-                assert torch.equal(packed_matmul(x, p, **dict(s, sum_here=True)), apart)
-            assert torch.equal(packed_matmul(x[:1], p, **s), apart[:1])
-            assert torch.equal(packed_matmul(x, p, add=a, **s), a + apart)
-            assert int(p.counts.abs().sum()) == 0
-        s = dict(cfg, stream=4 * n_sm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = packed_matmul(x, p, add=a, **s)
-        for i in range(10):
-            x.copy_(torch.randn(16, k, device="cuda", generator=torch.Generator("cuda").manual_seed(i)))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(y, a + packed_matmul(x, p, **dict(s, sum_here=False)))
-        assert int(p.counts.abs().sum()) == 0
 
 
 @pytest.mark.gpu
