@@ -899,20 +899,22 @@ def _split_for(n_tiles: int, steps: int, n_sm: int, waves: int) -> int:
     return max(steps, 1)
 
 
-def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False) -> dict:
+def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, waves: dict | None = None) -> dict:
     """Launch settings from the weight's shape only (never from M: batch invariance), measured on the
     H200 (.ci/gpu/diag_tiled.py, docs/PERFORMANCE.md). The tile is the weight's (tile_n x tile_k).
     prefill: the rows a prompt chunk is padded to (0: decode rows); a small prompt chunk (at most
     SMALL_PROMPT_ROWS rows) takes the decode settings with all its rows in one block of x (small_prompt).
     decode rows (M <= 64): memory-bound; 4 warps (8 with a high plane: registers), 4 pipeline stages
-    (3 with a high plane: shared memory) and split-K to about 4 programs per SM: 1.3-1.46 TB/s on Q4_K
-    17408x5120 and 5120x17408 at M = 1 and 16, vs 1.0-1.07 with row-major tiles.
+    (3 with a high plane: shared memory) and split-K to at least `waves` programs per SM (the tiles
+    below change these).
     tma (a GPU with TMA, sm_90+): the 4-bit types and those with a high plane take their tiles by tensor
     descriptors with TMA_CONFIG's settings (measured end to end on the 27B: a 1-row step 18.2 instead of
     19.0 ms, docs/PERFORMANCE.md); the int8-plane types keep per-thread loads (not measured).
-    prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split."""
+    prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split.
+    waves: split-K's target in programs per SM by tile rows (default DECODE_WAVES; small prompt chunks
+    SMALL_PROMPT_WAVES)."""
     if small_prompt_rows(prefill):
-        return small_prompt(p, tuned_config(p, 0, n_sm, tma))
+        return small_prompt(p, tuned_config(p, 0, n_sm, tma, waves=SMALL_PROMPT_WAVES))
     if prefill:
         return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
     # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
@@ -926,9 +928,9 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False) ->
         c = dict(by_tma)
         split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, c.pop("waves", 4))
         return dict(block_m=16, tma=True, split_k=split, **c)
-    # about 4 programs per SM, 8 for 128-row tiles (3 of them fit on an SM at once: Q4_K 34816x5120 takes
-    # split 4 instead of 2, 54.8 -> 49.5 us at one row; docs/perf/sweep_split_h200_s15.json)
-    split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, 8 if p.tile_n >= 128 else 4)
+    # at least DECODE_WAVES programs per SM (8 for 128-row tiles, of which 4 fit on an SM at once; 8 for
+    # 64-row ones: docs/PERFORMANCE.md, twenty-second session)
+    split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
     if p.hi_bits in (0, 1, 2) and p.tile_k < 256:
         # shorter tiles (.ci/gpu/sweep_tile_k.py on the H200): 4 warps, 3 stages, the weight tile as the
         # dot's first operand, in registers: with the 4-bit plane in fragment order that holds for the
@@ -1212,6 +1214,15 @@ SMALL_PROMPT_CONFIG: dict | None = json.loads(os.environ.get("HIVEJET_SMALL_PROM
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
 # HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
 DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))
+# split-K's target for decode rows, in programs per SM, by tile rows (tuned_config: the smallest split that
+# gives at least this many). 64-row tiles at 8 rather than 4: a 27B decode step on the H200 8.35 -> 8.21 ms
+# at one row, 9.07 -> 8.61 at four (.ci/gpu/s22.sh 4, docs/PERFORMANCE.md). HIVEJET_DECODE_WAVES="128:8,64:8"
+# (tile rows: programs per SM) overrides.
+DECODE_WAVES = {int(t): int(w) for t, w in (kv.split(":") for kv in
+                os.environ.get("HIVEJET_DECODE_WAVES", "128:8,64:8").split(",") if kv)}
+# the same for small prompt chunks (small_prompt): what SMALL_PROMPT_CONFIG was picked with (the decode
+# targets of the twentieth session); the larger decode target was not measured on them
+SMALL_PROMPT_WAVES = {128: 8, 64: 4}
 # a cap on the decode matmul's registers per thread by tile rows (packed_matmul's maxnreg), so that more
 # programs share an SM: 128-row tiles need ~141 (3 programs of 4 warps per SM), capped at 128 without a spill
 # (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_regs2_h200_s18.json);

@@ -302,20 +302,27 @@ def test_swapped_operands_and_tuned_configs(qtype):
 
 def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
     """A prompt chunk of at most SMALL_PROMPT_ROWS rows: the weight's decode settings with every row in
-    one block of x (each weight tile dequantized once), without the decode rows' register cap; longer
-    chunks keep the prefill settings; HIVEJET_SMALL_PROMPT_ROWS=0 turns small chunks off."""
+    one block of x (each weight tile dequantized once), without the decode rows' register cap, its split
+    from SMALL_PROMPT_WAVES; longer chunks keep the prefill settings; HIVEJET_SMALL_PROMPT_ROWS=0 turns
+    small chunks off."""
     import kernels.quant.packed as packed
-    from kernels.quant.packed import SMALL_PROMPT_ROWS, tuned_config
+    from kernels.quant.packed import SMALL_PROMPT_ROWS, SMALL_PROMPT_WAVES, tuned_config
     assert SMALL_PROMPT_ROWS == 64
     for qtype, tile_n in ((QT.Q4_K, 128), (QT.Q6_K, 64)):
         p = pack_weight(_random_weight(qtype, 256, 512, seed=7), qtype, 256, 512, tile_n=tile_n, tile_k=128)
         dec, small = tuned_config(p, 0, 132), tuned_config(p, 64, 132)
         assert dec["block_m"] == 16 and small["block_m"] == 64 and "maxnreg" not in small
-        assert small["split_k"] == dec["split_k"] and small["swap_ab"] == dec["swap_ab"]
+        assert small["swap_ab"] == dec["swap_ab"]
+        assert small["split_k"] == tuned_config(p, 0, 132, waves=SMALL_PROMPT_WAVES)["split_k"]
         assert tuned_config(p, 256, 132)["block_m"] == 128
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
     _check(packed_matmul(x, p, **dict(small, split_k=2)), x, p)
     assert packed.weight_class(p) == "hi"
+    # 5120 output rows in 64-row tiles, K = 17408: 80 bands; decode's 8 programs per SM -> split 17 of the
+    # 136 K tiles, the small chunks' 4 -> 8
+    down = pack_weight(_random_weight(QT.Q4_K, 5120, 17408, seed=7), QT.Q4_K, 5120, 17408)
+    assert down.tile_n == 64
+    assert (tuned_config(down, 0, 132)["split_k"], tuned_config(down, 64, 132)["split_k"]) == (17, 8)
     monkeypatch.setattr(packed, "SMALL_PROMPT_ROWS", 0)
     assert tuned_config(p, 64, 132)["block_m"] == 128
 
