@@ -1178,6 +1178,17 @@ def _has_tma(device_index: int) -> bool:
 
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _by_tile_rows(env: str, default: str) -> dict[int, int]:
+    """A setting per tile height from the environment variable `env`, else `default`: "rows:value,..."
+    (e.g. "128:8,64:4"; "" for none)."""
+    text = os.environ.get(env, default)
+    try:
+        return {int(t): int(v) for t, v in (kv.split(":") for kv in text.split(",") if kv)}
+    except ValueError:
+        raise ValueError(f"{env}={text!r}: expected tile rows and a value, e.g. \"{default}\"") from None
+
 _CONFIGS: dict = {}
 # decode settings with TMA loads per kind of weight: the 4-bit plane alone ("plain"), with a high plane
 # ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA.
@@ -1218,15 +1229,14 @@ DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))
 # gives at least this many). 64-row tiles at 8 rather than 4: a 27B decode step on the H200 8.35 -> 8.21 ms
 # at one row, 9.07 -> 8.61 at four (.ci/gpu/s22.sh 4, docs/PERFORMANCE.md). HIVEJET_DECODE_WAVES="128:8,64:8"
 # (tile rows: programs per SM) overrides.
-DECODE_WAVES = {int(t): int(w) for t, w in (kv.split(":") for kv in
-                os.environ.get("HIVEJET_DECODE_WAVES", "128:8,64:8").split(",") if kv)}
+DECODE_WAVES = _by_tile_rows("HIVEJET_DECODE_WAVES", "128:8,64:8")
 # the same for small prompt chunks (small_prompt): what SMALL_PROMPT_CONFIG was picked with (the decode
-# targets of the twentieth session); the larger decode target was not measured on them
-SMALL_PROMPT_WAVES = {128: 8, 64: 4}
+# targets of the twentieth session); the larger decode target was not measured on them.
+# HIVEJET_SMALL_PROMPT_WAVES overrides.
+SMALL_PROMPT_WAVES = _by_tile_rows("HIVEJET_SMALL_PROMPT_WAVES", "128:8,64:4")
 # a cap on the decode matmul's registers per thread by tile rows (packed_matmul's maxnreg), so that more
 # programs share an SM: 128-row tiles need ~141 (3 programs of 4 warps per SM), capped at 128 without a spill
 # (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_regs2_h200_s18.json);
 # 64-row tiles gained nothing from caps of 80 / 72 / 64. HIVEJET_DECODE_MAXNREG="128:128,64:80" (tile rows:
 # registers; "" for none) overrides.
-DECODE_MAXNREG = {int(t): int(r) for t, r in (kv.split(":") for kv in
-                  os.environ.get("HIVEJET_DECODE_MAXNREG", "128:128").split(",") if kv)}
+DECODE_MAXNREG = _by_tile_rows("HIVEJET_DECODE_MAXNREG", "128:128")

@@ -300,6 +300,23 @@ def test_swapped_operands_and_tuned_configs(qtype):
         _check(packed_matmul(x, p, **cfg), x, p)
 
 
+def test_settings_by_tile_rows_from_the_environment(monkeypatch):
+    """HIVEJET_DECODE_WAVES, HIVEJET_SMALL_PROMPT_WAVES, HIVEJET_DECODE_MAXNREG: "rows:value,..." per tile
+    height, "" for none, the default when unset, and a clear error naming the variable otherwise."""
+    from kernels.quant.packed import DECODE_WAVES, SMALL_PROMPT_WAVES, _by_tile_rows
+    assert (DECODE_WAVES, SMALL_PROMPT_WAVES) == ({128: 8, 64: 8}, {128: 8, 64: 4})   # (no override here)
+    monkeypatch.delenv("HIVEJET_TEST_WAVES", raising=False)
+    assert _by_tile_rows("HIVEJET_TEST_WAVES", "128:8,64:4") == {128: 8, 64: 4}
+    monkeypatch.setenv("HIVEJET_TEST_WAVES", "64:6")
+    assert _by_tile_rows("HIVEJET_TEST_WAVES", "128:8") == {64: 6}
+    monkeypatch.setenv("HIVEJET_TEST_WAVES", "")
+    assert _by_tile_rows("HIVEJET_TEST_WAVES", "128:8") == {}
+    for bad in ("128=8", "128:8:1", "a:b"):
+        monkeypatch.setenv("HIVEJET_TEST_WAVES", bad)
+        with pytest.raises(ValueError, match="HIVEJET_TEST_WAVES"):
+            _by_tile_rows("HIVEJET_TEST_WAVES", "128:8")
+
+
 def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
     """A prompt chunk of at most SMALL_PROMPT_ROWS rows: the weight's decode settings with every row in
     one block of x (each weight tile dequantized once), without the decode rows' register cap, its split

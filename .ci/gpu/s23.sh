@@ -1,0 +1,32 @@
+#!/bin/bash
+# For the next session with device time, carrying .whl (see README.md), .bench-srv for run 3:
+#   run 1: the full agents benchmark on the twenty-second session's split target (scenarios 4 and 5 were not
+#          run on it), then the engine-wide GPU tests with the time left
+#   run 2: small prompt chunks on the decode split target against their own (SMALL_PROMPT_WAVES 64:4, kept
+#          because the new target was never measured on them): `bench agents --scenarios 1 3` alternating
+#          HIVEJET_SMALL_PROMPT_WAVES=128:8,64:8 and the default, twice each
+#   run 3: llama-server's scenarios 1-3 (SCEN="1 2 3"), then 5 (SCEN=5) in a second call: never re-run since
+#          the thirteenth session
+#   run 4 (check out 3cfb33f first, and .bench-bin): the row-pair layout, `s19.sh 2`
+source .ci/gpu/env.sh
+m27_start
+if [ "$1" = 1 ]; then
+    agents hivejet 430
+    gpu_tests 150
+fi
+if [ "$1" = 2 ]; then
+    m27_wait
+    for v in 128:8,64:8 "" 128:8,64:8 ""; do
+        n=$((n + 1))
+        echo "HIVEJET_SMALL_PROMPT_WAVES=${v:-default}"
+        env ${v:+HIVEJET_SMALL_PROMPT_WAVES=$v} timeout 140 python3 -u -m app.cli bench agents -m /tmp/m27.gguf \
+            --device cuda --servers hivejet --scenarios 1 3 --json "$OUT/agents_small_${v//[:,]/_}_$n.json" 2>&1 \
+            | grep -v Warn | tail -6
+    done
+fi
+if [ "$1" = 3 ]; then
+    SCEN="${SCEN:-1 2 3}" bash .ci/gpu/s21.sh 3
+fi
+if [ "$1" = 4 ]; then
+    bash .ci/gpu/s19.sh 2
+fi
