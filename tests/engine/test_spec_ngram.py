@@ -135,7 +135,9 @@ def tiny_llama_slots(request, tmp_path_factory):
 
 @pytest.mark.parametrize("kt", ["f16", "turbo3"])
 def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots, kt, monkeypatch):
-    """turbo3: key preconditioning with segments of 16 positions (drafts stay inside one: Runner.draft_room)."""
+    """turbo3: key preconditioning with segments of 16 positions (drafts stay inside one: Runner.draft_room).
+    spec_adaptive off: the draft length from acceptance only, not from measured step times, which on a
+    loaded CI machine backed the drafter off before it drafted at all (no drafts, nothing tested)."""
     from engine.kv.sequence import SequenceKV
     monkeypatch.setattr(SequenceKV, "SEGMENT", 16)
     monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 8)
@@ -143,7 +145,7 @@ def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots, kt, monkeypatch
     for spec in ("off", "ngram"):
         eng = Engine(EngineConfig(model=str(tiny_llama_slots), spec=spec, ctx_size=256, resident_tokens=0,
                                   static_slots=True, max_seqs=4, prefill_chunk=16, cache_type_k=kt,
-                                  cache_type_v=kt))
+                                  cache_type_v=kt, spec_adaptive=False))
         try:
             assert eng.runner is not None and eng.stats()["spec"]["active"] is (spec == "ngram")
             hs = [eng.submit(Request(prompt_ids=PROMPT[i:], sampling=SamplingParams(max_tokens=30, temperature=0.0,
