@@ -35,11 +35,11 @@ def main():
         splits = [s for s in range(1, min(kt, 64) + 1) if kt % s == 0]
         got = {}
         for s in splits:
-            cfg = dict(cfg0, split_k=s)
-            tag = "engine" if s == cfg0["split_k"] else "other"
-            label = f"{key[0]} {key[1]}x{key[2]} x{c} split {s:2d} ({bands * s / n_sm:5.2f} programs/SM){' *' if tag == 'engine' else ''}"
-            for r in time_case(label, p, ws, xs, ref, cfg, type=key[0], n=key[1], k=key[2], tile_n=p.tile_n,
-                               per_step=c, split=s, engine=s == cfg0["split_k"]):
+            ours = s == cfg0["split_k"]
+            label = (f"{key[0]} {key[1]}x{key[2]} x{c} split {s:2d} ({bands * s / n_sm:5.2f} programs/SM)"
+                     + (" *" if ours else ""))
+            for r in time_case(label, p, ws, xs, ref, dict(cfg0, split_k=s), type=key[0], n=key[1], k=key[2],
+                               tile_n=p.tile_n, per_step=c, split=s, engine=ours):
                 rows.append(r)
                 got[(s, r["rows"])] = r["us"]
         for m in (1, 16):

@@ -1178,17 +1178,6 @@ def _has_tma(device_index: int) -> bool:
 
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _by_tile_rows(env: str, default: str) -> dict[int, int]:
-    """A setting per tile height from the environment variable `env`, else `default`: "rows:value,..."
-    (e.g. "128:8,64:4"; "" for none)."""
-    text = os.environ.get(env, default)
-    try:
-        return {int(t): int(v) for t, v in (kv.split(":") for kv in text.split(",") if kv)}
-    except ValueError:
-        raise ValueError(f"{env}={text!r}: expected tile rows and a value, e.g. \"{default}\"") from None
-
 _CONFIGS: dict = {}
 # decode settings with TMA loads per kind of weight: the 4-bit plane alone ("plain"), with a high plane
 # ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA.
@@ -1225,6 +1214,18 @@ SMALL_PROMPT_CONFIG: dict | None = json.loads(os.environ.get("HIVEJET_SMALL_PROM
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
 # HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
 DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))
+
+
+def _by_tile_rows(env: str, default: str) -> dict[int, int]:
+    """A setting per tile height from the environment variable `env`, else `default`: "rows:value,..."
+    (e.g. "128:8,64:4"; "" for none)."""
+    text = os.environ.get(env, default)
+    try:
+        return {int(t): int(v) for t, v in (kv.split(":") for kv in text.split(",") if kv)}
+    except ValueError:
+        raise ValueError(f"{env}={text!r}: expected tile rows and a value, e.g. \"{default}\"") from None
+
+
 # split-K's target for decode rows, in programs per SM, by tile rows (tuned_config: the smallest split that
 # gives at least this many). 64-row tiles at 8 rather than 4: a 27B decode step on the H200 8.35 -> 8.21 ms
 # at one row, 9.07 -> 8.61 at four (.ci/gpu/s22.sh 4, docs/PERFORMANCE.md). HIVEJET_DECODE_WAVES="128:8,64:8"
