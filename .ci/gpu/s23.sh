@@ -8,6 +8,9 @@
 #   run 3: llama-server's scenarios 1-3 (SCEN="1 2 3"), then 5 (SCEN=5) in a second call: never re-run since
 #          the thirteenth session
 #   run 4 (check out 3cfb33f first, and .bench-bin): the row-pair layout, `s19.sh 2`
+#   run 5: Q4_K's mins through group sums of x (mins_by_sums): the packed matmul's GPU tests, matmul_shapes.py
+#          --mins (every decode matrix; the Q4_K ones with the mins in every value / by sums the kernel makes /
+#          by means handed over), `bench decode` with HIVEJET_MINS_BY_SUMS=0 and 1
 source .ci/gpu/env.sh
 m27_start
 if [ "$1" = 1 ]; then
@@ -29,4 +32,17 @@ if [ "$1" = 3 ]; then
 fi
 if [ "$1" = 4 ]; then
     bash .ci/gpu/s19.sh 2
+fi
+if [ "$1" = 5 ]; then
+    timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py \
+        > "$OUT/gpu_tests_packed.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_packed.txt" | tail -8
+    m27_wait
+    timeout 230 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --mins --json "$OUT/matmul_shapes_mins.json" 2>&1 \
+        | grep -v Warn | tail -40
+    for v in 0 1; do
+        echo "HIVEJET_MINS_BY_SUMS=$v"
+        HIVEJET_MINS_BY_SUMS=$v timeout 70 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 \
+            --rows 1 4 16 --json "$OUT/decode27b_minsums$v.json" 2>&1 | grep -v Warn | tail -4
+    done
 fi

@@ -688,3 +688,87 @@ def test_split_sums_in_the_kernel_on_gpu(qtype):
         torch.cuda.synchronize()
         assert torch.equal(y, a + packed_matmul(x, p, **dict(cfg, sum_here=False)))
     assert int(p.counts.abs().sum()) == 0
+
+
+# --- Q4_K's mins through group sums of x (mins_by_sums) --------------------------------------------
+
+def _mins_by_sums_case(qtype, n, k, tile_k, device, seed):
+    from kernels.quant.packed import mins_by_sums
+    p = pack_weight(_random_weight(qtype, n, k, seed=seed).to(device), qtype, n, k, tile_n=32 if n <= 64 else 0,
+                    tile_k=tile_k)
+    assert mins_by_sums(p)
+    return p
+
+
+def _mins_three_ways(p, x, monkeypatch):
+    """The matmul with the mins in every value, by sums the kernel makes, by group_means handed over."""
+    import kernels.quant.packed as packed
+    from kernels.quant.packed import group_means
+    monkeypatch.setattr(packed, "MINS_BY_SUMS", False)
+    by_values = packed_matmul(x, p)
+    monkeypatch.setattr(packed, "MINS_BY_SUMS", True)
+    return by_values, packed_matmul(x, p), packed_matmul(x, p, means=group_means(x))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("tile_k", [128, 256])
+def test_mins_by_sums_match_the_reference(qtype, tile_k, monkeypatch):
+    """The mins applied through x's group means (made by the kernel, or handed over) give the reference's
+    result as the mins in every value do, with rows independent of the batch; means of the wrong shape are
+    refused."""
+    p = _mins_by_sums_case(qtype, 32, 512, tile_k, "cpu", seed=11)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(11)) * 3
+    x[:, :32] += 5.0   # a group whose sum is far from 0: the mins' part of the result is large
+    for y in _mins_three_ways(p, x, monkeypatch):
+        _check(y, x, p)
+    from kernels.quant.packed import group_means
+    assert torch.equal(packed_matmul(x[:1], p), packed_matmul(x, p)[:1])
+    assert torch.equal(packed_matmul(x[:1], p, means=group_means(x[:1])),
+                       packed_matmul(x, p, means=group_means(x))[:1])
+    with pytest.raises(ValueError, match="means must be"):
+        packed_matmul(x, p, means=group_means(x)[:, :-4])
+
+
+def test_group_means_layout():
+    """group_means: each group's mean of x rounded to fp16 at every fourth column, zeros between."""
+    from kernels.quant.packed import group_means
+    x = torch.arange(2 * 64, dtype=torch.float32).reshape(2, 64)
+    m = group_means(x)
+    assert m.dtype == torch.float16 and m.shape == (2, 8)
+    assert torch.equal(m[:, 0::4], torch.tensor([[15.5, 47.5], [79.5, 111.5]], dtype=torch.float16))
+    assert not m[:, 1::4].any() and not m[:, 2::4].any() and not m[:, 3::4].any()
+
+
+def test_large_scales_keep_the_mins_in_every_value():
+    """A Q4_1 weight with scales of 100 (1024 * scale would overflow fp16) is packed with that bound and
+    multiplied with its mins in every value, still matching the reference; a NaN scale does the same."""
+    from kernels.quant.packed import mins_by_sums
+    n, k = 32, 256
+    raw = _random_weight(QT.Q4_1, n, k, seed=12)
+    blk = raw.view(-1, GGML_QUANT_SIZES[QT.Q4_1][1])
+    blk[0, 0:2] = torch.tensor([100.0], dtype=torch.float16).view(torch.uint8)
+    p = pack_weight(raw, QT.Q4_1, n, k, tile_n=32, tile_k=128)
+    assert p.bound == 100.0 and not mins_by_sums(p)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
+    _check(packed_matmul(x, p), x, p)
+    blk[0, 0:2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    assert not mins_by_sums(pack_weight(raw, QT.Q4_1, n, k, tile_n=32, tile_k=128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(34816, 5120), (5120, 17408), (6272, 5120)])
+def test_mins_by_sums_on_gpu(n, k, monkeypatch):
+    """The 27B's Q4_K decode shapes on the GPU, where the tile takes the PTX path (_q4_times_scale's
+    biased nibbles and one fma a value pair): the three ways match the reference at 1, 16 and 64 rows,
+    with rows independent of the batch."""
+    from kernels.quant.packed import group_means
+    p = _mins_by_sums_case(QT.Q4_K, n, k, 128, "cuda", seed=13)
+    w = dequant_packed_ref(p)
+    for m in (1, 16, 64):
+        x = torch.randn(m, k, device="cuda")
+        ref = x.half().float() @ w.T
+        for y in _mins_three_ways(p, x, monkeypatch):
+            assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-3
+        assert torch.equal(packed_matmul(x[:1], p), packed_matmul(x, p)[:1])
+        assert torch.equal(packed_matmul(x[:1], p, means=group_means(x[:1])),
+                           packed_matmul(x, p, means=group_means(x))[:1])
