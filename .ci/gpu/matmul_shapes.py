@@ -3,11 +3,9 @@
 16 rows (cloned past the L2, in one CUDA graph: sweep_scales.graph_time), times how often a step runs
 it. The sum is what the matmuls would cost back to back; `bench decode` gives the whole step. x is fp16,
 as the engine hands it over (Weight.input_dtype); --x32 also times float32 x (the kernel rounding it, as
-before the eighteenth session). --mins times the Q4_K (Q4_1) matrices three ways: mins applied in every
-value (HIVEJET_MINS_BY_SUMS=0), through group sums of x that the kernel makes, and through x's group means
-handed over (packed_matmul's `means`), the figures' columns then in that order.
+before the eighteenth session).
 
-    python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf [--x32] [--mins] [--json OUT]
+    python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf [--x32] [--json OUT]
 """
 from __future__ import annotations
 
@@ -25,10 +23,7 @@ from sweep_scales import clones, graph_time  # noqa: E402
 from engine.models import open_model  # noqa: E402
 from engine.models.common import StackedWeights, Weight  # noqa: E402
 from engine.runner import Runner  # noqa: E402
-import kernels.quant.packed as packed  # noqa: E402
-from kernels.quant.packed import (  # noqa: E402
-    PackedWeight, _has_tma, _sm_count, group_means, mins_by_sums, packed_matmul, tuned_config,
-)
+from kernels.quant.packed import PackedWeight, _has_tma, _sm_count, packed_matmul, tuned_config  # noqa: E402
 
 
 def decode_matrices(model) -> dict:
@@ -66,7 +61,6 @@ def main():
     ap.add_argument("model")
     ap.add_argument("--json")
     ap.add_argument("--x32", action="store_true", help="also float32 x")
-    ap.add_argument("--mins", action="store_true", help="mins in every value / by sums / by means given")
     a = ap.parse_args()
     rows, total = [], {1: 0.0, 16: 0.0, "1_x32": 0.0, "16_x32": 0.0}
     for key, p, c, cfg in decode_configs(a.model):
@@ -80,18 +74,6 @@ def main():
                 tag = f"{m}_x32" if x32 else m
                 r[f"us_{tag}"], r[f"tbps_{tag}"] = t * 1e6, p.nbytes / t / 1e12
                 total[tag] += c * t
-            if a.mins and mins_by_sums(p):
-                x = torch.randn(m, p.k, device="cuda", dtype=torch.float16)
-                means = group_means(x)
-                packed.MINS_BY_SUMS = False
-                r[f"us_{m}_values"] = graph_time(lambda w: packed_matmul(x, w, **cfg), ws) * 1e6
-                packed.MINS_BY_SUMS = True
-                r[f"us_{m}_sums"] = graph_time(lambda w: packed_matmul(x, w, **cfg), ws) * 1e6
-                r[f"us_{m}_means"] = graph_time(lambda w: packed_matmul(x, w, means=means, **cfg), ws) * 1e6
-                for v in ("values", "sums", "means"):
-                    total[f"{m}_{v}"] = total.get(f"{m}_{v}", 0.0) + c * r[f"us_{m}_{v}"] * 1e-6
-                print(f"  {m:2d} rows, mins in values / by sums / by means: " + " / ".join(
-                    f"{r[f'us_{m}_{v}']:.1f}" for v in ("values", "sums", "means")) + " us")
         rows.append(r)
         print(f"{key[0]:5s} {key[1]:6d} x {key[2]:5d} tile {key[3]}x{key[4]} x{c:3d}/step {r['mb']:7.1f} MB  "
               f"1 row {r['us_1']:7.1f} us {r['tbps_1']:.2f} TB/s  16 rows {r['us_16']:7.1f} us {r['tbps_16']:.2f} TB/s  "
@@ -103,10 +85,6 @@ def main():
     print(f"all decode matmuls: {mb / 1e3:.2f} GB, 1 row {total[1] * 1e3:.2f} ms ({mb / 1e6 / total[1]:.2f} TB/s), "
           f"16 rows {total[16] * 1e3:.2f} ms" + (f"; float32 x: {total['1_x32'] * 1e3:.2f} / {total['16_x32'] * 1e3:.2f} ms"
                                                  if a.x32 else ""))
-    if a.mins:
-        print("Q4_K matrices per step, mins in values / by sums / by means: " + "; ".join(
-            f"{m} rows " + " / ".join(f"{total.get(f'{m}_{v}', 0) * 1e3:.3f}" for v in ("values", "sums", "means"))
-            for m in (1, 16)) + " ms")
     if a.json:
         json.dump(dict(device=torch.cuda.get_device_name(0), shapes=rows, total_ms={m: t * 1e3 for m, t in total.items()},
                        gb=mb / 1e3), open(a.json, "w"), indent=1)

@@ -10,7 +10,9 @@
 #   run 4 (check out 3cfb33f first, and .bench-bin): the row-pair layout, `s19.sh 2`
 #   run 5: Q4_K's mins through group sums of x (mins_by_sums): the packed matmul's GPU tests, matmul_shapes.py
 #          --mins (every decode matrix; the Q4_K ones with the mins in every value / by sums the kernel makes /
-#          by means handed over), `bench decode` with HIVEJET_MINS_BY_SUMS=0 and 1
+#          by means handed over), `bench decode` with HIVEJET_MINS_BY_SUMS=0 and 1. It ran (2026-12-03) on
+#          commit ea129a7, whose mins_by_sums, matmul_shapes.py --mins and tests the next commit took out
+#          (measured no gain: docs/PERFORMANCE.md, twenty-third session); kept as the record of what ran
 source .ci/gpu/env.sh
 m27_start
 if [ "$1" = 1 ]; then

@@ -130,8 +130,6 @@ class PackedWeight:
     minv: fp16 [.., k // group] (kind "f16+min" only), else None
     supers: fp16 [.., 1] d, or [.., 2] (d, dmin), per tile row (kinds "codes", "codes+min"), else None
     offset: the min is offset * scale (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32; 0: none or stored)
-    bound: the largest |scale| and |min| (NaN if one is NaN) of the 4-bit types with fp16 mins (Q4_1,
-      Q4_K), which mins_by_sums needs; inf for the others
     hi_bits: 0, 1 or 2 extra bits per value in the high plane; 8 for the int8 plane
     qtype: the GGUF type it was packed from
     tile_n, tile_k: every tensor is stored in contiguous tiles of tile_n rows x tile_k values,
@@ -148,7 +146,6 @@ class PackedWeight:
     tile_k: int = 256
     supers: torch.Tensor | None = None
     offset: int = 0
-    bound: float = float("inf")   # the largest |scale| and |min| where mins_by_sums needs it (inf: not known)
     tma: tuple | None = field(default=None, init=False, repr=False, compare=False)   # _descriptors' result
     counts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # _arrival_counts
 
@@ -428,11 +425,8 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
             put(scale, r0, s.reshape(rr, k // group).to(torch.float16))
             if m is not None:
                 put(minv, r0, m.reshape(rr, k // group).to(torch.float16))
-    bound = float("inf")
-    if minv is not None and hi_bits == 0:   # (one host synchronisation per weight, at load time)
-        bound = float(torch.maximum(scale.abs().amax(), minv.abs().amax()).float()) if n and k else 0.0
     return PackedWeight(planes=planes, scale=scale, minv=minv, n=n, k=k, group=group, hi_bits=hi_bits,
-                        qtype=qt, tile_n=tn, tile_k=tk, supers=supers, offset=offset, bound=bound)
+                        qtype=qt, tile_n=tn, tile_k=tk, supers=supers, offset=offset)
 
 
 def stack_key(p: PackedWeight) -> tuple:
@@ -457,8 +451,7 @@ def stack_rows(parts: list[PackedWeight]) -> tuple[PackedWeight, list[PackedWeig
     stack = PackedWeight(planes=planes, scale=cat(lambda p: p.scale), minv=cat(lambda p: p.minv),
                          n=sum(p.n_pad for p in parts), k=first.k, group=first.group, hi_bits=first.hi_bits,
                          qtype=first.qtype, tile_n=first.tile_n, tile_k=first.tile_k,
-                         supers=cat(lambda p: p.supers), offset=first.offset,
-                         bound=float(torch.tensor([p.bound for p in parts]).max()))   # (NaN if one is)
+                         supers=cat(lambda p: p.supers), offset=first.offset)
     views, b0 = [], 0
     for p in parts:
         b1 = b0 + p.n_pad // p.tile_n
@@ -468,7 +461,7 @@ def stack_rows(parts: list[PackedWeight]) -> tuple[PackedWeight, list[PackedWeig
         views.append(PackedWeight(planes=tuple(band(t) for t in planes), scale=band(stack.scale),
                                   minv=band(stack.minv), n=p.n, k=p.k, group=p.group, hi_bits=p.hi_bits,
                                   qtype=p.qtype, tile_n=p.tile_n, tile_k=p.tile_k, supers=band(stack.supers),
-                                  offset=p.offset, bound=p.bound))
+                                  offset=p.offset))
         b0 = b1
     return stack, views
 
@@ -635,55 +628,6 @@ if triton is not None:
         return f0, f1, f2, f3
 
     @triton.jit
-    def _nibbles_biased_f16(b):
-        """uint8 bytes -> (low nibbles as fp16 1024 + q, high nibbles as fp16 64 + q), 4 bytes per instance:
-        PRMT spreads bytes to 16-bit lanes and one LOP3 per pair puts a nibble under the bits of fp16 1024
-        (ulp 1: 0x6400 | q) or, where it sits 4 bits up, of fp16 64 (ulp 1/16: 0x5400 | q << 4). The bias
-        is left in for _q4_times_scale's fma to take off (_nibbles_f16 takes it off here instead)."""
-        lo, hi = tl.inline_asm_elementwise(
-            """
-            {
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 $2, t0, 0x00F000F0, 0x54005400, 0xEA;
-            lop3.b32 $3, t1, 0x00F000F0, 0x54005400, 0xEA;
-            }
-            """,
-            "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        return lo, hi
-
-    @triton.jit
-    def _q4_times_scale(lo_ptr, tile, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr = False):
-        """Tile `tile` of a 4-bit plane in groups of 32 times its group scales s (fp16 [BLOCK_N, BLOCK_K // 32]),
-        fp16(q * s) [BLOCK_N, BLOCK_K], the mins left out (mins_by_sums). With PTX, one fma per value pair
-        from the biased nibbles: fma(1024 + q, s, -1024 s) and fma(64 + q, s, -64 s) are q * s rounded
-        once, because -1024 s and -64 s are exact in fp16 (powers of two; mins_by_sums keeps |s| < 32, so
-        nothing overflows); the interpreter (whose fma rounds twice) takes q exactly and multiplies."""
-        G: tl.constexpr = BLOCK_K // 32
-        if ASM4:
-            lo, hi = _nibbles_biased_f16(_load_tile(lo_ptr, tile, BLOCK_K // 2, BLOCK_N, TMA))
-            # the bytes as [.., t, run (= group), chunk, parity] (_interleave_nibbles)
-            s5 = s[:, None, :, None, None]
-            lo = tl.fma(tl.reshape(lo, (BLOCK_N, 4, G, 2, 2)), s5, s5 * -1024.0)
-            hi = tl.fma(tl.reshape(hi, (BLOCK_N, 4, G, 2, 2)), s5, s5 * -64.0)
-            f = tl.join(tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)))
-            f = tl.permute(tl.reshape(f, (BLOCK_N, 4, G, 2, 2, 2)), (0, 2, 3, 5, 1, 4))
-            w = tl.reshape(f, (BLOCK_N, BLOCK_K))
-        else:
-            q = _as_f16(_load_fields(lo_ptr, tile, 4, BLOCK_N, BLOCK_K, TMA), False)
-            w = tl.reshape(tl.reshape(q, (BLOCK_N, G, 32)) * s[:, :, None], (BLOCK_N, BLOCK_K))
-        return w
-
-    @triton.jit
-    def _spread4(a, R: tl.constexpr, G: tl.constexpr):
-        """[R, G] -> [R, 4 G]: column g at 4 g, zeros between (group_means' layout)."""
-        a = tl.join(a, tl.zeros_like(a))
-        return tl.reshape(tl.join(a, tl.zeros_like(a)), (R, 4 * G))
-
-    @triton.jit
     def _load_high2(ptr, tile, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr = False,
                     AS_F16: tl.constexpr = False):
         """Tile `tile` of the 2-bit high plane (fragment order, _interleave_crumbs) in value order,
@@ -835,7 +779,7 @@ if triton is not None:
 
     @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
-                          means_ptr, M, N, stride_xm, stride_mm, TILES,
+                          M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                           CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -843,8 +787,7 @@ if triton is not None:
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                          EARLY_TRIGGER: tl.constexpr = False, MIN_SUMS: tl.constexpr = False,
-                          HAS_MEANS: tl.constexpr = False):
+                          EARLY_TRIGGER: tl.constexpr = False):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
         SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
@@ -853,11 +796,7 @@ if triton is not None:
         out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards.
         PDL (kernels/pdl.py): launched before the previous kernel ends; the program first asks for its
         first PREFETCH tiles in L2 (weights: never written, so before the wait), then waits. It lets the
-        next kernel launch when its tiles are done (EARLY_TRIGGER: at its start).
-        MIN_SUMS (mins_by_sums): each tile as fp16(q * scale) and its mins applied by a second dot (K = 4
-        groups) of the mins against the means of x over each group, times the group size; HAS_MEANS: those
-        means come from means_ptr (group_means' layout, row stride stride_mm), else the program computes
-        them from its block of x."""
+        next kernel launch when its tiles are done (EARLY_TRIGGER: at its start)."""
         # m-blocks vary fastest, so the programs that share a weight tile run back to back and
         # all but the first read it from L2
         pid_m = tl.program_id(0)
@@ -874,7 +813,6 @@ if triton is not None:
         mask_m = offs_m < M
         # SWAP_AB: the weight tile is the dot's first operand (out^T = W x^T), the usual layout for
         # skinny products: the few activation rows become the small N side of the MMA
-        G: tl.constexpr = BLOCK_K // GROUP
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
@@ -884,34 +822,12 @@ if triton is not None:
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
                         other=0.0).to(tl.float16)
-            tile = pid_n.to(tl.int64) * KT + kt
-            if MIN_SUMS:
-                s, mv = _tile_scales(s_ptr, m_ptr, sup_ptr, tile, 0, 0, True, GROUP, BLOCK_N, BLOCK_K, TMA)
-                w16 = _q4_times_scale(lo_ptr, tile, s, BLOCK_N, BLOCK_K, TMA)
-                # sum over a group of minv * x = minv * 32 * mean(x): both factors exact or rounded once in
-                # fp16 (|minv| < 32, so 32 * minv is exact; the mean cannot overflow where x does not)
-                # x's group means at every 4th column, zeros between, against each min 4 times: a dot with
-                # K = 4 G >= 16, which a tensor core takes
-                if HAS_MEANS:
-                    xm = tl.load(means_ptr + offs_m[:, None] * stride_mm + kt * (4 * G) + tl.arange(0, 4 * G)[None, :],
-                                 mask=mask_m[:, None], other=0.0)
-                else:
-                    xm = tl.sum(tl.reshape(x.to(tl.float32), (BLOCK_M, G, GROUP)), axis=2) * (1.0 / GROUP)
-                    xm = _spread4(xm.to(tl.float16), BLOCK_M, G)
-                mins = tl.reshape(tl.broadcast_to((mv * -GROUP)[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, 4 * G))
-                if SWAP_AB:
-                    acc += tl.dot(w16, tl.trans(x))
-                    acc += tl.dot(mins, tl.trans(xm))
-                else:
-                    acc += tl.dot(x, tl.trans(w16))
-                    acc += tl.dot(xm, tl.trans(mins))
+            w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + kt,
+                                HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
+            if SWAP_AB:
+                acc += tl.dot(w16, tl.trans(x))
             else:
-                w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, tile,
-                                    HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
-                if SWAP_AB:
-                    acc += tl.dot(w16, tl.trans(x))
-                else:
-                    acc += tl.dot(x, tl.trans(w16))
+                acc += tl.dot(x, tl.trans(w16))
         if not EARLY_TRIGGER:
             pdl_trigger(PDL)
         if SWAP_AB:
@@ -1060,8 +976,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
                   block_m: int = 16, split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
                   tma: bool = False, add: torch.Tensor | None = None,
-                  sum_here: bool | None = None, maxnreg: int | None = None,
-                  means: torch.Tensor | None = None) -> torch.Tensor:
+                  sum_here: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed; plus `add`
     ([..., N], float32, e.g. the residual stream) when given: add + x @ W.T, the same bits as adding
     afterwards, without a launch of its own.
@@ -1073,9 +988,6 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     being captured: then the second kernel is used).
     maxnreg: a cap on the registers per thread (ptxas's .maxnreg; CUDA only), so that more programs share
     an SM.
-    means: x's group_means when the kernel applies the weight's mins through them (mins_by_sums), so that
-    it need not sum x itself; ignored otherwise. The same result either way up to float32 rounding of the
-    sums (summed in another order).
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
     of x, tile_n outputs, K slice); split_k (a divisor of the K tiles, else the next one up) from the
@@ -1119,25 +1031,15 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     if weight is None:
         tma = False
         weight = _pointers(p)
-    min_sums = fast_cvt and mins_by_sums(p)
-    if min_sums and means is not None:
-        means = means.reshape(-1, means.shape[-1])
-        if means.shape != (M, 4 * K // GROUP_MEAN) or means.dtype != torch.float16 or means.stride(-1) != 1:
-            raise ValueError(f"means must be fp16 [{M}, {4 * K // GROUP_MEAN}] (group_means), got {means.dtype} "
-                             f"{tuple(means.shape)}")
-    else:
-        means = None
     grid = (m_blocks, bands, split_k)
     pdl = pdl_args(x2)
     launch = dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}   # (not under the interpreter)
     if maxnreg and x2.is_cuda:
         launch["maxnreg"] = maxnreg
     _packed_mm_kernel[grid](
-        x2, *weight, part, out, out if add is None else add, part if counts is None else counts,
-        x2 if means is None else means, M, N, x2.stride(0), 0 if means is None else means.stride(0), kt // split_k,
+        x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
-        SUM_HERE=counts is not None, HAS_ADD=add is not None, MIN_SUMS=min_sums, HAS_MEANS=means is not None,
-        **pdl,
+        SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
     if split_k > 1 and counts is None:
@@ -1157,32 +1059,6 @@ def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
             return None
         c = p.counts = torch.zeros(max(m_blocks, 4) * bands, dtype=torch.int32, device=p.device)
     return c
-
-
-def mins_by_sums(p: PackedWeight) -> bool:
-    """Whether the decode matmul applies p's mins through group sums of x (MIN_SUMS) instead of in every
-    value: sum over a group of (scale * q - minv) * x = sum of fp16(scale * q) * x - minv * sum of x. The
-    tile then costs one fma per value pair instead of two fp16 ops and an fma (the nibble's fp16 bias taken
-    off with the scale: _q4_times_scale), against a K = 16 dot of the mins per tile. For the 4-bit types
-    with fp16 mins in groups of 32 (Q4_1, Q4_K) whose scales and mins are under 32 in magnitude (what keeps
-    1024 * scale and 32 * min in fp16's range; real weights are far below) in tiles of at least 128 values
-    (4 groups: a dot's K of 16), unless MINS_BY_SUMS is off."""
-    return MINS_BY_SUMS and p.hi_bits == 0 and p.codes == 0 and p.minv is not None and p.group == 32 \
-        and p.tile_k >= 128 and p.bound < 32
-
-
-GROUP_MEAN = 32   # the values per mean of group_means (the group of the types mins_by_sums takes)
-
-
-def group_means(x: torch.Tensor) -> torch.Tensor:
-    """The means of x's rows over each GROUP_MEAN consecutive values (x rounded to fp16, summed in float32)
-    as packed_matmul's `means` take them: fp16 [..., 4 K / GROUP_MEAN], group j's mean at column 4 j and
-    zeros between (so that a tile's means are one block of a tensor-core dot's K). The torch reference of
-    what the kernels that produce x write beside it."""
-    k = x.shape[-1]
-    g = x.to(torch.float16).float().reshape(*x.shape[:-1], k // GROUP_MEAN, GROUP_MEAN)
-    m = (g.sum(-1) * (1.0 / GROUP_MEAN)).to(torch.float16)
-    return torch.cat([m[..., None], m.new_zeros(*m.shape, 3)], -1).flatten(-2)
 
 
 def kernel_constants(p: PackedWeight) -> dict:
@@ -1319,9 +1195,6 @@ SPLIT_SUM_HERE = True
 PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
 EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
-# Q4_K's (and Q4_1's) mins through group sums of x in the decode matmul (mins_by_sums; HIVEJET_MINS_BY_SUMS=0:
-# in every value, to measure one against the other)
-MINS_BY_SUMS = os.environ.get("HIVEJET_MINS_BY_SUMS", "1") != "0"
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
 # Prompt chunks of at most this many rows (a power of two, at least 16; 0: none): a short request, a
 # follow-up's new tokens, a prompt's tail. They take the packed kernel with all rows in one block of x
