@@ -41,9 +41,13 @@ def scale_kind(qtype_name: str, coded: bool | None = None) -> str:
     return kind
 
 
+# the fewest rows of a matrix packed in 128-row tiles (fewer: 64-row tiles); HIVEJET_PACKED_WIDE_ROWS overrides
+WIDE_ROWS = int(os.environ.get("HIVEJET_PACKED_WIDE_ROWS", "16384"))
+
+
 def default_tile_n(n: int) -> int:
-    """128 rows per tile for wide matrices (n >= 16384), else 64 (measured on the H200)."""
-    return 128 if n >= 16384 else 64
+    """128 rows per tile for wide matrices (n >= WIDE_ROWS), else 64 (measured on the H200)."""
+    return 128 if n >= WIDE_ROWS else 64
 
 
 # Values per tile along K (environment HIVEJET_PACKED_TILE_K: 256, 128, 64 or 32; by default 128, or 256 for

@@ -8,6 +8,13 @@
 #   run 3: llama-server's scenarios 1-3 (SCEN="1 2 3"), then 5 (SCEN=5) in a second call: never re-run since
 #          the thirteenth session
 #   run 4 (check out 3cfb33f first, and .bench-bin): the row-pair layout, `s19.sh 2`
+#   run 6 (it writes .ci/gpu/packed_nodeq.py, see below): matmul_shapes.py with the nibbles not extracted
+#          (the loop's instructions without dequantization: what it could gain at most) and as committed; small
+#          prompt chunks on the decode split target against their own (run 2, once each)
+#   run 7: launch_cost.py (the fixed cost of each decode matrix's launch), then the engine-wide GPU tests
+#   run 8: 128-row tiles for every matrix (HIVEJET_PACKED_WIDE_ROWS=0) against 64-row ones below 16384 rows (the
+#          default): `bench decode` with the default, 128-row tiles everywhere at split-K targets of 8 and 4
+#          programs per SM, the default again; then matmul_shapes.py with 128-row tiles
 #   run 5: Q4_K's mins through group sums of x (mins_by_sums): the packed matmul's GPU tests, matmul_shapes.py
 #          --mins (every decode matrix; the Q4_K ones with the mins in every value / by sums the kernel makes /
 #          by means handed over), `bench decode` with HIVEJET_MINS_BY_SUMS=0 and 1. It ran (2026-12-03) on
@@ -47,4 +54,47 @@ if [ "$1" = 5 ]; then
         HIVEJET_MINS_BY_SUMS=$v timeout 70 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 \
             --rows 1 4 16 --json "$OUT/decode27b_minsums$v.json" 2>&1 | grep -v Warn | tail -4
     done
+fi
+if [ "$1" = 6 ]; then
+    # packed_nodeq.py: kernels/quant/packed.py with _nibbles_f16's PTX only moving the plane's word into its four
+    # outputs (wrong values; the loop's loads, scales, dot and split-K as they are, without the nibbles' extraction)
+    m27_wait
+    cp kernels/quant/packed.py /tmp/packed_orig.py
+    python3 - <<'PY'
+s = open("kernels/quant/packed.py").read()
+i = s.index("            .reg .b32 t0, t1, c0, c1, c2;")
+j = s.index("            }", i)
+open(".ci/gpu/packed_nodeq.py", "w").write(
+    s[:i] + "".join(f"            mov.b32 ${o}, $4;\n" for o in range(4)) + s[j:])
+PY
+    for v in nodeq orig; do
+        if [ $v = nodeq ]; then cp .ci/gpu/packed_nodeq.py kernels/quant/packed.py; else cp /tmp/packed_orig.py kernels/quant/packed.py; fi
+        echo "matmuls: $v"
+        timeout 120 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --json "$OUT/matmul_shapes_$v.json" 2>&1 \
+            | grep -v Warn | tail -12
+    done
+    for v in 128:8,64:8 ""; do
+        echo "HIVEJET_SMALL_PROMPT_WAVES=${v:-default}"
+        env ${v:+HIVEJET_SMALL_PROMPT_WAVES=$v} timeout 135 python3 -u -m app.cli bench agents -m /tmp/m27.gguf \
+            --device cuda --servers hivejet --scenarios 1 3 --json "$OUT/agents_small_${v//[:,]/_}.json" 2>&1 \
+            | grep -v Warn | tail -6
+    done
+fi
+if [ "$1" = 7 ]; then
+    m27_wait
+    timeout 300 python3 -u .ci/gpu/launch_cost.py /tmp/m27.gguf --json "$OUT/launch_cost.json" 2>&1 | grep -v Warn | tail -13
+    gpu_tests 200
+fi
+if [ "$1" = 8 ]; then
+    m27_wait
+    for v in 16384:128:8 0:128:8 0:128:4 16384:128:8; do
+        n=$((n + 1))
+        IFS=: read -r wide t w <<< "$v"
+        echo "HIVEJET_PACKED_WIDE_ROWS=$wide HIVEJET_DECODE_WAVES=$t:$w,64:8"
+        HIVEJET_PACKED_WIDE_ROWS=$wide HIVEJET_DECODE_WAVES=$t:$w,64:8 timeout 80 python3 -u -m app.cli bench decode \
+            -m /tmp/m27.gguf --depths 0 --rows 1 4 16 --json "$OUT/decode27b_wide${wide}_${w}_$n.json" 2>&1 \
+            | grep -v Warn | tail -4
+    done
+    HIVEJET_PACKED_WIDE_ROWS=0 timeout 130 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf \
+        --json "$OUT/matmul_shapes_wide.json" 2>&1 | grep -v Warn | tail -12
 fi

@@ -134,6 +134,26 @@ def test_packed_layout_is_the_gpu_packers(coded, monkeypatch):
     assert packed_bytes("F16", n, k) is None
 
 
+def test_wide_rows_setting_moves_the_tile_height(monkeypatch):
+    """HIVEJET_PACKED_WIDE_ROWS (layout.WIDE_ROWS): matrices of at least that many rows take 128-row tiles,
+    in the packer and in the planner's byte count alike."""
+    import numpy as np
+    import torch
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as QT
+
+    import kernels.packed_layout as layout
+    from kernels.quant.packed import pack_weight
+    n, k = 80, 256
+    raw = torch.from_numpy(np.zeros(n * k // 256 * GGML_QUANT_SIZES[QT.Q4_K][1], dtype=np.uint8))
+    assert layout.default_tile_n(n) == 64 and pack_weight(raw, QT.Q4_K, n, k).n_pad == 128
+    monkeypatch.setattr(layout, "WIDE_ROWS", 64)
+    p = pack_weight(raw, QT.Q4_K, n, k)
+    assert layout.default_tile_n(n) == 128 and p.tile_n == 128 and p.n_pad == 128
+    assert packed_bytes("Q4_K", n, k) == p.nbytes
+    assert layout.default_tile_n(63) == 64
+
+
 def test_head_bytes_are_the_codecs():
     from kernels.kvcodec import CACHE_TYPES, get_codec
     for t in CACHE_TYPES:
