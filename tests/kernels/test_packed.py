@@ -336,9 +336,11 @@ def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
     _check(packed_matmul(x, p, **dict(small, split_k=2)), x, p)
     assert packed.weight_class(p) == "hi"
     # 5120 output rows in 64-row tiles, K = 17408: 80 bands; decode's 8 programs per SM -> split 17 of the
-    # 136 K tiles, the small chunks' 4 -> 8
-    down = pack_weight(_random_weight(QT.Q4_K, 5120, 17408, seed=7), QT.Q4_K, 5120, 17408)
-    assert down.tile_n == 64
+    # 136 K tiles, the small chunks' 4 -> 8 (tuned_config reads only the shape: a stand-in without values)
+    down = packed.PackedWeight(planes=(torch.empty(80, 0, dtype=torch.uint8),),
+                               scale=torch.empty(80, 0, dtype=torch.float16), minv=None, n=5120, k=17408, group=32,
+                               hi_bits=0, qtype=QT.Q4_K, tile_n=packed.default_tile_n(5120), tile_k=128)
+    assert down.tile_n == 64 and down.n_pad == 5120
     assert (tuned_config(down, 0, 132)["split_k"], tuned_config(down, 64, 132)["split_k"]) == (17, 8)
     monkeypatch.setattr(packed, "SMALL_PROMPT_ROWS", 0)
     assert tuned_config(p, 64, 132)["block_m"] == 128
