@@ -62,10 +62,21 @@ if TILE_K not in (None, 256, 128, 64, 32):
     raise ValueError(f"HIVEJET_PACKED_TILE_K must be 256, 128, 64 or 32, not {TILE_K}")
 
 
-def default_tile_k(k: int, coded: bool = False) -> int:
+# values per tile along K for matrices in 64-row tiles, over TILE_K's default (environment
+# HIVEJET_PACKED_NARROW_TILE_K: 256 or 128; unset: TILE_K's). An experiment: a 64 x 256 tile needs the
+# registers of a 128 x 128 one, for one pass of the decode matmul's loop instead of two (docs/PERFORMANCE.md,
+# twenty-third session; not measured yet).
+NARROW_TILE_K = int(os.environ.get("HIVEJET_PACKED_NARROW_TILE_K", "0")) or None
+if NARROW_TILE_K not in (None, 256, 128):
+    raise ValueError(f"HIVEJET_PACKED_NARROW_TILE_K must be 256 or 128, not {NARROW_TILE_K}")
+
+
+def default_tile_k(k: int, coded: bool = False, tile_rows: int = 0) -> int:
     """The largest power of two >= 32 that divides K, up to TILE_K (by default 128, or 256 for a weight
-    whose scales are stored as codes)."""
+    whose scales are stored as codes), or NARROW_TILE_K for a matrix in tiles of 64 rows (tile_rows)."""
     limit = TILE_K or (256 if coded else 128)
+    if NARROW_TILE_K and tile_rows == 64 and not TILE_K:
+        limit = NARROW_TILE_K
     for tk in (256, 128, 64, 32):
         if tk <= limit and k % tk == 0:
             return tk
@@ -85,7 +96,7 @@ def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
     n = -(-n // tile) * tile
     planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8
     groups = n * (k // group)
-    tile_rows = n * (k // default_tile_k(k, kind.startswith("codes")))
+    tile_rows = n * (k // default_tile_k(k, kind.startswith("codes"), tile))
     scales = {"f16": 2 * groups, "f16+min": 4 * groups, "codes": groups + 2 * tile_rows,
               "codes+min": 2 * groups + 4 * tile_rows}[kind]
     return planes + scales

@@ -367,7 +367,7 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
     dev = rows.device
     tn = tile_n or default_tile_n(n)
     keeps_codes = kind.startswith("codes")
-    tk = tile_k or default_tile_k(k, keeps_codes)
+    tk = tile_k or default_tile_k(k, keeps_codes, tn)
     if k % tk or tk % group or tn % 16 or (keeps_codes and SUPER_BLOCK % tk):
         raise ValueError(f"tile {tn}x{tk} does not fit K = {k} (groups of {group})")
     nt, kt = -(-n // tn), k // tk
@@ -920,9 +920,12 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
     # 27B: not used there; the TMA settings were picked end to end)
     hi = p.hi_bits in (1, 2)
+    # the weight tile in registers as the dot's first operand: 128-value tiles, and 256-value ones of 64 rows
+    # with fp16 scales (HIVEJET_PACKED_NARROW_TILE_K: the registers of a 128 x 128 tile)
+    in_registers = p.hi_bits in (0, 1, 2) and (p.tile_k < 256 or (p.tile_n <= 64 and p.codes == 0))
     # TMA boxes need rows of at least 16 bytes: a tile's scale row (tile_k / group fp16 values) has them
     # only for 256-value tiles
-    tma = tma and p.tile_k >= 256
+    tma = tma and p.tile_k >= 256 and not in_registers
     by_tma = (TMA_CONFIG or {}).get(weight_class(p)) if tma else None
     if by_tma:
         c = dict(by_tma)
@@ -931,7 +934,7 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     # at least DECODE_WAVES programs per SM (8 for 128-row tiles, of which 4 fit on an SM at once; 8 for
     # 64-row ones: docs/PERFORMANCE.md, twenty-second session)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
-    if p.hi_bits in (0, 1, 2) and p.tile_k < 256:
+    if in_registers:
         # shorter tiles (.ci/gpu/sweep_tile_k.py on the H200): 4 warps, 3 stages, the weight tile as the
         # dot's first operand, in registers: with the 4-bit plane in fragment order that holds for the
         # high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared memory,

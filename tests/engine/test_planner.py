@@ -154,6 +154,25 @@ def test_wide_rows_setting_moves_the_tile_height(monkeypatch):
     assert layout.default_tile_n(63) == 64
 
 
+def test_narrow_tile_k_setting(monkeypatch):
+    """HIVEJET_PACKED_NARROW_TILE_K (layout.NARROW_TILE_K): 256-value tiles for matrices in 64-row tiles only,
+    in the packer and in the planner's byte count alike."""
+    import numpy as np
+    import torch
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as QT
+
+    import kernels.packed_layout as layout
+    from kernels.quant.packed import pack_weight
+    monkeypatch.setattr(layout, "NARROW_TILE_K", 256)
+    monkeypatch.setattr(layout, "WIDE_ROWS", 128)
+    for n, tile in ((80, 256), (128, 128)):
+        k = 512
+        raw = torch.from_numpy(np.zeros(n * k // 256 * GGML_QUANT_SIZES[QT.Q4_K][1], dtype=np.uint8))
+        p = pack_weight(raw, QT.Q4_K, n, k)
+        assert p.tile_k == tile and packed_bytes("Q4_K", n, k) == p.nbytes
+
+
 def test_head_bytes_are_the_codecs():
     from kernels.kvcodec import CACHE_TYPES, get_codec
     for t in CACHE_TYPES:

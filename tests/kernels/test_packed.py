@@ -382,8 +382,8 @@ def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
     from kernels.quant.packed import _descriptors, tuned_config
     used = []
     monkeypatch.setattr(packed, "_descriptors", lambda p: used.append(_descriptors(p)) or used[-1])
-    n, k = 64, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=32, tile_k=256, coded=coded)
+    n, k = 128, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=128, tile_k=256, coded=coded)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(8))
     for swap in (False, True):
         kw = dict(split_k=2, swap_ab=swap)
@@ -402,14 +402,22 @@ def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
     assert not tuned_config(short, False, 4, tma=True).get("tma")
     assert pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, coded=coded).tile_k == \
         (256 if coded and qtype != QT.Q8_0 else 128)
+    # 256-value tiles of 64 rows with fp16 scales (HIVEJET_PACKED_NARROW_TILE_K): the tile in registers, as
+    # 128-value ones, not TMA's settings
+    narrow = pack_weight(_random_weight(qtype, 64, k, seed=8), qtype, 64, k, tile_n=64, tile_k=256, coded=coded)
+    cfg = tuned_config(narrow, False, 4, tma=True)
+    in_registers = not coded and qtype != QT.Q8_0
+    assert bool(cfg.get("tma")) == (not in_registers and qtype != QT.Q8_0)
+    assert cfg.get("swap_ab", False) == (in_registers or (coded and qtype == QT.Q4_K))
+    _check(packed_matmul(x, narrow, **cfg), x, narrow)
 
 
 def test_tma_that_fails_falls_back_to_per_thread_loads(monkeypatch):
     """Where TMA loads do not work (no tensor descriptors in that Triton, a driver without them), the
     engine's matmul settings fall back to per-thread loads with a warning instead of failing every step."""
     import kernels.quant.packed as packed
-    n, k = 64, 512
-    p = pack_weight(_random_weight(QT.Q4_K, n, k, seed=9), QT.Q4_K, n, k, tile_n=32, tile_k=256)
+    n, k = 128, 512
+    p = pack_weight(_random_weight(QT.Q4_K, n, k, seed=9), QT.Q4_K, n, k, tile_n=128, tile_k=256)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(9))
     assert packed._checked_config(x, p, 0, 4, True).get("tma")
 
