@@ -134,21 +134,26 @@ def test_packed_layout_is_the_gpu_packers(coded, monkeypatch):
     assert packed_bytes("F16", n, k) is None
 
 
-def test_wide_rows_setting_moves_the_tile_height(monkeypatch):
-    """HIVEJET_PACKED_WIDE_ROWS (layout.WIDE_ROWS): matrices of at least that many rows take 128-row tiles,
-    in the packer and in the planner's byte count alike."""
+def _packed_zero_q4_k(n: int, k: int):
+    """An [n, k] Q4_K matrix of zero blocks, packed as the engine packs it."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as QT
 
-    import kernels.packed_layout as layout
     from kernels.quant.packed import pack_weight
-    n, k = 80, 256
     raw = torch.from_numpy(np.zeros(n * k // 256 * GGML_QUANT_SIZES[QT.Q4_K][1], dtype=np.uint8))
-    assert layout.default_tile_n(n) == 64 and pack_weight(raw, QT.Q4_K, n, k).n_pad == 128
+    return pack_weight(raw, QT.Q4_K, n, k)
+
+
+def test_wide_rows_setting_moves_the_tile_height(monkeypatch):
+    """HIVEJET_PACKED_WIDE_ROWS (layout.WIDE_ROWS): matrices of at least that many rows take 128-row tiles,
+    in the packer and in the planner's byte count alike."""
+    import kernels.packed_layout as layout
+    n, k = 80, 256
+    assert layout.default_tile_n(n) == 64 and _packed_zero_q4_k(n, k).n_pad == 128
     monkeypatch.setattr(layout, "WIDE_ROWS", 64)
-    p = pack_weight(raw, QT.Q4_K, n, k)
+    p = _packed_zero_q4_k(n, k)
     assert layout.default_tile_n(n) == 128 and p.tile_n == 128 and p.n_pad == 128
     assert packed_bytes("Q4_K", n, k) == p.nbytes
     assert layout.default_tile_n(63) == 64
@@ -157,20 +162,12 @@ def test_wide_rows_setting_moves_the_tile_height(monkeypatch):
 def test_narrow_tile_k_setting(monkeypatch):
     """HIVEJET_PACKED_NARROW_TILE_K (layout.NARROW_TILE_K): 256-value tiles for matrices in 64-row tiles only,
     in the packer and in the planner's byte count alike."""
-    import numpy as np
-    import torch
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as QT
-
     import kernels.packed_layout as layout
-    from kernels.quant.packed import pack_weight
     monkeypatch.setattr(layout, "NARROW_TILE_K", 256)
     monkeypatch.setattr(layout, "WIDE_ROWS", 128)
     for n, tile in ((80, 256), (128, 128)):
-        k = 512
-        raw = torch.from_numpy(np.zeros(n * k // 256 * GGML_QUANT_SIZES[QT.Q4_K][1], dtype=np.uint8))
-        p = pack_weight(raw, QT.Q4_K, n, k)
-        assert p.tile_k == tile and packed_bytes("Q4_K", n, k) == p.nbytes
+        p = _packed_zero_q4_k(n, 512)
+        assert p.tile_k == tile and packed_bytes("Q4_K", n, 512) == p.nbytes
 
 
 def test_head_bytes_are_the_codecs():
