@@ -32,7 +32,8 @@ def main():
         ws = clones(p)
         ws = ws[:len(ws) // 2 * 2]
         pairs = [stack_rows([ws[i], ws[i + 1]])[0] for i in range(0, len(ws), 2)]
-        r = dict(type=key[0], n=key[1], k=key[2], tile_n=key[3], per_step=c, mb=p.nbytes / 1e6, config=dict(cfg))
+        r = dict(type=key[0], n=key[1], k=key[2], tile_n=key[3], tile_k=key[4], per_step=c, mb=p.nbytes / 1e6,
+                 config=dict(cfg))
         for m in (1, 16):
             x = torch.randn(m, p.k, device="cuda", dtype=torch.float16)
             one = graph_time(lambda w: packed_matmul(x, w, **cfg), ws) * 1e6

@@ -1,5 +1,7 @@
 #!/bin/bash
-# For the next session with device time, carrying .whl (see README.md), .bench-srv for run 3:
+# The twenty-third session's GPU calls, carrying .whl (see README.md), .bench-srv for run 3. What ran (2026-12-03/04,
+# docs/PERFORMANCE.md twenty-third section): runs 5, 6, 7, 8 in that order, then run 1's agents benchmark and
+# llama-server's scenarios 1 / 2 3 5 / 4 as plain calls; run 6 covered run 2 (once each); run 4 did not run:
 #   run 1: the full agents benchmark on the twenty-second session's split target (scenarios 4 and 5 were not
 #          run on it), then the engine-wide GPU tests with the time left
 #   run 2: small prompt chunks on the decode split target against their own (SMALL_PROMPT_WAVES 64:4, kept
@@ -8,6 +10,11 @@
 #   run 3: llama-server's scenarios 1-3 (SCEN="1 2 3"), then 5 (SCEN=5) in a second call: never re-run since
 #          the thirteenth session
 #   run 4 (check out 3cfb33f first, and .bench-bin): the row-pair layout, `s19.sh 2`
+#   run 5: Q4_K's mins through group sums of x (mins_by_sums): the packed matmul's GPU tests, matmul_shapes.py
+#          --mins (every decode matrix; the Q4_K ones with the mins in every value / by sums the kernel makes /
+#          by means handed over), `bench decode` with HIVEJET_MINS_BY_SUMS=0 and 1. It ran (2026-12-03) on
+#          commit ea129a7, whose mins_by_sums, matmul_shapes.py --mins and tests the next commit took out
+#          (measured no gain: docs/PERFORMANCE.md, twenty-third session); kept as the record of what ran
 #   run 6 (it writes .ci/gpu/packed_nodeq.py, see below): matmul_shapes.py with the nibbles not extracted
 #          (the loop's instructions without dequantization: what it could gain at most) and as committed; small
 #          prompt chunks on the decode split target against their own (run 2, once each)
@@ -15,11 +22,6 @@
 #   run 8: 128-row tiles for every matrix (HIVEJET_PACKED_WIDE_ROWS=0) against 64-row ones below 16384 rows (the
 #          default): `bench decode` with the default, 128-row tiles everywhere at split-K targets of 8 and 4
 #          programs per SM, the default again; then matmul_shapes.py with 128-row tiles
-#   run 5: Q4_K's mins through group sums of x (mins_by_sums): the packed matmul's GPU tests, matmul_shapes.py
-#          --mins (every decode matrix; the Q4_K ones with the mins in every value / by sums the kernel makes /
-#          by means handed over), `bench decode` with HIVEJET_MINS_BY_SUMS=0 and 1. It ran (2026-12-03) on
-#          commit ea129a7, whose mins_by_sums, matmul_shapes.py --mins and tests the next commit took out
-#          (measured no gain: docs/PERFORMANCE.md, twenty-third session); kept as the record of what ran
 source .ci/gpu/env.sh
 m27_start
 if [ "$1" = 1 ]; then
@@ -43,6 +45,7 @@ if [ "$1" = 4 ]; then
     bash .ci/gpu/s19.sh 2
 fi
 if [ "$1" = 5 ]; then
+    grep -q -- --mins .ci/gpu/matmul_shapes.py || { echo "run 5 needs commit ea129a7 (mins_by_sums)"; exit 1; }
     timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py \
         > "$OUT/gpu_tests_packed.txt" 2>&1
     grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_packed.txt" | tail -8

@@ -15,11 +15,11 @@ if [ "$1" = 1 ]; then
     m27_wait
     for v in default 256 256:128 default; do
         n=$((n + 1))
-        env=()
-        [ "$v" != default ] && env=(HIVEJET_PACKED_NARROW_TILE_K=256)
-        [ "$v" = 256:128 ] && env+=(HIVEJET_DECODE_MAXNREG=128:128,64:128)
-        echo "${env[*]:-default}"
-        env "${env[@]}" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
+        vars=()
+        [ "$v" != default ] && vars=(HIVEJET_PACKED_NARROW_TILE_K=256)
+        [ "$v" = 256:128 ] && vars+=(HIVEJET_DECODE_MAXNREG=128:128,64:128)
+        echo "${vars[*]:-default}"
+        env "${vars[@]}" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
             --json "$OUT/decode27b_narrow_${v/:/_}_$n.json" 2>&1 | grep -v Warn | tail -4
     done
     HIVEJET_PACKED_NARROW_TILE_K=256 timeout 120 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf \

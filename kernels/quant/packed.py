@@ -907,7 +907,8 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     decode rows (M <= 64): memory-bound; 4 warps (8 with a high plane: registers), 4 pipeline stages
     (3 with a high plane: shared memory) and split-K to at least `waves` programs per SM (the tiles
     below change these).
-    tma (a GPU with TMA, sm_90+): the 4-bit types and those with a high plane take their tiles by tensor
+    tma (a GPU with TMA, sm_90+): the 4-bit types and those with a high plane in 256-value tiles (but for
+    64-row ones with fp16 scales, which keep the tile in registers) take their tiles by tensor
     descriptors with TMA_CONFIG's settings (measured end to end on the 27B: a 1-row step 18.2 instead of
     19.0 ms, docs/PERFORMANCE.md); the int8-plane types keep per-thread loads (not measured).
     prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split.
@@ -920,8 +921,8 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
     # 27B: not used there; the TMA settings were picked end to end)
     hi = p.hi_bits in (1, 2)
-    # the weight tile in registers as the dot's first operand: 128-value tiles, and 256-value ones of 64 rows
-    # with fp16 scales (HIVEJET_PACKED_NARROW_TILE_K: the registers of a 128 x 128 tile)
+    # the weight tile in registers as the dot's first operand: tiles under 256 values, and 256-value ones of at
+    # most 64 rows with fp16 scales (HIVEJET_PACKED_NARROW_TILE_K: the registers of a 128 x 128 tile)
     in_registers = p.hi_bits in (0, 1, 2) and (p.tile_k < 256 or (p.tile_n <= 64 and p.codes == 0))
     # TMA boxes need rows of at least 16 bytes: a tile's scale row (tile_k / group fp16 values) has them
     # only for 256-value tiles
@@ -935,7 +936,8 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     # 64-row ones: docs/PERFORMANCE.md, twenty-second session)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
     if in_registers:
-        # shorter tiles (.ci/gpu/sweep_tile_k.py on the H200): 4 warps, 3 stages, the weight tile as the
+        # tiles in registers (measured for tiles under 256 values, .ci/gpu/sweep_tile_k.py on the H200; the
+        # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K not yet): 4 warps, 3 stages, the weight tile as the
         # dot's first operand, in registers: with the 4-bit plane in fragment order that holds for the
         # high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared memory,
         # 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124; docs/perf/sweep_hi_h200_s15.json,
@@ -1154,7 +1156,7 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.
         y = prefill_matmul(x, p, pad_rows=int(prefill))
         return y if add is None else add + y
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (p.n, p.k, p.tile_n, p.tile_k, p.hi_bits, p.group, prefill, dev)
+    key = (p.n, p.k, p.tile_n, p.tile_k, p.hi_bits, p.group, p.codes, prefill, dev)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = _CONFIGS[key] = _checked_config(x, p, prefill, _sm_count(dev), _has_tma(dev))
@@ -1184,10 +1186,11 @@ _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _CONFIGS: dict = {}
 # decode settings with TMA loads per kind of weight: the 4-bit plane alone ("plain"), with a high plane
 # ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA.
-# (Only 256-value tiles load by TMA: weights that keep their scale codes, HIVEJET_PACKED_CODES=1. Since
-# the planes went to fragment order, "hi" with the tile in shared memory runs Q6_K 5120x17408 in 87 us
-# against 37 at the default 128-value tiles, docs/perf/sweep_hi2_h200_s15.json; the tile in registers was
-# not measured at 256 values, where it needs ~220 registers.)
+# (Only 256-value tiles load by TMA: weights that keep their scale codes, HIVEJET_PACKED_CODES=1, and
+# 128-row ones under HIVEJET_PACKED_TILE_K=256; 64-row ones with fp16 scales keep the tile in registers,
+# tuned_config. Since the planes went to fragment order, "hi" with the tile in shared memory runs Q6_K
+# 5120x17408 in 87 us against 37 at the default 128-value tiles, docs/perf/sweep_hi2_h200_s15.json; the tile
+# in registers was not measured at 128 x 256 values, where it needs ~220 registers.)
 TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
 # split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):

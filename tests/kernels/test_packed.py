@@ -339,7 +339,8 @@ def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
     # 136 K tiles, the small chunks' 4 -> 8 (tuned_config reads only the shape: a stand-in without values)
     down = packed.PackedWeight(planes=(torch.empty(80, 0, dtype=torch.uint8),),
                                scale=torch.empty(80, 0, dtype=torch.float16), minv=None, n=5120, k=17408, group=32,
-                               hi_bits=0, qtype=QT.Q4_K, tile_n=packed.default_tile_n(5120), tile_k=128)
+                               hi_bits=0, qtype=QT.Q4_K, tile_n=packed.default_tile_n(5120),
+                               tile_k=packed.default_tile_k(17408, False, 64))
     assert down.tile_n == 64 and down.n_pad == 5120
     assert (tuned_config(down, 0, 132)["split_k"], tuned_config(down, 64, 132)["split_k"]) == (17, 8)
     monkeypatch.setattr(packed, "SMALL_PROMPT_ROWS", 0)
@@ -382,7 +383,7 @@ def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
     from kernels.quant.packed import _descriptors, tuned_config
     used = []
     monkeypatch.setattr(packed, "_descriptors", lambda p: used.append(_descriptors(p)) or used[-1])
-    n, k = 128, 512
+    n, k = 256, 512     # two bands of 128-row tiles
     p = pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, tile_n=128, tile_k=256, coded=coded)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(8))
     for swap in (False, True):
@@ -404,7 +405,7 @@ def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
         (256 if coded and qtype != QT.Q8_0 else 128)
     # 256-value tiles of 64 rows with fp16 scales (HIVEJET_PACKED_NARROW_TILE_K): the tile in registers, as
     # 128-value ones, not TMA's settings
-    narrow = pack_weight(_random_weight(qtype, 64, k, seed=8), qtype, 64, k, tile_n=64, tile_k=256, coded=coded)
+    narrow = pack_weight(_random_weight(qtype, 128, k, seed=8), qtype, 128, k, tile_n=64, tile_k=256, coded=coded)
     cfg = tuned_config(narrow, False, 4, tma=True)
     in_registers = not coded and qtype != QT.Q8_0
     assert bool(cfg.get("tma")) == (not in_registers and qtype != QT.Q8_0)
@@ -416,7 +417,7 @@ def test_tma_that_fails_falls_back_to_per_thread_loads(monkeypatch):
     """Where TMA loads do not work (no tensor descriptors in that Triton, a driver without them), the
     engine's matmul settings fall back to per-thread loads with a warning instead of failing every step."""
     import kernels.quant.packed as packed
-    n, k = 128, 512
+    n, k = 256, 512
     p = pack_weight(_random_weight(QT.Q4_K, n, k, seed=9), QT.Q4_K, n, k, tile_n=128, tile_k=256)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(9))
     assert packed._checked_config(x, p, 0, 4, True).get("tma")
