@@ -65,8 +65,9 @@ if TILE_K not in (None, 256, 128, 64, 32):
 # values per tile along K for matrices in 64-row tiles, over TILE_K's default (environment
 # HIVEJET_PACKED_NARROW_TILE_K: 256 or 128; unset, or HIVEJET_PACKED_TILE_K set: TILE_K's). An experiment: a
 # 64 x 256 tile needs the registers of a 128 x 128 one, for one pass of the decode matmul's loop instead of
-# two (docs/PERFORMANCE.md, twenty-third session; not measured yet). 128 changes only weights that keep their
-# scale codes (256 by default), at more bytes: one fp16 d per tile row.
+# two (docs/PERFORMANCE.md, twenty-third session), measured slower end to end in the twenty-fourth (a step
+# 8.66 against 8.19 ms; its 140 registers leave three programs per SM, not four), so off by default. 128
+# changes only weights that keep their scale codes (256 by default), at more bytes: one fp16 d per tile row.
 NARROW_TILE_K = int(os.environ.get("HIVEJET_PACKED_NARROW_TILE_K", "0")) or None
 if NARROW_TILE_K not in (None, 256, 128):
     raise ValueError(f"HIVEJET_PACKED_NARROW_TILE_K must be 256 or 128, not {NARROW_TILE_K}")

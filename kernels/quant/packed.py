@@ -937,10 +937,10 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
     if in_registers:
         # tiles in registers (measured for tiles under 256 values, .ci/gpu/sweep_tile_k.py on the H200; the
-        # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K not yet): 4 warps, 3 stages, the weight tile as the
-        # dot's first operand, in registers: with the 4-bit plane in fragment order that holds for the
-        # high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared memory,
-        # 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124; docs/perf/sweep_hi_h200_s15.json,
+        # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K end to end only, slower): 4 warps, 3 stages, the
+        # weight tile as the dot's first operand, in registers: with the 4-bit plane in fragment order that
+        # holds for the high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared
+        # memory, 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124; docs/perf/sweep_hi_h200_s15.json,
         # sweep_tile_k_q4_h200_s15.json; Q5_K not measured). 4 stages for the 4-bit-only types' projections
         # back to a hidden size of at most DEEP_PIPELINE_MAX_N (the split-K'd ones streaming long runs of K:
         # Q4_K 5120x17408 30.7 -> 28.4 us, 5120x6144 13.4 -> 12.7; on 6272x5120 and 16512x5120, and with a
@@ -1197,7 +1197,8 @@ TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swa
 # the same bits either way
 SPLIT_SUM_HERE = True
 # with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
-# for the previous kernel (0: none)
+# for the previous kernel (0: none; 2, 4 and 8 made the 27B's step 0.13-0.76 ms longer, twenty-fourth session:
+# the prefetches slow the predecessor's last programs, which the wait is for)
 PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
 EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
