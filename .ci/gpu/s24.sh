@@ -8,7 +8,8 @@
 #   run 3 (and .bench-bin): bench27b.sh on the default, llama-bench beside it
 #   run 4: step_timeline.py with PDL (the default) and without (HIVEJET_PDL=0)
 #   run 5: bench decode with HIVEJET_PREFETCH_TILES 1 / 2 / 4 / 8 / 1 / 2 (trigger at the start) / 4 / 2
-# Ran in the twenty-fourth session (2026-12-04): runs 1, 3, 4 (as two calls) and 5; run 2 was not (the
+#   run 6: bench decode with HIVEJET_PDL=0, then the default
+# Ran in the twenty-fourth session (2026-12-04): runs 1, 3, 4 (as two calls), 5 and 6; run 2 was not (the
 # twenty-third session's dequantization-free ceiling bounds what fewer PRMTs can give: 8 % of the matmuls).
 source .ci/gpu/env.sh
 m27_start
@@ -54,5 +55,13 @@ if [ "$1" = 5 ]; then
         HIVEJET_PREFETCH_TILES=$pf HIVEJET_PDL_TRIGGER=$trigger timeout 70 python3 -u -m app.cli bench decode \
             -m /tmp/m27.gguf --depths 0 --rows 1 4 16 --json "$OUT/decode27b_prefetch${pf}_${trigger}_$n.json" \
             2>&1 | grep -v Warn | tail -3
+    done
+fi
+if [ "$1" = 6 ]; then
+    m27_wait
+    for v in 0 1; do
+        echo "HIVEJET_PDL=$v"
+        HIVEJET_PDL=$v timeout 70 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
+            --json "$OUT/decode27b_pdl$v.json" 2>&1 | grep -v Warn | tail -3
     done
 fi
