@@ -69,7 +69,9 @@ def main():
         cases = [("engine", base, cfg0)]
         for st in (2, 3, 4) if args.stages else ():
             cases.append((f"engine, {st} stages", base, dict(cfg0, num_stages=st)))
-        if base.tile_k != 256 and not args.stages:      # the previous default: 256-value tiles (TMA on sm_90)
+        # the previous default, 256-value tiles: by TMA on sm_90 for 128-row or coded-scale tiles; 64-row ones
+        # with fp16 scales keep the tile in registers since the twenty-third session
+        if base.tile_k != 256 and not args.stages:
             p = pack_weight(raw, QT[qt], n, k, tile_k=256)
             cases.append(("tile_k 256", p, tuned_config(p, False, n_sm, tma=tma)))
         for tn in (64, 128, 256) if args.split else ():
