@@ -1,0 +1,32 @@
+#!/bin/bash
+# Twenty-fifth session (carry .whl):
+#   run 1: split-K counts that need not divide a matrix's K tiles: the packed matmul's split tests on the GPU,
+#          sweep_split.py --any over the 27B's decode matrices (each matrix's fastest count -> $OUT/splits.json),
+#          then bench decode with the engine's splits and with those (HIVEJET_DECODE_SPLITS)
+#   run 2 SPLITS.json: bench decode default / SPLITS / default / SPLITS (one call)
+source .ci/gpu/env.sh
+m27_start
+bench() {   # bench LABEL [VAR=VALUE ...]
+    local label=$1; shift
+    echo "$label"
+    env "$@" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
+        --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
+}
+if [ "$1" = 1 ]; then
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split" \
+        > "$OUT/gpu_tests_split.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_split.txt" | tail -8
+    m27_wait
+    timeout 300 python3 -u .ci/gpu/sweep_split.py /tmp/m27.gguf --any --json "$OUT/sweep_split_any.json" \
+        --best "$OUT/splits.json" 2>&1 | grep -v Warn | grep -E "engine split|step's|fastest" 
+    cp "$OUT/splits.json" /tmp/splits.json
+    bench default_1
+    bench splits_2 HIVEJET_DECODE_SPLITS=/tmp/splits.json
+fi
+if [ "$1" = 2 ]; then
+    m27_wait
+    bench default_1
+    bench splits_2 HIVEJET_DECODE_SPLITS="$2"
+    bench default_3
+    bench splits_4 HIVEJET_DECODE_SPLITS="$2"
+fi
