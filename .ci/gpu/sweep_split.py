@@ -53,7 +53,7 @@ def main():
                 rows.append(r)
                 got[(s, r["rows"])] = r["us"]
         both = {s: got[(s, 1)] + got[(s, 16)] for s in splits if (s, 1) in got and (s, 16) in got}
-        chosen[f"{p.n}x{p.k}"] = min(both, key=both.get)
+        chosen[f"{p.qtype.name}:{p.n}x{p.k}"] = min(both, key=both.get)
         for m in (1, 16):
             engine[m] += c * got[(cfg0["split_k"], m)]
             b = min((u, s) for (s, mm), u in got.items() if mm == m)

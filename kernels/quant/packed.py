@@ -939,7 +939,7 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     # 64-row ones: docs/PERFORMANCE.md, twenty-second session)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
     if waves is None:
-        split = DECODE_SPLITS.get(f"{p.n}x{p.k}", split)
+        split = DECODE_SPLITS.get(f"{p.qtype.name}:{p.n}x{p.k}", split)
     if in_registers:
         # tiles in registers (measured for tiles under 256 values, .ci/gpu/sweep_tile_k.py on the H200; the
         # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K end to end only, slower): 4 warps, 3 stages, the
@@ -1243,7 +1243,7 @@ def _by_tile_rows(env: str, default: str) -> dict[int, int]:
 # at one row, 9.07 -> 8.61 at four (.ci/gpu/s22.sh 4, docs/PERFORMANCE.md). HIVEJET_DECODE_WAVES="128:8,64:8"
 # (tile rows: programs per SM) overrides.
 DECODE_WAVES = _by_tile_rows("HIVEJET_DECODE_WAVES", "128:8,64:8")
-# split-K counts by weight shape ("NxK": split, any count up to K's tiles) that replace DECODE_WAVES' for decode
+# split-K counts by weight type and shape ("Q4_K:NxK": split, any count up to K's tiles) that replace DECODE_WAVES' for decode
 # rows: HIVEJET_DECODE_SPLITS, inline JSON or a JSON file's path (what .ci/gpu/sweep_split.py --best writes)
 _splits = os.environ.get("HIVEJET_DECODE_SPLITS", "")
 DECODE_SPLITS: dict = json.loads(open(_splits).read() if _splits and not _splits.lstrip().startswith("{")
