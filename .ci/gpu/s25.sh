@@ -4,6 +4,8 @@
 #          sweep_split.py --any over the 27B's decode matrices (each matrix's fastest count -> $OUT/splits.json),
 #          then bench decode with the engine's splits and with those (HIVEJET_DECODE_SPLITS)
 #   run 2 SPLITS.json: bench decode default / SPLITS / default / SPLITS (one call)
+#   run 3 SPLITS.json: the split tests on the GPU, then bench decode with the 64-row tiles' registers capped
+#          at 64 / 72 (HIVEJET_DECODE_MAXNREG) and without, on the engine's splits and on SPLITS
 source .ci/gpu/env.sh
 m27_start
 bench() {   # bench LABEL [VAR=VALUE ...]
@@ -29,4 +31,17 @@ if [ "$1" = 2 ]; then
     bench splits_2 HIVEJET_DECODE_SPLITS="$2"
     bench default_3
     bench splits_4 HIVEJET_DECODE_SPLITS="$2"
+fi
+if [ "$1" = 3 ]; then
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split" \
+        > "$OUT/gpu_tests_split.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_split.txt" | tail -8
+    m27_wait
+    bench default_1
+    bench cap64_2 HIVEJET_DECODE_MAXNREG=128:128,64:64
+    bench splits_3 HIVEJET_DECODE_SPLITS="$2"
+    bench splits_cap64_4 HIVEJET_DECODE_SPLITS="$2" HIVEJET_DECODE_MAXNREG=128:128,64:64
+    bench splits_cap72_5 HIVEJET_DECODE_SPLITS="$2" HIVEJET_DECODE_MAXNREG=128:128,64:72
+    bench cap64_6 HIVEJET_DECODE_MAXNREG=128:128,64:64
+    bench splits_cap64_7 HIVEJET_DECODE_SPLITS="$2" HIVEJET_DECODE_MAXNREG=128:128,64:64
 fi

@@ -779,19 +779,19 @@ if triton is not None:
 
     @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
-                          M, N, stride_xm,
+                          M, N, stride_xm, SPLIT,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                           CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
-                          TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+                          TMA: tl.constexpr = False, PARTIAL: tl.constexpr = False,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                           EARLY_TRIGGER: tl.constexpr = False):
         """Program (m-block, row band, k-slice): slice s of SPLIT takes the band's tiles s * KT // SPLIT ..
         (s + 1) * KT // SPLIT - 1 (SPLIT need not divide KT: slices differ by at most one tile), each one
         contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
-        SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
+        PARTIAL false (SPLIT 1): the result goes to out (plus add's block when HAS_ADD). PARTIAL: each k-slice
         writes its partial sums to part[k-slice]; SUM_HERE: the slice that finishes last (an arrival
         count per output block in cnt, left at 0 again) adds part[0] + part[1] + ... in that order into
         out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards.
@@ -837,7 +837,7 @@ if triton is not None:
             acc = tl.trans(acc)
         offs_out = offs_m[:, None].to(tl.int64) * N + cols[None, :]
         mask_out = mask_m[:, None] & (cols[None, :] < N)
-        if SPLIT == 1:
+        if not PARTIAL:
             if HAS_ADD:
                 acc = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + acc
             tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
@@ -851,7 +851,7 @@ if triton is not None:
                 count = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
                 if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT - 1:
                     tot = tl.load(part_ptr + offs_out, mask=mask_out, other=0.0, cache_modifier=".cg")
-                    for i in tl.static_range(1, SPLIT):   # (unrolled: every load in flight at once)
+                    for i in range(1, SPLIT):
                         tot += tl.load(part_ptr + i * MN + offs_out, mask=mask_out, other=0.0,
                                        cache_modifier=".cg")
                     if HAS_ADD:
@@ -1047,8 +1047,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     if maxnreg and x2.is_cuda:
         launch["maxnreg"] = maxnreg
     _packed_mm_kernel[grid](
-        x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0),
-        **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
+        x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), split_k,
+        **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, PARTIAL=split_k > 1,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
