@@ -6,6 +6,9 @@
 #   run 2 SPLITS.json: bench decode default / SPLITS / default / SPLITS (one call)
 #   run 3 SPLITS.json: the split tests on the GPU, then bench decode with the 64-row tiles' registers capped
 #          at 64 / 72 (HIVEJET_DECODE_MAXNREG) and without, on the engine's splits and on SPLITS
+#   run 4 SPLITS.json: the FFN chain's GPU tests and ffn_chain_bench.py; then bench decode with the twenty-fourth
+#          session's packed.py (.ci/gpu/alt_packed_s24.py, untracked: `git show 77a1460:kernels/quant/packed.py`,
+#          in a copy of the tree) against this tree on SPLITS, alternating
 source .ci/gpu/env.sh
 m27_start
 bench() {   # bench LABEL [VAR=VALUE ...]
@@ -44,4 +47,16 @@ if [ "$1" = 3 ]; then
     bench splits_cap72_5 HIVEJET_DECODE_SPLITS="$2" HIVEJET_DECODE_MAXNREG=128:128,64:72
     bench cap64_6 HIVEJET_DECODE_MAXNREG=128:128,64:64
     bench splits_cap64_7 HIVEJET_DECODE_SPLITS="$2" HIVEJET_DECODE_MAXNREG=128:128,64:64
+fi
+if [ "$1" = 4 ]; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_ffn_chain.py \
+        > "$OUT/gpu_tests_chain.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
+    timeout 240 python3 -u .ci/gpu/ffn_chain_bench.py --json "$OUT/ffn_chain.json" 2>&1 | grep -v Warn
+    m27_wait
+    rm -rf /tmp/alt && cp -r . /tmp/alt && cp .ci/gpu/alt_packed_s24.py /tmp/alt/kernels/quant/packed.py
+    for n in 1 3; do
+        (cd /tmp/alt && bench s24_$n PYTHONPATH=/tmp/site:/tmp/alt)
+        bench splits_$((n + 1)) HIVEJET_DECODE_SPLITS="$2"
+    done
 fi
