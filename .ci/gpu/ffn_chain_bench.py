@@ -107,7 +107,7 @@ def main():
                     print(f"{down_type.name} down, {m:2d} rows, chain splits {sp} {per_sm}/SM: "
                           f"{r['per_layer_us']:6.1f} us a layer ({r['per_layer_us'] - base * 1e3 / a.layers:+.1f}), "
                           f"bit-exact {exact} err {err:.1e}", flush=True)
-        del layers
+        layers.clear()
         torch.cuda.empty_cache()
     if a.json:
         json.dump(dict(device=torch.cuda.get_device_name(0), results=rows), open(a.json, "w"), indent=1)

@@ -10,6 +10,7 @@
 #          session's packed.py (.ci/gpu/alt_packed_s24.py, untracked: `git show 77a1460:kernels/quant/packed.py`,
 #          in a copy of the tree) against this tree on SPLITS, alternating
 source .ci/gpu/env.sh
+OUT=$(realpath "$OUT")
 m27_start
 bench() {   # bench LABEL [VAR=VALUE ...]
     local label=$1; shift
