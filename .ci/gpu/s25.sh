@@ -9,6 +9,8 @@
 #   run 4 SPLITS.json: the FFN chain's GPU tests and ffn_chain_bench.py; then bench decode with the twenty-fourth
 #          session's packed.py (.ci/gpu/alt_packed_s24.py, untracked: `git show 77a1460:kernels/quant/packed.py`,
 #          in a copy of the tree) against this tree on SPLITS, alternating
+#   run 5: the FFN chain's GPU tests with inputs that keep h finite, ffn_chain_bench.py over register caps and
+#          the two ways of polling
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -60,4 +62,11 @@ if [ "$1" = 4 ]; then
         (cd /tmp/alt && bench s24_$n PYTHONPATH=/tmp/site:/tmp/alt)
         bench splits_$((n + 1)) HIVEJET_DECODE_SPLITS="$2"
     done
+fi
+if [ "$1" = 5 ]; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_ffn_chain.py \
+        > "$OUT/gpu_tests_chain.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
+    timeout 300 python3 -u .ci/gpu/ffn_chain_bench.py --splits 4:17 --programs 4 --caps 128 0 168 --polls 0 1 \
+        --json "$OUT/ffn_chain.json" 2>&1 | grep -v Warn
 fi

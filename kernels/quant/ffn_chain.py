@@ -66,6 +66,17 @@ if triton is not None:
         return tl.trans(acc)
 
     @triton.jit
+    def _poll(flag_ptr, POLL: tl.constexpr):
+        """A flag's value with acquire semantics. POLL 0: an atomic add of 0; 1: ld.acquire after a 200 ns
+        sleep (the polls of many waiting programs kept off L2's atomic units)."""
+        if POLL == 0:
+            v = tl.atomic_add(flag_ptr, 0, sem="acquire")
+        else:
+            v = tl.inline_asm_elementwise("nanosleep.u32 200; ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
+                                          [flag_ptr], dtype=tl.int32, is_pure=False, pack=1)
+        return v
+
+    @triton.jit
     def _sum_slices(part_ptr, MN, offs, mask, SPLIT: tl.constexpr):
         """part[0] + part[1] + ... + part[SPLIT - 1] at offs, added in that order (read from L2)."""
         tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
@@ -129,7 +140,7 @@ if triton is not None:
                    B_KT: tl.constexpr, B_HI_BITS: tl.constexpr, B_GROUP: tl.constexpr, B_CODES: tl.constexpr,
                    B_OFFSET: tl.constexpr, B_HAS_MINV: tl.constexpr, B_BLOCK_N: tl.constexpr,
                    B_BLOCK_K: tl.constexpr, B_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   PREFETCH: tl.constexpr, POLL: tl.constexpr):
         """A down item: k-slice s (the slower index: the first slices' chunks of h are ready first), band."""
         s = j // B_BANDS
         band = j % B_BANDS
@@ -139,9 +150,9 @@ if triton is not None:
             _prefetch_tiles(b_lo, b_hi, b_s, b_m, b_sup, band.to(tl.int64) * B_KT + k_first, tiles,
                             B_HI_BITS, B_GROUP, B_CODES, B_HAS_MINV, B_BLOCK_N, B_BLOCK_K)
         for t in range(0, tiles):
-            flag = tl.atomic_add(ready_ptr + k_first + t, 0, sem="acquire")
+            flag = _poll(ready_ptr + k_first + t, POLL)
             while flag == 0:
-                flag = tl.atomic_add(ready_ptr + k_first + t, 0, sem="acquire")
+                flag = _poll(ready_ptr + k_first + t, POLL)
         acc = _slice_product(h_ptr, F, offs_m, mask_m, b_lo, b_hi, b_s, b_m, b_sup, band, k_first, tiles,
                              True, B_KT, B_HI_BITS, B_GROUP, B_CODES, B_OFFSET, B_HAS_MINV, BLOCK_M,
                              B_BLOCK_N, B_BLOCK_K)
@@ -170,7 +181,8 @@ if triton is not None:
                           B_KT: tl.constexpr, B_HI_BITS: tl.constexpr, B_GROUP: tl.constexpr,
                           B_CODES: tl.constexpr, B_OFFSET: tl.constexpr, B_HAS_MINV: tl.constexpr,
                           B_BLOCK_N: tl.constexpr, B_BLOCK_K: tl.constexpr, B_SPLIT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                          BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False, POLL: tl.constexpr = 0,
+                          PDL: tl.constexpr = False):
         PAIRS: tl.constexpr = F // A_BLOCK_N                   # gate's row bands (= up's = h's chunks)
         NA: tl.constexpr = 2 * PAIRS * A_SPLIT                 # gate+up items
         B_BANDS: tl.constexpr = (N_OUT + B_BLOCK_N - 1) // B_BLOCK_N
@@ -195,7 +207,7 @@ if triton is not None:
             nxt = tl.atomic_add(work_ptr, 1, sem="relaxed")
             _down_item(item - NA, h_ptr, offs_m, mask_m, b_lo, b_hi, b_s, b_m, b_sup, part_b, out_ptr, add_ptr,
                        cnt_b, ready_ptr, MN_B, F, N_OUT, B_BANDS, B_KT, B_HI_BITS, B_GROUP, B_CODES, B_OFFSET,
-                       B_HAS_MINV, B_BLOCK_N, B_BLOCK_K, B_SPLIT, BLOCK_M, PREFETCH)
+                       B_HAS_MINV, B_BLOCK_N, B_BLOCK_K, B_SPLIT, BLOCK_M, PREFETCH, POLL)
             item = nxt
         pdl_trigger(PDL)
         # the last program out: every item is done and no one reads the flags any more; clear them
@@ -236,7 +248,7 @@ def _prefixed(prefix: str, consts: dict) -> dict:
 
 def ffn_chain(x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, add: torch.Tensor, *,
               split_a: int, split_b: int, programs: int, block_m: int = 16, num_warps: int = 4,
-              num_stages: int = 3, maxnreg: int | None = None) -> torch.Tensor:
+              num_stages: int = 3, maxnreg: int | None = None, poll: int = 0) -> torch.Tensor:
     """add + silu_mul(x @ gate.T, x @ up.T) @ down.T for decode rows x (fp16 [M, K], M <= block_m), in
     one launch of `programs` programs (any number: they claim the items). add: float32 [M, down.n]."""
     f = gate_up.n // 2
@@ -269,7 +281,8 @@ def ffn_chain(x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, add: t
         x, *_pointers(gate_up), *_pointers(down), part_a, gu, h, part_b, out, add,
         counts.cnt_a, counts.pair, counts.ready, counts.cnt_b, counts.work, counts.exit,
         m, x.stride(0), F=f, N_OUT=down.n, **_prefixed("A", ka), A_SPLIT=split_a, **_prefixed("B", kb),
-        B_SPLIT=split_b, BLOCK_M=block_m, PREFETCH=x.is_cuda and not _INTERPRETER, **pdl_args(x), **launch)
+        B_SPLIT=split_b, BLOCK_M=block_m, PREFETCH=x.is_cuda and not _INTERPRETER,
+        POLL=poll if x.is_cuda and not _INTERPRETER else 0, **pdl_args(x), **launch)
     return out
 
 

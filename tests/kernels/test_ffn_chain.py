@@ -85,12 +85,14 @@ def test_chain_on_gpu_is_bit_exact(down_type):
     progs = 4 * _sm_count(0)
     cfg = dict(split_a=4, split_b=17)
     for m in (1, 4, 16):
-        x = torch.randn(m, k, device="cuda").half()
+        # (inputs ~0.01: with random weights at this size silu(gate) * up overflows fp16 for inputs ~1)
+        x = (0.01 * torch.randn(m, k, device="cuda")).half()
         add = torch.randn(m, k, device="cuda")
         want = ffn_unfused(x, stack, down, add, swap_ab=True, **cfg)
+        assert torch.isfinite(want).all()
         for _ in range(20):
             assert torch.equal(ffn_chain(x, stack, down, add, programs=progs, maxnreg=128, **cfg), want)
-    x = torch.randn(4, k, device="cuda").half()
+    x = (0.01 * torch.randn(4, k, device="cuda")).half()
     add = torch.randn(4, k, device="cuda")
     ffn_chain(x, stack, down, add, programs=progs, **cfg)
     torch.cuda.synchronize()
@@ -98,7 +100,7 @@ def test_chain_on_gpu_is_bit_exact(down_type):
     with torch.cuda.graph(graph):
         y = ffn_chain(x, stack, down, add, programs=progs, **cfg)
     for i in range(20):
-        x.copy_(torch.randn(4, k, device="cuda", generator=torch.Generator("cuda").manual_seed(i)).half())
+        x.copy_(0.01 * torch.randn(4, k, device="cuda", generator=torch.Generator("cuda").manual_seed(i)))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, ffn_unfused(x, stack, down, add, swap_ab=True, **cfg))
