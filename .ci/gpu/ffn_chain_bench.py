@@ -56,7 +56,7 @@ def graph_ms(fn, reps=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--programs", type=int, nargs="+", default=[4, 8], help="per SM")
+    ap.add_argument("--programs", type=int, nargs="+", default=[4, 8], help="per SM (0: one per item)")
     ap.add_argument("--splits", nargs="+", default=["4:17", "3:11", "4:8"], help="gate+up:down")
     ap.add_argument("--caps", type=int, nargs="+", default=[128], help="maxnreg (0: none)")
     ap.add_argument("--stages", type=int, nargs="+", default=[3])

@@ -11,6 +11,7 @@
 #          in a copy of the tree) against this tree on SPLITS, alternating
 #   run 5: the FFN chain's GPU tests with inputs that keep h finite, ffn_chain_bench.py over register caps and
 #          the two ways of polling
+#   run 6: the same with a program per item (--programs 0) against the looping programs (4 per SM)
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -69,4 +70,11 @@ if [ "$1" = 5 ]; then
     grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
     timeout 300 python3 -u .ci/gpu/ffn_chain_bench.py --splits 4:17 --programs 4 --caps 128 0 168 --polls 0 1 \
         --json "$OUT/ffn_chain.json" 2>&1 | grep -v Warn
+fi
+if [ "$1" = 6 ]; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_ffn_chain.py \
+        > "$OUT/gpu_tests_chain.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
+    timeout 300 python3 -u .ci/gpu/ffn_chain_bench.py --splits 4:17 4:34 --programs 0 4 --caps 128 --polls 0 1 \
+        --json "$OUT/ffn_chain_one.json" 2>&1 | grep -v Warn
 fi

@@ -182,7 +182,7 @@ if triton is not None:
                           B_CODES: tl.constexpr, B_OFFSET: tl.constexpr, B_HAS_MINV: tl.constexpr,
                           B_BLOCK_N: tl.constexpr, B_BLOCK_K: tl.constexpr, B_SPLIT: tl.constexpr,
                           BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr = False, POLL: tl.constexpr = 0,
-                          PDL: tl.constexpr = False):
+                          ONE_ITEM: tl.constexpr = False, PDL: tl.constexpr = False):
         PAIRS: tl.constexpr = F // A_BLOCK_N                   # gate's row bands (= up's = h's chunks)
         NA: tl.constexpr = 2 * PAIRS * A_SPLIT                 # gate+up items
         B_BANDS: tl.constexpr = (N_OUT + B_BLOCK_N - 1) // B_BLOCK_N
@@ -194,21 +194,31 @@ if triton is not None:
         zero = tl.program_id(0).to(tl.int64) * 0              # (M may be a constexpr 1: no .to on it)
         MN_A = (zero + M) * (2 * F)
         MN_B = (zero + M) * N_OUT
-        # claims only grow, so a program's gate+up items all come before its down items: two loops (one
-        # loop with both kinds kept both kinds' tile addresses live: 255 registers and spills, sm_90)
         item = tl.atomic_add(work_ptr, 1, sem="relaxed")
-        while item < NA:
-            nxt = tl.atomic_add(work_ptr, 1, sem="relaxed")     # (its latency hidden behind this item)
-            _gate_up_item(item, x_ptr, stride_xm, offs_m, mask_m, a_lo, a_hi, a_s, a_m, a_sup, part_a, gu_ptr,
-                          h_ptr, cnt_a, pair_cnt, ready_ptr, MN_A, F, PAIRS, A_KT, A_HI_BITS, A_GROUP,
-                          A_CODES, A_OFFSET, A_HAS_MINV, A_BLOCK_N, A_BLOCK_K, A_SPLIT, BLOCK_M)
-            item = nxt
-        while item < TOTAL:
-            nxt = tl.atomic_add(work_ptr, 1, sem="relaxed")
-            _down_item(item - NA, h_ptr, offs_m, mask_m, b_lo, b_hi, b_s, b_m, b_sup, part_b, out_ptr, add_ptr,
-                       cnt_b, ready_ptr, MN_B, F, N_OUT, B_BANDS, B_KT, B_HI_BITS, B_GROUP, B_CODES, B_OFFSET,
-                       B_HAS_MINV, B_BLOCK_N, B_BLOCK_K, B_SPLIT, BLOCK_M, PREFETCH, POLL)
-            item = nxt
+        if ONE_ITEM:     # a program per item (the grid is TOTAL): no loop keeps a tile's addresses live
+            if item < NA:
+                _gate_up_item(item, x_ptr, stride_xm, offs_m, mask_m, a_lo, a_hi, a_s, a_m, a_sup, part_a, gu_ptr,
+                              h_ptr, cnt_a, pair_cnt, ready_ptr, MN_A, F, PAIRS, A_KT, A_HI_BITS, A_GROUP,
+                              A_CODES, A_OFFSET, A_HAS_MINV, A_BLOCK_N, A_BLOCK_K, A_SPLIT, BLOCK_M)
+            else:
+                _down_item(item - NA, h_ptr, offs_m, mask_m, b_lo, b_hi, b_s, b_m, b_sup, part_b, out_ptr, add_ptr,
+                           cnt_b, ready_ptr, MN_B, F, N_OUT, B_BANDS, B_KT, B_HI_BITS, B_GROUP, B_CODES, B_OFFSET,
+                           B_HAS_MINV, B_BLOCK_N, B_BLOCK_K, B_SPLIT, BLOCK_M, PREFETCH, POLL)
+        else:
+            # claims only grow, so a program's gate+up items all come before its down items: two loops (one
+            # loop with both kinds kept both kinds' tile addresses live: 255 registers and spills, sm_90)
+            while item < NA:
+                nxt = tl.atomic_add(work_ptr, 1, sem="relaxed")     # (its latency hidden behind this item)
+                _gate_up_item(item, x_ptr, stride_xm, offs_m, mask_m, a_lo, a_hi, a_s, a_m, a_sup, part_a, gu_ptr,
+                              h_ptr, cnt_a, pair_cnt, ready_ptr, MN_A, F, PAIRS, A_KT, A_HI_BITS, A_GROUP,
+                              A_CODES, A_OFFSET, A_HAS_MINV, A_BLOCK_N, A_BLOCK_K, A_SPLIT, BLOCK_M)
+                item = nxt
+            while item < TOTAL:
+                nxt = tl.atomic_add(work_ptr, 1, sem="relaxed")
+                _down_item(item - NA, h_ptr, offs_m, mask_m, b_lo, b_hi, b_s, b_m, b_sup, part_b, out_ptr, add_ptr,
+                           cnt_b, ready_ptr, MN_B, F, N_OUT, B_BANDS, B_KT, B_HI_BITS, B_GROUP, B_CODES, B_OFFSET,
+                           B_HAS_MINV, B_BLOCK_N, B_BLOCK_K, B_SPLIT, BLOCK_M, PREFETCH, POLL)
+                item = nxt
         pdl_trigger(PDL)
         # the last program out: every item is done and no one reads the flags any more; clear them
         tl.debug_barrier()
@@ -250,7 +260,8 @@ def ffn_chain(x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, add: t
               split_a: int, split_b: int, programs: int, block_m: int = 16, num_warps: int = 4,
               num_stages: int = 3, maxnreg: int | None = None, poll: int = 0) -> torch.Tensor:
     """add + silu_mul(x @ gate.T, x @ up.T) @ down.T for decode rows x (fp16 [M, K], M <= block_m), in
-    one launch of `programs` programs (any number: they claim the items). add: float32 [M, down.n]."""
+    one launch of `programs` programs (any number: they claim the items; 0: one program per item).
+    add: float32 [M, down.n]."""
     f = gate_up.n // 2
     if not chain_supported(gate_up, down, f):
         raise ValueError("these weights do not fit the FFN chain (chain_supported)")
@@ -277,12 +288,15 @@ def ffn_chain(x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, add: t
     launch = dict(num_warps=num_warps, num_stages=num_stages) if x.is_cuda else {}
     if maxnreg and x.is_cuda:
         launch["maxnreg"] = maxnreg
+    one_item = programs == 0
+    if one_item:
+        programs = 2 * (f // gate_up.tile_n) * split_a + (down.n_pad // down.tile_n) * split_b
     _ffn_chain_kernel[(programs,)](
         x, *_pointers(gate_up), *_pointers(down), part_a, gu, h, part_b, out, add,
         counts.cnt_a, counts.pair, counts.ready, counts.cnt_b, counts.work, counts.exit,
         m, x.stride(0), F=f, N_OUT=down.n, **_prefixed("A", ka), A_SPLIT=split_a, **_prefixed("B", kb),
         B_SPLIT=split_b, BLOCK_M=block_m, PREFETCH=x.is_cuda and not _INTERPRETER,
-        POLL=poll if x.is_cuda and not _INTERPRETER else 0, **pdl_args(x), **launch)
+        POLL=poll if x.is_cuda and not _INTERPRETER else 0, ONE_ITEM=one_item, **pdl_args(x), **launch)
     return out
 
 

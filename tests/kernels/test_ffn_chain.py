@@ -35,7 +35,7 @@ def _reference(x, stack, down, add):
 
 
 @pytest.mark.parametrize("split_a,split_b", [(1, 1), (2, 2), (3, 2)])
-@pytest.mark.parametrize("programs", [1, 4])
+@pytest.mark.parametrize("programs", [1, 4, 0])
 def test_chain_matches_three_launches(split_a, split_b, programs):
     """Interpreter: the chain's result equals the three-launch path's (same splits; silu_mul on the CPU
     is float64, so within fp16 rounding of h) and the float64 reference; the counts are back at 0."""
@@ -92,6 +92,7 @@ def test_chain_on_gpu_is_bit_exact(down_type):
         assert torch.isfinite(want).all()
         for _ in range(20):
             assert torch.equal(ffn_chain(x, stack, down, add, programs=progs, maxnreg=128, **cfg), want)
+            assert torch.equal(ffn_chain(x, stack, down, add, programs=0, maxnreg=128, **cfg), want)
     x = (0.01 * torch.randn(4, k, device="cuda")).half()
     add = torch.randn(4, k, device="cuda")
     ffn_chain(x, stack, down, add, programs=progs, **cfg)
