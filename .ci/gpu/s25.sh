@@ -1,17 +1,19 @@
 #!/bin/bash
-# Twenty-fifth session (carry .whl):
-#   run 1: split-K counts that need not divide a matrix's K tiles: the packed matmul's split tests on the GPU,
-#          sweep_split.py --any over the 27B's decode matrices (each matrix's fastest count -> $OUT/splits.json),
-#          then bench decode with the engine's splits and with those (HIVEJET_DECODE_SPLITS)
-#   run 2 SPLITS.json: bench decode default / SPLITS / default / SPLITS (one call)
-#   run 3 SPLITS.json: the split tests on the GPU, then bench decode with the 64-row tiles' registers capped
-#          at 64 / 72 (HIVEJET_DECODE_MAXNREG) and without, on the engine's splits and on SPLITS
-#   run 4 SPLITS.json: the FFN chain's GPU tests and ffn_chain_bench.py; then bench decode with the twenty-fourth
-#          session's packed.py (.ci/gpu/alt_packed_s24.py, untracked: `git show 77a1460:kernels/quant/packed.py`,
-#          in a copy of the tree) against this tree on SPLITS, alternating
-#   run 5: the FFN chain's GPU tests with inputs that keep h finite, ffn_chain_bench.py over register caps and
-#          the two ways of polling
-#   run 6: the same with a program per item (--programs 0) against the looping programs (4 per SM)
+# Twenty-fifth session (2026-12-04; carry .whl). Both experiments were measured and not kept, so every run
+# needs the commit it ran at checked out first (docs/PERFORMANCE.md, twenty-fifth session):
+#   run 1 (at 6ea2da0): split-K counts that need not divide a matrix's K tiles: the packed matmul's split tests
+#          on the GPU, sweep_split.py --any over the 27B's decode matrices (each matrix's fastest count ->
+#          $OUT/splits.json), then bench decode with the engine's splits and with those (HIVEJET_DECODE_SPLITS)
+#   run 2 SPLITS.json (at 39acd64, with .ci/gpu/splits_s25.json; and at 0231db1, the count a compile-time
+#          constant again): bench decode default / SPLITS / default / SPLITS (one call)
+#   run 3 SPLITS.json (at 90a305d): the split tests on the GPU, then bench decode with the 64-row tiles' registers
+#          capped at 64 / 72 (HIVEJET_DECODE_MAXNREG) and without, on the engine's splits and on SPLITS
+#   run 4 SPLITS.json (at fc30ad7): the FFN chain's GPU tests and ffn_chain_bench.py; then bench decode with the
+#          twenty-fourth session's packed.py (.ci/gpu/alt_packed_s24.py, untracked: `git show
+#          77a1460:kernels/quant/packed.py`, in a copy of the tree) against this tree on SPLITS, alternating
+#   run 5 (at 4ff2ac6): the FFN chain's GPU tests with inputs that keep h finite, ffn_chain_bench.py over
+#          register caps and the two ways of polling
+#   run 6 (at d706279): the same with a program per item (--programs 0) against the looping programs
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start

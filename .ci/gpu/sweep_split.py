@@ -1,12 +1,9 @@
 """Split-K counts on every matrix a 27B decode step multiplies (H200): each matrix with the engine's settings
-and with every other split count (a divisor of its K tiles, 1 .. 64; --any: every count from a third of the
-engine's to 2.5 times it, up to the K tiles, the slices then differing by one tile), timed like
-matmul_shapes.py (clones past the L2, one CUDA graph, fp16 x at 1 and 16 rows), each checked against the
-engine's output; then the step's matmul time with the engine's splits and with each matrix's fastest.
---best OUT: each matrix's fastest split (by the sum of its 1- and 16-row times) as JSON for
-HIVEJET_DECODE_SPLITS.
+and with every other split count (a divisor of its K tiles, 1 .. 64), timed like matmul_shapes.py (clones past
+the L2, one CUDA graph, fp16 x at 1 and 16 rows), each checked against the engine's output; then the step's
+matmul time with the engine's splits and with each matrix's fastest.
 
-    python3 -u .ci/gpu/sweep_split.py /tmp/m27.gguf [--any] [--json OUT] [--best OUT]
+    python3 -u .ci/gpu/sweep_split.py /tmp/m27.gguf [--json OUT]
 """
 from __future__ import annotations
 
@@ -27,10 +24,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--json")
-    ap.add_argument("--any", action="store_true", help="counts that do not divide the K tiles too")
-    ap.add_argument("--best", help="write each matrix's fastest split here (HIVEJET_DECODE_SPLITS)")
     a = ap.parse_args()
-    chosen = {}
     n_sm = _sm_count(0)
     rows, engine, best = [], {1: 0.0, 16: 0.0}, {1: 0.0, 16: 0.0}
     for key, p, c, cfg0 in decode_configs(a.model):
@@ -38,11 +32,7 @@ def main():
         xs = {m: torch.randn(m, p.k, device="cuda", dtype=torch.float16) for m in (1, 16)}
         ref = {m: packed_matmul(xs[m], p, **cfg0) for m in (1, 16)}
         ws = clones(p)
-        if a.any:
-            s0 = cfg0["split_k"]
-            splits = list(range(max(1, s0 // 3), min(kt, max(3, 5 * s0 // 2)) + 1))
-        else:
-            splits = [s for s in range(1, min(kt, 64) + 1) if kt % s == 0]
+        splits = [s for s in range(1, min(kt, 64) + 1) if kt % s == 0]
         got = {}
         for s in splits:
             ours = s == cfg0["split_k"]
@@ -52,8 +42,6 @@ def main():
                                tile_n=p.tile_n, per_step=c, split=s, engine=ours):
                 rows.append(r)
                 got[(s, r["rows"])] = r["us"]
-        both = {s: got[(s, 1)] + got[(s, 16)] for s in splits if (s, 1) in got and (s, 16) in got}
-        chosen[f"{p.qtype.name}:{p.n}x{p.k}"] = min(both, key=both.get)
         for m in (1, 16):
             engine[m] += c * got[(cfg0["split_k"], m)]
             b = min((u, s) for (s, mm), u in got.items() if mm == m)
@@ -64,9 +52,6 @@ def main():
         torch.cuda.empty_cache()
     for m in (1, 16):
         print(f"step's matmuls, {m} rows: engine splits {engine[m] / 1e3:.3f} ms, each matrix's best {best[m] / 1e3:.3f} ms")
-    if a.best:
-        json.dump(chosen, open(a.best, "w"))
-        print("fastest splits:", json.dumps(chosen))
     if a.json:
         json.dump(dict(device=torch.cuda.get_device_name(0), results=rows,
                        engine_ms={m: v / 1e3 for m, v in engine.items()}, best_ms={m: v / 1e3 for m, v in best.items()}),

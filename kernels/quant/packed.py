@@ -779,19 +779,18 @@ if triton is not None:
 
     @triton.jit
     def _packed_mm_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, part_ptr, out_ptr, add_ptr, cnt_ptr,
-                          M, N, stride_xm, SPLIT,
+                          M, N, stride_xm, TILES,
                           KT: tl.constexpr, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                           CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
-                          TMA: tl.constexpr = False, PARTIAL: tl.constexpr = False,
+                          TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                           EARLY_TRIGGER: tl.constexpr = False):
-        """Program (m-block, row band, k-slice): slice s of SPLIT takes the band's tiles s * KT // SPLIT ..
-        (s + 1) * KT // SPLIT - 1 (SPLIT need not divide KT: slices differ by at most one tile), each one
-        contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
-        PARTIAL false (SPLIT 1): the result goes to out (plus add's block when HAS_ADD). PARTIAL: each k-slice
+        """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
+        one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
+        SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
         writes its partial sums to part[k-slice]; SUM_HERE: the slice that finishes last (an arrival
         count per output block in cnt, left at 0 again) adds part[0] + part[1] + ... in that order into
         out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards.
@@ -805,11 +804,9 @@ if triton is not None:
         pid_k = tl.program_id(2)
         if EARLY_TRIGGER:
             pdl_trigger(PDL)
-        k_first = pid_k * KT // SPLIT
-        tiles = (pid_k + 1) * KT // SPLIT - k_first
         if PDL and PREFETCH > 0 and not TMA:
-            _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + k_first,
-                            tl.minimum(tiles, PREFETCH), HI_BITS, GROUP, CODES, HAS_MINV, BLOCK_N, BLOCK_K)
+            _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + pid_k * TILES,
+                            tl.minimum(TILES, PREFETCH), HI_BITS, GROUP, CODES, HAS_MINV, BLOCK_N, BLOCK_K)
         pdl_wait(PDL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -820,8 +817,8 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(0, tiles):
-            kt = k_first + t
+        for t in range(0, TILES):
+            kt = pid_k * TILES + t
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
                         other=0.0).to(tl.float16)
@@ -837,7 +834,7 @@ if triton is not None:
             acc = tl.trans(acc)
         offs_out = offs_m[:, None].to(tl.int64) * N + cols[None, :]
         mask_out = mask_m[:, None] & (cols[None, :] < N)
-        if not PARTIAL:
+        if SPLIT == 1:
             if HAS_ADD:
                 acc = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + acc
             tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
@@ -851,7 +848,7 @@ if triton is not None:
                 count = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
                 if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT - 1:
                     tot = tl.load(part_ptr + offs_out, mask=mask_out, other=0.0, cache_modifier=".cg")
-                    for i in range(1, SPLIT):
+                    for i in tl.static_range(1, SPLIT):
                         tot += tl.load(part_ptr + i * MN + offs_out, mask=mask_out, other=0.0,
                                        cache_modifier=".cg")
                     if HAS_ADD:
@@ -938,8 +935,6 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     # at least DECODE_WAVES programs per SM (8 for 128-row tiles, of which 4 fit on an SM at once; 8 for
     # 64-row ones: docs/PERFORMANCE.md, twenty-second session)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
-    if waves is None:
-        split = DECODE_SPLITS.get(f"{p.qtype.name}:{p.n}x{p.k}", split)
     if in_registers:
         # tiles in registers (measured for tiles under 256 values, .ci/gpu/sweep_tile_k.py on the H200; the
         # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K end to end only, slower): 4 warps, 3 stages, the
@@ -1000,8 +995,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     an SM.
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
-    of x, tile_n outputs, K slice); split_k (at most the K tiles; it need not divide them: the slices then
-    differ by one tile) from the weight's shape and the SM count (4 SMs assumed off CUDA) unless given; num_warps 8 with a high plane
+    of x, tile_n outputs, K slice); split_k (a divisor of the K tiles, else the next one up) from the
+    weight's shape and the SM count (4 SMs assumed off CUDA) unless given; num_warps 8 with a high plane
     (sm_90 ptxas: ~120 registers, vs 255 at 4 warps), else 4. Batch invariance holds for any fixed
     settings: never choose them from M. No host synchronisation: usable inside CUDA graph capture (the
     SM count is cached per device; call once before capturing)."""
@@ -1022,7 +1017,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         n_sm = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
             if x2.is_cuda else 4
         split_k = _split_for(bands, kt, n_sm, 2)  # from the weight's shape only, never M
-    split_k = max(1, min(split_k, kt))
+    split_k = next(s for s in range(max(1, min(split_k, kt)), kt + 1) if kt % s == 0)
     if add is not None:
         add = add.reshape(-1, N)
         if add.shape[0] != M or add.dtype != torch.float32 or not add.is_contiguous():
@@ -1047,8 +1042,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     if maxnreg and x2.is_cuda:
         launch["maxnreg"] = maxnreg
     _packed_mm_kernel[grid](
-        x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), split_k,
-        **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, PARTIAL=split_k > 1,
+        x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
+        **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
@@ -1243,11 +1238,6 @@ def _by_tile_rows(env: str, default: str) -> dict[int, int]:
 # at one row, 9.07 -> 8.61 at four (.ci/gpu/s22.sh 4, docs/PERFORMANCE.md). HIVEJET_DECODE_WAVES="128:8,64:8"
 # (tile rows: programs per SM) overrides.
 DECODE_WAVES = _by_tile_rows("HIVEJET_DECODE_WAVES", "128:8,64:8")
-# split-K counts by weight type and shape ("Q4_K:NxK": split, any count up to K's tiles) that replace DECODE_WAVES' for decode
-# rows: HIVEJET_DECODE_SPLITS, inline JSON or a JSON file's path (what .ci/gpu/sweep_split.py --best writes)
-_splits = os.environ.get("HIVEJET_DECODE_SPLITS", "")
-DECODE_SPLITS: dict = json.loads(open(_splits).read() if _splits and not _splits.lstrip().startswith("{")
-                                 else _splits or "{}")
 # the same for small prompt chunks (small_prompt): what SMALL_PROMPT_CONFIG was picked with (the decode
 # targets of the twentieth session); the larger decode target was not measured on them.
 # HIVEJET_SMALL_PROMPT_WAVES overrides.

@@ -48,7 +48,7 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
     from tests.kernels.test_packed import _random_weight
     qt = QT[qtype]
     p = pack_weight(_random_weight(qt, tile_n, k), qt, tile_n, k, tile_n=tile_n, tile_k=tile_k)
-    const = dict(kernel_constants(p), BLOCK_M=16, SWAP_AB=swap_ab, FAST_CVT=True, TMA=False, PARTIAL=split > 1,
+    const = dict(kernel_constants(p), BLOCK_M=16, SWAP_AB=swap_ab, FAST_CVT=True, TMA=False, SPLIT=split,
                  SUM_HERE=split > 1, HAS_ADD=False, PDL=pdl, PREFETCH=prefetch,
                  EARLY_TRIGGER=False)
     sig = {n: "constexpr" if n in const else _MM_POINTERS.get(n, "i32") for n in fn.arg_names}
