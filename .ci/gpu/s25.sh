@@ -14,6 +14,9 @@
 #   run 5 (at 4ff2ac6): the FFN chain's GPU tests with inputs that keep h finite, ffn_chain_bench.py over
 #          register caps and the two ways of polling
 #   run 6 (at d706279): the same with a program per item (--programs 0) against the looping programs
+#   run 7 (the engine as committed): bench decode default / scale codes kept (HIVEJET_PACKED_CODES=1: 256-value
+#          tiles by TMA) / codes in 128-value tiles (and HIVEJET_PACKED_TILE_K=128: the tile in registers) /
+#          default: fewer bytes against more work per tile on the current kernel
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -79,4 +82,11 @@ if [ "$1" = 6 ]; then
     grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
     timeout 300 python3 -u .ci/gpu/ffn_chain_bench.py --splits 4:17 4:34 --programs 0 4 --caps 128 --polls 0 1 \
         --json "$OUT/ffn_chain_one.json" 2>&1 | grep -v Warn
+fi
+if [ "$1" = 7 ]; then
+    m27_wait
+    bench default_1
+    bench codes_2 HIVEJET_PACKED_CODES=1
+    bench codes128_3 HIVEJET_PACKED_CODES=1 HIVEJET_PACKED_TILE_K=128
+    bench default_4
 fi
