@@ -17,6 +17,9 @@
 #   run 7 (the engine as committed): bench decode default / scale codes kept (HIVEJET_PACKED_CODES=1: 256-value
 #          tiles by TMA) / codes in 128-value tiles (and HIVEJET_PACKED_TILE_K=128: the tile in registers) /
 #          default: fewer bytes against more work per tile on the current kernel
+#   run 8 (prepared, not run: this session's device time was spent): read_ceiling.py --gluon (how fast one launch
+#          can merely read each decode matrix's bytes, plain Triton and warp-specialized Gluon with TMA), then
+#          matmul_shapes.py beside it: how much of the matmuls' 7.09 ms a better one-launch kernel could win
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -89,4 +92,10 @@ if [ "$1" = 7 ]; then
     bench codes_2 HIVEJET_PACKED_CODES=1
     bench codes128_3 HIVEJET_PACKED_CODES=1 HIVEJET_PACKED_TILE_K=128
     bench default_4
+fi
+if [ "$1" = 8 ]; then
+    timeout 300 python3 -u .ci/gpu/read_ceiling.py --gluon --json "$OUT/read_ceiling.json" 2>&1 | grep -v Warn
+    m27_wait
+    timeout 150 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --json "$OUT/matmul_shapes.json" 2>&1 \
+        | grep -v Warn | tail -14
 fi
