@@ -1,17 +1,18 @@
 """How fast one launch can merely read a decode matrix's bytes (H200): the ceiling of any one-launch-per-matrix
-decode matmul, against which the packed matmul's times (matmul_shapes.py) show what a better kernel could still
-win. For each of the 27B's decode matrices (its packed bytes, `packed_bytes`), buffers of that size past the
-L2 are read back to back in one CUDA graph (PDL on, as the engine launches) by
-  - a Triton kernel: P programs (a whole number per SM), each XOR-ing a contiguous run of BLOCK-byte blocks
+decode matmul, beside the packed matmul's own time on the same machine. For each matrix a 27B decode step
+multiplies (matmul_shapes.decode_configs: the model's packed weights, stacks as one), buffers of its bytes past
+the L2 are read back to back in one CUDA graph (PDL on, as the engine launches) by
+  - a Triton kernel: P programs (a whole number per SM), each XOR-ing a contiguous run of blocks of WORDS int32
     (the loop software-pipelined to STAGES loads in flight), one word out per program;
   - a Gluon kernel (--gluon): the same runs, each program's blocks brought into a ring of shared-memory buffers
     by TMA from a one-warp loader partition (warp specialization) while four warps XOR them: the bytes in
-    flight per SM no longer wait on the compute warps' progress.
-Prints, per matrix, the best time of each kind with its settings (settings whose whole blocks cover under 90 %
-of a matrix are skipped; the time is scaled to all its bytes), and the step's sum (each matrix times its count
-per step) beside the matmuls' 7.09 ms (twenty-third session). The Gluon reader launches without PDL.
+    flight per SM no longer wait on the compute warps' progress. It launches without PDL.
+and the packed matmul with the engine's settings at one row is timed the same way (matmul_shapes.py's timing).
+Prints, per matrix, the matmul and each reader's best time with its settings (settings whose whole blocks cover
+under 90 % of a matrix are skipped; the time is scaled to all its bytes), and the step's sums (each matrix times
+its count per step).
 
-    python3 -u .ci/gpu/read_ceiling.py [--gluon] [--json OUT]
+    python3 -u .ci/gpu/read_ceiling.py /tmp/m27.gguf [--gluon] [--json OUT]
 """
 from __future__ import annotations
 
@@ -28,17 +29,12 @@ import triton.language as tl
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, ".ci/gpu")
 from kernels._interpreter_compat import apply as _fix_interpreter  # noqa: E402
-from kernels.packed_layout import packed_bytes  # noqa: E402
 from kernels.pdl import pdl_args, pdl_trigger, pdl_wait  # noqa: E402
+from kernels.quant.packed import packed_matmul  # noqa: E402
+from matmul_shapes import decode_configs  # noqa: E402
+from sweep_scales import clones, graph_time  # noqa: E402
 
 _fix_interpreter()   # (a runtime loop bound, for a check under TRITON_INTERPRET)
-
-# the 27B's decode matrices: (type, rows, K, per step); the gate+up and QKV stacks as one
-MATRICES = [("Q4_K", 34816, 5120, 64), ("Q6_K", 5120, 17408, 32), ("Q4_K", 5120, 17408, 32),
-            ("Q4_K", 16512, 5120, 24), ("Q4_K", 5120, 6144, 64), ("Q6_K", 248320, 5120, 1),
-            ("Q6_K", 10240, 5120, 24), ("Q4_K", 6272, 5120, 24), ("Q4_K", 14336, 5120, 8),
-            ("Q4_K", 13312, 5120, 8), ("Q6_K", 1024, 5120, 8)]
-
 
 @triton.jit
 def _read_kernel(buf_ptr, out_ptr, n_words, WORDS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
@@ -122,64 +118,68 @@ def gluon_rows(buf: torch.Tensor, programs: int, rows: int) -> int:
 
 def gluon_read(buf: torch.Tensor, out: torch.Tensor, programs: int, rows: int, stages: int) -> None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    t = buf.view(-1)[:buf.numel() // 64 * 64].view(-1, 64)          # 256-byte rows
     per = gluon_rows(buf, programs, rows)
+    t = buf[:per * programs * 64].view(-1, 64)          # the rows read, 256 bytes each
     layout = gl.NVMMASharedLayout.get_default_for([rows, 64], gl.int32)
-    desc = TensorDescriptor.from_tensor(t[:per * programs], [rows, 64], layout)
+    desc = TensorDescriptor.from_tensor(t, [rows, 64], layout)
     _ws_read_kernel[(programs,)](desc, out, per, NB=stages, num_warps=4, maxnreg=128)
 
 
+def readers(bufs: list, out: torch.Tensor, n_sm: int, gluon_too: bool):
+    """(kind, settings, bytes read per call, fn(buf)) for each reader setting, all reading bufs[0]'s size."""
+    for per_sm, words, stages in itertools.product((4, 8, 16), (1024, 2048), (3, 6)):
+        progs = per_sm * n_sm
+        yield ("triton", dict(per_sm=per_sm, words=words, stages=stages), 4 * triton_words(bufs[0], progs, words),
+               lambda b, progs=progs, words=words, stages=stages: triton_read(b, out, progs, words, stages))
+    if gluon_too:
+        for per_sm, rows, stages in itertools.product((1, 2, 4), (16, 32), (4, 8)):
+            progs = per_sm * n_sm
+            yield ("gluon", dict(per_sm=per_sm, rows=rows, stages=stages), 256 * progs * gluon_rows(bufs[0], progs, rows),
+                   lambda b, progs=progs, rows=rows, stages=stages: gluon_read(b, out, progs, rows, stages))
+
+
 def main():
-    from sweep_scales import graph_time
     ap = argparse.ArgumentParser()
+    ap.add_argument("model")
     ap.add_argument("--gluon", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args()
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     if a.gluon and gluon is None:
         raise SystemExit("this Triton has no Gluon")
-    rows, step = [], {"triton": 0.0, "gluon": 0.0}
-    for qt, n, k, per_step in MATRICES:
-        nbytes = packed_bytes(qt, n, k)
-        copies = max(2, int(600e6 // nbytes) + 1)
-        bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda") for _ in range(copies)]
-        out = torch.empty(16 * n_sm * 16, dtype=torch.int32, device="cuda")
-        best = {}
-        for per_sm, words, stages in itertools.product((4, 8, 16), (1024, 2048), (3, 6)):
-            read = 4 * triton_words(bufs[0], per_sm * n_sm, words)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(16 * n_sm, dtype=torch.int32, device="cuda")     # (one word per program, at most 16 per SM)
+    rows, step = [], {}
+    for key, p, per_step, cfg in decode_configs(a.model):
+        nbytes = p.nbytes
+        x = torch.randn(1, p.k, device="cuda", dtype=torch.float16)
+        ws = clones(p)
+        best = {"matmul": dict(settings=dict(split_k=cfg["split_k"]),
+                               us=graph_time(lambda w: packed_matmul(x, w, **cfg), ws) * 1e6)}
+        # as many buffers of its bytes as the weight's copies (past the L2 alike)
+        bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda") for _ in ws]
+        del ws
+        for kind, settings, read, fn in readers(bufs, out, n_sm, a.gluon):
             if read < 0.9 * nbytes:      # (blocks too coarse for this size)
                 continue
-            t = graph_time(lambda b: triton_read(b, out, per_sm * n_sm, words, stages), bufs)
-            r = dict(type=qt, n=n, k=k, mb=nbytes / 1e6, kind="triton", per_sm=per_sm, words=words, stages=stages,
+            try:
+                t = graph_time(fn, bufs)
+            except Exception as e:   # (a setting that does not fit shared memory or registers)
+                print(f"  {kind} {settings}: {type(e).__name__} {str(e)[:100]}")
+                continue
+            r = dict(type=key[0], n=key[1], k=key[2], mb=nbytes / 1e6, kind=kind, settings=settings,
                      read_mb=read / 1e6, us=t * 1e6 * nbytes / read, tbps=read / t / 1e12)
             rows.append(r)
-            if "triton" not in best or r["us"] < best["triton"]["us"]:
-                best["triton"] = r
-        if a.gluon:
-            for per_sm, box_rows, stages in itertools.product((1, 2, 4), (16, 32), (4, 8)):
-                read = 256 * per_sm * n_sm * gluon_rows(bufs[0], per_sm * n_sm, box_rows)
-                if read < 0.9 * nbytes:
-                    continue
-                try:
-                    t = graph_time(lambda b: gluon_read(b, out, per_sm * n_sm, box_rows, stages), bufs)
-                except Exception as e:   # (a setting that does not fit shared memory or registers)
-                    print(f"  gluon {per_sm}/SM rows {box_rows} stages {stages}: {type(e).__name__} {str(e)[:100]}")
-                    continue
-                r = dict(type=qt, n=n, k=k, mb=nbytes / 1e6, kind="gluon", per_sm=per_sm, rows=box_rows,
-                         stages=stages, read_mb=read / 1e6, us=t * 1e6 * nbytes / read, tbps=read / t / 1e12)
-                rows.append(r)
-                if "gluon" not in best or r["us"] < best["gluon"]["us"]:
-                    best["gluon"] = r
+            if kind not in best or r["us"] < best[kind]["us"]:
+                best[kind] = r
+        rows.append(dict(type=key[0], n=key[1], k=key[2], mb=nbytes / 1e6, kind="matmul", **best["matmul"]))
         for kind, r in best.items():
-            step[kind] += per_step * r["us"] / 1e3
-            print(f"{qt} {n:6d} x {k:5d} x{per_step:2d}/step {nbytes / 1e6:7.1f} MB  {kind:6s} "
-                  f"{r['us']:7.1f} us {r['tbps']:.2f} TB/s  ({ {x: r[x] for x in r if x in ('per_sm', 'words', 'rows', 'stages')} })",
-                  flush=True)
+            step[kind] = step.get(kind, 0.0) + per_step * r["us"] / 1e3
+            print(f"{key[0]} {key[1]:6d} x {key[2]:5d} x{per_step:2d}/step {nbytes / 1e6:7.1f} MB  {kind:6s} "
+                  f"{r['us']:7.1f} us {nbytes / r['us'] / 1e6:.2f} TB/s  {r['settings']}", flush=True)
         del bufs
         torch.cuda.empty_cache()
     for kind, v in step.items():
-        if v:
-            print(f"the step's matrices, read only ({kind}): {v:.3f} ms (the packed matmuls: 7.09 ms at one row)")
+        print(f"the step's matrices, {kind}: {v:.3f} ms")
     if a.json:
         json.dump(dict(device=torch.cuda.get_device_name(0), results=rows, step_ms=step), open(a.json, "w"), indent=1)
 

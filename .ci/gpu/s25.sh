@@ -17,12 +17,17 @@
 #   run 7 (the engine as committed): bench decode default / scale codes kept (HIVEJET_PACKED_CODES=1: 256-value
 #          tiles by TMA) / codes in 128-value tiles (and HIVEJET_PACKED_TILE_K=128: the tile in registers) /
 #          default: fewer bytes against more work per tile on the current kernel
-#   run 8 (prepared, not run: this session's device time was spent): read_ceiling.py --gluon (how fast one launch
-#          can merely read each decode matrix's bytes, plain Triton and warp-specialized Gluon with TMA), then
-#          matmul_shapes.py beside it: how much of the matmuls' 7.09 ms a better one-launch kernel could win
+#   run 8 (prepared, not run: this session's device time was spent): read_ceiling.py --gluon: how fast one launch
+#          can merely read each decode matrix's bytes (plain Triton, and warp-specialized Gluon with TMA) beside the
+#          packed matmul's time, so how much of the matmuls' time a better one-launch kernel could win
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
-m27_start
+[ "$1" = 5 ] || [ "$1" = 6 ] || m27_start      # (the runs that use the 27B; it is written beside their tests)
+tests_into() {   # tests_into FILE PYTEST-ARGS...: GPU tests into $OUT/FILE, their summary printed
+    local file=$1; shift
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf "$@" > "$OUT/$file" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/$file" | tail -8
+}
 bench() {   # bench LABEL [VAR=VALUE ...]
     local label=$1; shift
     echo "$label"
@@ -30,9 +35,7 @@ bench() {   # bench LABEL [VAR=VALUE ...]
         --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
 }
 if [ "$1" = 1 ]; then
-    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split" \
-        > "$OUT/gpu_tests_split.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_split.txt" | tail -8
+    tests_into gpu_tests_split.txt tests/kernels/test_packed.py -k "split"
     m27_wait
     timeout 300 python3 -u .ci/gpu/sweep_split.py /tmp/m27.gguf --any --json "$OUT/sweep_split_any.json" \
         --best "$OUT/splits.json" 2>&1 | grep -v Warn | grep -E "engine split|step's|fastest" 
@@ -48,9 +51,7 @@ if [ "$1" = 2 ]; then
     bench splits_4 HIVEJET_DECODE_SPLITS="$2"
 fi
 if [ "$1" = 3 ]; then
-    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split" \
-        > "$OUT/gpu_tests_split.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_split.txt" | tail -8
+    tests_into gpu_tests_split.txt tests/kernels/test_packed.py -k "split"
     m27_wait
     bench default_1
     bench cap64_2 HIVEJET_DECODE_MAXNREG=128:128,64:64
@@ -61,9 +62,7 @@ if [ "$1" = 3 ]; then
     bench splits_cap64_7 HIVEJET_DECODE_SPLITS="$2" HIVEJET_DECODE_MAXNREG=128:128,64:64
 fi
 if [ "$1" = 4 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_ffn_chain.py \
-        > "$OUT/gpu_tests_chain.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
+    tests_into gpu_tests_chain.txt tests/kernels/test_ffn_chain.py
     timeout 240 python3 -u .ci/gpu/ffn_chain_bench.py --json "$OUT/ffn_chain.json" 2>&1 | grep -v Warn
     m27_wait
     rm -rf /tmp/alt && cp -r . /tmp/alt && cp .ci/gpu/alt_packed_s24.py /tmp/alt/kernels/quant/packed.py
@@ -73,16 +72,12 @@ if [ "$1" = 4 ]; then
     done
 fi
 if [ "$1" = 5 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_ffn_chain.py \
-        > "$OUT/gpu_tests_chain.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
+    tests_into gpu_tests_chain.txt tests/kernels/test_ffn_chain.py
     timeout 300 python3 -u .ci/gpu/ffn_chain_bench.py --splits 4:17 --programs 4 --caps 128 0 168 --polls 0 1 \
         --json "$OUT/ffn_chain.json" 2>&1 | grep -v Warn
 fi
 if [ "$1" = 6 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_ffn_chain.py \
-        > "$OUT/gpu_tests_chain.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_chain.txt" | tail -8
+    tests_into gpu_tests_chain.txt tests/kernels/test_ffn_chain.py
     timeout 300 python3 -u .ci/gpu/ffn_chain_bench.py --splits 4:17 4:34 --programs 0 4 --caps 128 --polls 0 1 \
         --json "$OUT/ffn_chain_one.json" 2>&1 | grep -v Warn
 fi
@@ -94,8 +89,7 @@ if [ "$1" = 7 ]; then
     bench default_4
 fi
 if [ "$1" = 8 ]; then
-    timeout 300 python3 -u .ci/gpu/read_ceiling.py --gluon --json "$OUT/read_ceiling.json" 2>&1 | grep -v Warn
     m27_wait
-    timeout 150 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --json "$OUT/matmul_shapes.json" 2>&1 \
-        | grep -v Warn | tail -14
+    timeout 400 python3 -u .ci/gpu/read_ceiling.py /tmp/m27.gguf --gluon --json "$OUT/read_ceiling.json" 2>&1 \
+        | grep -v Warn
 fi
