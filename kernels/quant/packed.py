@@ -787,7 +787,7 @@ if triton is not None:
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                          EARLY_TRIGGER: tl.constexpr = False):
+                          EARLY_TRIGGER: tl.constexpr = False, ABLATE: tl.constexpr = 0):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
         SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
@@ -817,17 +817,47 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(0, TILES):
+        # ABLATE (timing experiments only, wrong results): bit 1 no split-K sums, bit 2 no dot (the dequantized
+        # tiles added elementwise), bit 4 no dequantization either (the tiles' bytes XORed)
+        G_: tl.constexpr = BLOCK_K // GROUP
+        LO_W: tl.constexpr = BLOCK_K if HI_BITS == 8 else BLOCK_K // 2
+        acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
+        acc_b = tl.zeros((BLOCK_N, LO_W), dtype=tl.uint8)
+        acc_h = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.uint8)
+        acc_s = tl.zeros((BLOCK_N, G_), dtype=tl.float16)
+        for t in tl.range(0, TILES, num_stages=3 if ABLATE & 6 else None):
             kt = pid_k * TILES + t
-            offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
-                        other=0.0).to(tl.float16)
-            w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + kt,
-                                HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
-            if SWAP_AB:
-                acc += tl.dot(w16, tl.trans(x))
+            tile = pid_n.to(tl.int64) * KT + kt
+            if ABLATE & 4:
+                acc_b ^= _load_tile(lo_ptr, tile, LO_W, BLOCK_N).to(tl.uint8)
+                if HI_BITS == 2:
+                    acc_h ^= _load_tile(hi_ptr, tile, BLOCK_K // 4, BLOCK_N)
+                sc, mv = _tile_scales(s_ptr, m_ptr, sup_ptr, tile, CODES, OFFSET, HAS_MINV, GROUP, BLOCK_N,
+                                      BLOCK_K)
+                acc_s += sc + mv
+            elif ABLATE & 2:
+                acc_w += _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, tile, HI_BITS, GROUP, CODES, OFFSET,
+                                       HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
             else:
-                acc += tl.dot(x, tl.trans(w16))
+                offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
+                            other=0.0).to(tl.float16)
+                w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, tile,
+                                    HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
+                if SWAP_AB:
+                    acc += tl.dot(w16, tl.trans(x))
+                else:
+                    acc += tl.dot(x, tl.trans(w16))
+        if ABLATE & 6:
+            if ABLATE & 4:
+                v = tl.sum(acc_b.to(tl.int32), axis=1) + tl.sum(acc_h.to(tl.int32), axis=1)
+                v = v.to(tl.float32) + tl.sum(acc_s.to(tl.float32), axis=1)
+            else:
+                v = tl.sum(acc_w.to(tl.float32), axis=1)
+            if SWAP_AB:
+                acc += v[:, None]
+            else:
+                acc += v[None, :]
         if not EARLY_TRIGGER:
             pdl_trigger(PDL)
         if SWAP_AB:
@@ -841,7 +871,7 @@ if triton is not None:
         else:
             MN = (pid_k.to(tl.int64) * 0 + M) * N   # (M may be a constexpr 1: no .to on it)
             tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
-            if SUM_HERE:
+            if SUM_HERE and not (ABLATE & 1):
                 # every thread's partial is stored before the count says so (the barrier), and the
                 # count's acquire/release makes the other slices' partials visible to the last one
                 tl.debug_barrier()
@@ -1044,7 +1074,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     _packed_mm_kernel[grid](
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
-        SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
+        SUM_HERE=counts is not None, HAS_ADD=add is not None, ABLATE=ABLATE, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
     if split_k > 1 and counts is None:
@@ -1202,6 +1232,7 @@ SPLIT_SUM_HERE = True
 PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
 EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
+ABLATE = int(os.environ.get("HIVEJET_ABLATE", "0"))   # _packed_mm_kernel's timing experiments (wrong results)
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
 # Prompt chunks of at most this many rows (a power of two, at least 16; 0: none): a short request, a
 # follow-up's new tokens, a prompt's tail. They take the packed kernel with all rows in one block of x
