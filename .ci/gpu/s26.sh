@@ -17,3 +17,24 @@ if [ "$1" = 1 ]; then
     m27_wait
     for ab in 0 1 2 3 6 7; do shapes ablate$ab HIVEJET_ABLATE=$ab; done
 fi
+#   run 2 (at the commit with HIVEJET_SPLIT_SUM): the packed matmul's split-sum GPU tests, then bench decode with
+#          split-K's sums made by counting arrivals (the default) / by the last slice polling a sentinel in the
+#          partial sums / by a second kernel, alternating; matmul_shapes.py for the polled sums
+bench() {   # bench LABEL [VAR=VALUE ...]
+    local label=$1; shift
+    echo "$label"
+    env "$@" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
+        --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
+}
+if [ "$1" = 2 ]; then
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
+        > "$OUT/gpu_tests_sums.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_sums.txt" | tail -8
+    m27_wait
+    bench count_1
+    bench last_2 HIVEJET_SPLIT_SUM=last
+    bench kernel_3 HIVEJET_SPLIT_SUM=kernel
+    bench count_4
+    bench last_5 HIVEJET_SPLIT_SUM=last
+    shapes last HIVEJET_SPLIT_SUM=last
+fi
