@@ -38,3 +38,18 @@ if [ "$1" = 2 ]; then
     bench last_5 HIVEJET_SPLIT_SUM=last
     shapes last HIVEJET_SPLIT_SUM=last
 fi
+#   run 3 (at the commit after run 2's: the last slice stores and reads back its own partial too, a NaN in the
+#          sum sends it to wait slice by slice): the split-sum GPU tests, bench decode count / last / last with
+#          64-row tiles capped at 96 registers / count / last, matmul_shapes.py for last
+if [ "$1" = 3 ]; then
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
+        > "$OUT/gpu_tests_sums.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_sums.txt" | tail -8
+    m27_wait
+    bench count_1
+    bench last_2 HIVEJET_SPLIT_SUM=last
+    bench last_cap96_3 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
+    bench count_4
+    bench last_5 HIVEJET_SPLIT_SUM=last
+    shapes last HIVEJET_SPLIT_SUM=last
+fi

@@ -880,17 +880,16 @@ if triton is not None:
                 # not at all), adds them in slice order and its own last (the bits of the counted sums),
                 # and puts the sentinel back. The grid's last axis is the slice, so the programs it waits
                 # for were started before it.
-                if pid_k < SPLIT - 1:
-                    tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
-                else:
-                    tot, pending = _sum_partials(part_ptr, MN, offs_out, mask_out, SPLIT - 1)
-                    if pending > 0:    # not all there yet: wait for each slice in turn, adding in the same order
-                        # (a runtime loop: polled in one loop, all the slices' addresses were hoisted
-                        # out of it, 255 registers)
+                tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
+                if pid_k == SPLIT - 1:
+                    # (its own partial stored and read back too: with it kept in registers instead, the
+                    # compiler took up to 255 registers for the sums)
+                    tot = _sum_partials(part_ptr, MN, offs_out, mask_out, SPLIT)
+                    # a NaN: a slice not there yet (or a real NaN): wait for each in turn and add them again
+                    if tl.sum(((tot != tot) & mask_out).to(tl.int32)) > 0:
                         tot = _wait_partial(part_ptr, offs_out, mask_out)
-                        for i in range(1, SPLIT - 1):
+                        for i in range(1, SPLIT):
                             tot += _wait_partial(part_ptr + i * MN, offs_out, mask_out)
-                    tot += acc
                     # the sentinel back, through addresses of another (1-D) shape: with the loads' own, the
                     # compiler kept every slice's addresses live from the loads to here (up to 255 registers)
                     flat = tl.arange(0, BLOCK_M * BLOCK_N)
@@ -899,7 +898,7 @@ if triton is not None:
                     offs_f = rows_f.to(tl.int64) * N + cols_f
                     mask_f = (rows_f < M) & (cols_f < N)
                     sentinel = tl.full((BLOCK_M * BLOCK_N,), PART_SENTINEL, tl.int32).to(tl.float32, bitcast=True)
-                    for i in tl.static_range(0, SPLIT - 1):
+                    for i in tl.static_range(0, SPLIT):
                         tl.store(part_ptr + i * MN + offs_f, sentinel, mask=mask_f)
                     if HAS_ADD:
                         tot = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + tot
@@ -923,16 +922,12 @@ if triton is not None:
 
     @triton.jit
     def _sum_partials(part_ptr, MN, offs, mask, PARTS: tl.constexpr):
-        """part[0] + part[1] + ... + part[PARTS - 1] at offs (in that order), and how many of the values read
-        were still the sentinel (each read from L2: volatile)."""
-        v = tl.load(part_ptr + offs, mask=mask, other=0.0, volatile=True)
-        waiting = v.to(tl.int32, bitcast=True) == PART_SENTINEL
-        tot = v
+        """part[0] + part[1] + ... + part[PARTS - 1] at offs, added in that order (read from L2). A
+        sentinel among them makes the sum NaN."""
+        tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
         for i in tl.static_range(1, PARTS):
-            v = tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0, volatile=True)
-            waiting = waiting | (v.to(tl.int32, bitcast=True) == PART_SENTINEL)
-            tot += v
-        return tot, tl.sum((waiting & mask).to(tl.int32))
+            tot += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        return tot
 
     @triton.jit
     def _wait_partial(ptr, offs, mask):
