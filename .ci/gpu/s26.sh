@@ -53,3 +53,18 @@ if [ "$1" = 3 ]; then
     bench last_5 HIVEJET_SPLIT_SUM=last
     shapes last HIVEJET_SPLIT_SUM=last
 fi
+#   run 4 (at the commit after run 3's: a NaN sends the last slice to read all partials again, up to
+#          HIVEJET_SUM_POLLS times, before waiting slice by slice): as run 3
+if [ "$1" = 4 ]; then
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
+        > "$OUT/gpu_tests_sums.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_sums.txt" | tail -8
+    m27_wait
+    bench count_1
+    bench last_2 HIVEJET_SPLIT_SUM=last
+    bench last_cap96_3 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
+    bench count_4
+    bench last_5 HIVEJET_SPLIT_SUM=last
+    shapes last HIVEJET_SPLIT_SUM=last
+    shapes last_cap96 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
+fi

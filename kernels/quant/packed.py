@@ -544,6 +544,7 @@ if triton is not None:
     # what the partial sums of split-K's polled sums hold between launches (SPLIT_SUM "last"): a NaN whose
     # payload arithmetic never makes (the GPU's NaNs are 0x7FFFFFFF), as int32 bits (0xFFBADBAD)
     PART_SENTINEL = tl.constexpr(-4531283)
+    SUM_POLLS = tl.constexpr(int(os.environ.get("HIVEJET_SUM_POLLS", "64")))   # (see the polled sums)
     ASM4 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                         and os.environ.get("HIVEJET_NIBBLES_PTX", "1") != "0")
 
@@ -882,10 +883,17 @@ if triton is not None:
                 # for were started before it.
                 tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
                 if pid_k == SPLIT - 1:
+                    part_ptr = part_ptr + _opaque_zero(tl.max(tl.max(acc, 1), 0).to(tl.int32, bitcast=True))
                     # (its own partial stored and read back too: with it kept in registers instead, the
                     # compiler took up to 255 registers for the sums)
                     tot = _sum_partials(part_ptr, MN, offs_out, mask_out, SPLIT)
-                    # a NaN: a slice not there yet (or a real NaN): wait for each in turn and add them again
+                    # a NaN: a slice not there yet (or a real NaN): read them all again, up to POLLS times
+                    # (the addresses through an opaque 0, so that they are not hoisted out of the loop and
+                    # kept live), then, if still NaN, wait for each slice in turn and add them again
+                    polls = 0
+                    while (tl.sum(((tot != tot) & mask_out).to(tl.int32)) > 0) & (polls < SUM_POLLS):
+                        tot = _sum_partials(part_ptr + _opaque_zero(polls), MN, offs_out, mask_out, SPLIT)
+                        polls += 1
                     if tl.sum(((tot != tot) & mask_out).to(tl.int32)) > 0:
                         tot = _wait_partial(part_ptr, offs_out, mask_out)
                         for i in range(1, SPLIT):
@@ -928,6 +936,16 @@ if triton is not None:
         for i in tl.static_range(1, PARTS):
             tot += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
         return tot
+
+    @triton.jit
+    def _opaque_zero(x):
+        """0 as an int32 the compiler cannot compute before x exists or move out of a loop (PTX it does not see
+        into; under the interpreter a plain 0)."""
+        if ASM4:
+            z = tl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            z = x * 0
+        return z
 
     @triton.jit
     def _wait_partial(ptr, offs, mask):
