@@ -68,3 +68,10 @@ if [ "$1" = 4 ]; then
     shapes last HIVEJET_SPLIT_SUM=last
     shapes last_cap96 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
 fi
+#   run 5 (at the same commit as run 4): bench decode with the matmul taken apart end to end (wrong tokens, the
+#          timing of the step around them): HIVEJET_ABLATE 0 / 1 (no split-K sums) / 3 (nor dot) / 7 (loads only)
+if [ "$1" = 5 ]; then
+    m27_wait
+    for ab in 0 1 3 7; do bench ablate${ab} HIVEJET_ABLATE=$ab; done
+    bench ablate0_again
+fi
