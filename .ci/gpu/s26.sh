@@ -1,9 +1,19 @@
 #!/bin/bash
-# Twenty-sixth session (2026-12-04; carry .whl).
-#   run 1 (at the commit with HIVEJET_ABLATE in kernels/quant/packed.py): matmul_shapes.py on the 27B's decode
-#          matrices with the packed matmul taken apart (HIVEJET_ABLATE bits: 1 no split-K sums, 2 no dot (the
-#          dequantized tiles added elementwise), 4 no dequantization (the tiles' bytes XORed)): where inside a
-#          program the time goes that read_ceiling.py's readers do not spend
+# Twenty-sixth session (2026-12-04; carry .whl). Run 0 is s25.sh 8 (read_ceiling.py --gluon, the engine as
+# committed). Runs 1-5 need the experiment's commit checked out (the code is history only; docs/PERFORMANCE.md,
+# twenty-sixth session):
+#   run 1 (at eda6385): matmul_shapes.py on the 27B's decode matrices with the packed matmul taken apart
+#          (HIVEJET_ABLATE bits: 1 no split-K sums, 2 no dot (the dequantized tiles added elementwise), 4 no
+#          dequantization (the tiles' bytes XORed)): where inside a program the time goes that
+#          read_ceiling.py's readers do not spend
+#   run 2 (at 226ed24): split-K's sums by the grid's last slice polling a sentinel in the partial sums
+#          (HIVEJET_SPLIT_SUM=last) against counting arrivals (the default) and a second kernel: the split-sum
+#          GPU tests, bench decode count / last / kernel / count / last, matmul_shapes.py for last
+#   run 3 (at 16640b5): the same with the last slice's own partial stored and read back (fewer registers) and a
+#          NaN sending it to wait slice by slice; bench decode also with 64-row tiles capped at 96 registers
+#   run 4 (at 9f2e2f0): the same with a NaN sending it to read all the partials again first (HIVEJET_SUM_POLLS)
+#   run 5 (at 49cca97): bench decode with the matmul taken apart end to end (wrong tokens; the step's timing
+#          around them): HIVEJET_ABLATE 0 / 1 / 3 / 7, 0 again
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -13,19 +23,16 @@ shapes() {   # shapes LABEL [VAR=VALUE ...]
     env "$@" timeout 120 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --json "$OUT/shapes_$label.json" 2>&1 \
         | grep -v Warn | tail -14
 }
-if [ "$1" = 1 ]; then
-    m27_wait
-    for ab in 0 1 2 3 6 7; do shapes ablate$ab HIVEJET_ABLATE=$ab; done
-fi
-#   run 2 (at the commit with HIVEJET_SPLIT_SUM): the packed matmul's split-sum GPU tests, then bench decode with
-#          split-K's sums made by counting arrivals (the default) / by the last slice polling a sentinel in the
-#          partial sums / by a second kernel, alternating; matmul_shapes.py for the polled sums
 bench() {   # bench LABEL [VAR=VALUE ...]
     local label=$1; shift
     echo "$label"
     env "$@" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
         --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
 }
+if [ "$1" = 1 ]; then
+    m27_wait
+    for ab in 0 1 2 3 6 7; do shapes ablate$ab HIVEJET_ABLATE=$ab; done
+fi
 if [ "$1" = 2 ]; then
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
         > "$OUT/gpu_tests_sums.txt" 2>&1
@@ -38,9 +45,6 @@ if [ "$1" = 2 ]; then
     bench last_5 HIVEJET_SPLIT_SUM=last
     shapes last HIVEJET_SPLIT_SUM=last
 fi
-#   run 3 (at the commit after run 2's: the last slice stores and reads back its own partial too, a NaN in the
-#          sum sends it to wait slice by slice): the split-sum GPU tests, bench decode count / last / last with
-#          64-row tiles capped at 96 registers / count / last, matmul_shapes.py for last
 if [ "$1" = 3 ]; then
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
         > "$OUT/gpu_tests_sums.txt" 2>&1
@@ -53,8 +57,6 @@ if [ "$1" = 3 ]; then
     bench last_5 HIVEJET_SPLIT_SUM=last
     shapes last HIVEJET_SPLIT_SUM=last
 fi
-#   run 4 (at the commit after run 3's: a NaN sends the last slice to read all partials again, up to
-#          HIVEJET_SUM_POLLS times, before waiting slice by slice): as run 3
 if [ "$1" = 4 ]; then
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
         > "$OUT/gpu_tests_sums.txt" 2>&1
@@ -68,8 +70,6 @@ if [ "$1" = 4 ]; then
     shapes last HIVEJET_SPLIT_SUM=last
     shapes last_cap96 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
 fi
-#   run 5 (at the same commit as run 4): bench decode with the matmul taken apart end to end (wrong tokens, the
-#          timing of the step around them): HIVEJET_ABLATE 0 / 1 (no split-K sums) / 3 (nor dot) / 7 (loads only)
 if [ "$1" = 5 ]; then
     m27_wait
     for ab in 0 1 3 7; do bench ablate${ab} HIVEJET_ABLATE=$ab; done

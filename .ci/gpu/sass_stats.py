@@ -29,11 +29,10 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--split", type=int, default=4)
     ap.add_argument("--no-swap", action="store_true")
-    ap.add_argument("--ablate", type=int, default=0)
     ap.add_argument("--sass", help="write the whole SASS here")
     a = ap.parse_args()
     kern = compile_decode_matmul(a.type, a.tile_n, a.tile_k, num_warps=a.warps, num_stages=a.stages,
-                                 swap_ab=not a.no_swap, split=a.split, ablate=a.ablate)
+                                 swap_ab=not a.no_swap, split=a.split)
     sass = sass_of(kern.asm["cubin"])
     usage = " ".join(f"{k}:{v}" for k, v in resource_usage(kern.asm["cubin"]).items())
     if a.sass:

@@ -541,10 +541,6 @@ if triton is not None:
     # the 4-bit and 2-bit planes' fields to fp16 by PTX (_nibbles_f16, _crumbs_f16), except under the
     # interpreter, which runs no PTX, and with HIVEJET_NIBBLES_PTX=0 (the plain Triton extraction on the
     # GPU too, to measure one against the other)
-    # what the partial sums of split-K's polled sums hold between launches (SPLIT_SUM "last"): a NaN whose
-    # payload arithmetic never makes (the GPU's NaNs are 0x7FFFFFFF), as int32 bits (0xFFBADBAD)
-    PART_SENTINEL = tl.constexpr(-4531283)
-    SUM_POLLS = tl.constexpr(int(os.environ.get("HIVEJET_SUM_POLLS", "64")))   # (see the polled sums)
     ASM4 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                         and os.environ.get("HIVEJET_NIBBLES_PTX", "1") != "0")
 
@@ -791,8 +787,7 @@ if triton is not None:
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
                           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                          EARLY_TRIGGER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-                          SUM_LAST: tl.constexpr = False):
+                          EARLY_TRIGGER: tl.constexpr = False):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
         SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
@@ -822,47 +817,17 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # ABLATE (timing experiments only, wrong results): bit 1 no split-K sums, bit 2 no dot (the dequantized
-        # tiles added elementwise), bit 4 no dequantization either (the tiles' bytes XORed)
-        G_: tl.constexpr = BLOCK_K // GROUP
-        LO_W: tl.constexpr = BLOCK_K if HI_BITS == 8 else BLOCK_K // 2
-        acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float16)
-        acc_b = tl.zeros((BLOCK_N, LO_W), dtype=tl.uint8)
-        acc_h = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.uint8)
-        acc_s = tl.zeros((BLOCK_N, G_), dtype=tl.float16)
-        for t in tl.range(0, TILES, num_stages=3 if ABLATE & 6 else None):
+        for t in range(0, TILES):
             kt = pid_k * TILES + t
-            tile = pid_n.to(tl.int64) * KT + kt
-            if ABLATE & 4:
-                acc_b ^= _load_tile(lo_ptr, tile, LO_W, BLOCK_N).to(tl.uint8)
-                if HI_BITS == 2:
-                    acc_h ^= _load_tile(hi_ptr, tile, BLOCK_K // 4, BLOCK_N)
-                sc, mv = _tile_scales(s_ptr, m_ptr, sup_ptr, tile, CODES, OFFSET, HAS_MINV, GROUP, BLOCK_N,
-                                      BLOCK_K)
-                acc_s += sc + mv
-            elif ABLATE & 2:
-                acc_w += _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, tile, HI_BITS, GROUP, CODES, OFFSET,
-                                       HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
-            else:
-                offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
-                            other=0.0).to(tl.float16)
-                w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, tile,
-                                    HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
-                if SWAP_AB:
-                    acc += tl.dot(w16, tl.trans(x))
-                else:
-                    acc += tl.dot(x, tl.trans(w16))
-        if ABLATE & 6:
-            if ABLATE & 4:
-                v = tl.sum(acc_b.to(tl.int32), axis=1) + tl.sum(acc_h.to(tl.int32), axis=1)
-                v = v.to(tl.float32) + tl.sum(acc_s.to(tl.float32), axis=1)
-            else:
-                v = tl.sum(acc_w.to(tl.float32), axis=1)
+            offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None],
+                        other=0.0).to(tl.float16)
+            w16 = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + kt,
+                                HI_BITS, GROUP, CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, FAST_CVT, TMA)
             if SWAP_AB:
-                acc += v[:, None]
+                acc += tl.dot(w16, tl.trans(x))
             else:
-                acc += v[None, :]
+                acc += tl.dot(x, tl.trans(w16))
         if not EARLY_TRIGGER:
             pdl_trigger(PDL)
         if SWAP_AB:
@@ -875,45 +840,8 @@ if triton is not None:
             tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
         else:
             MN = (pid_k.to(tl.int64) * 0 + M) * N   # (M may be a constexpr 1: no .to on it)
-            if SUM_LAST and not (ABLATE & 1):
-                # the last slice sums: the others store their partials and are done (no fence, no count);
-                # it polls until none of theirs is the sentinel any more (a 32-bit store is seen whole or
-                # not at all), adds them in slice order and its own last (the bits of the counted sums),
-                # and puts the sentinel back. The grid's last axis is the slice, so the programs it waits
-                # for were started before it.
-                tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
-                if pid_k == SPLIT - 1:
-                    part_ptr = part_ptr + _opaque_zero(tl.max(tl.max(acc, 1), 0).to(tl.int32, bitcast=True))
-                    # (its own partial stored and read back too: with it kept in registers instead, the
-                    # compiler took up to 255 registers for the sums)
-                    tot = _sum_partials(part_ptr, MN, offs_out, mask_out, SPLIT)
-                    # a NaN: a slice not there yet (or a real NaN): read them all again, up to POLLS times
-                    # (the addresses through an opaque 0, so that they are not hoisted out of the loop and
-                    # kept live), then, if still NaN, wait for each slice in turn and add them again
-                    polls = 0
-                    while (tl.sum(((tot != tot) & mask_out).to(tl.int32)) > 0) & (polls < SUM_POLLS):
-                        tot = _sum_partials(part_ptr + _opaque_zero(polls), MN, offs_out, mask_out, SPLIT)
-                        polls += 1
-                    if tl.sum(((tot != tot) & mask_out).to(tl.int32)) > 0:
-                        tot = _wait_partial(part_ptr, offs_out, mask_out)
-                        for i in range(1, SPLIT):
-                            tot += _wait_partial(part_ptr + i * MN, offs_out, mask_out)
-                    # the sentinel back, through addresses of another (1-D) shape: with the loads' own, the
-                    # compiler kept every slice's addresses live from the loads to here (up to 255 registers)
-                    flat = tl.arange(0, BLOCK_M * BLOCK_N)
-                    rows_f = pid_m * BLOCK_M + flat // BLOCK_N
-                    cols_f = pid_n * BLOCK_N + flat % BLOCK_N
-                    offs_f = rows_f.to(tl.int64) * N + cols_f
-                    mask_f = (rows_f < M) & (cols_f < N)
-                    sentinel = tl.full((BLOCK_M * BLOCK_N,), PART_SENTINEL, tl.int32).to(tl.float32, bitcast=True)
-                    for i in tl.static_range(0, SPLIT):
-                        tl.store(part_ptr + i * MN + offs_f, sentinel, mask=mask_f)
-                    if HAS_ADD:
-                        tot = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + tot
-                    tl.store(out_ptr + offs_out, tot.to(out_ptr.dtype.element_ty), mask=mask_out)
-            else:
-                tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
-            if SUM_HERE and not SUM_LAST and not (ABLATE & 1):
+            tl.store(part_ptr + pid_k * MN + offs_out, acc, mask=mask_out)
+            if SUM_HERE:
                 # every thread's partial is stored before the count says so (the barrier), and the
                 # count's acquire/release makes the other slices' partials visible to the last one
                 tl.debug_barrier()
@@ -927,33 +855,6 @@ if triton is not None:
                         tot = tl.load(add_ptr + offs_out, mask=mask_out, other=0.0) + tot
                     tl.store(out_ptr + offs_out, tot.to(out_ptr.dtype.element_ty), mask=mask_out)
                     tl.atomic_xchg(count, 0)   # ready for the next launch (and graph replay)
-
-    @triton.jit
-    def _sum_partials(part_ptr, MN, offs, mask, PARTS: tl.constexpr):
-        """part[0] + part[1] + ... + part[PARTS - 1] at offs, added in that order (read from L2). A
-        sentinel among them makes the sum NaN."""
-        tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for i in tl.static_range(1, PARTS):
-            tot += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        return tot
-
-    @triton.jit
-    def _opaque_zero(x):
-        """0 as an int32 the compiler cannot compute before x exists or move out of a loop (PTX it does not see
-        into; under the interpreter a plain 0)."""
-        if ASM4:
-            z = tl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            z = x * 0
-        return z
-
-    @triton.jit
-    def _wait_partial(ptr, offs, mask):
-        """The partial sums at ptr + offs once none of them is the sentinel any more (polled from L2)."""
-        v = tl.load(ptr + offs, mask=mask, other=0.0, volatile=True)
-        while tl.sum(((v.to(tl.int32, bitcast=True) == PART_SENTINEL) & mask).to(tl.int32)) > 0:
-            v = tl.load(ptr + offs, mask=mask, other=0.0, volatile=True)
-        return v
 
     @triton.jit
     def _sum_parts_kernel(part_ptr, out_ptr, add_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
@@ -1125,14 +1026,10 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         out = torch.zeros((*lead, N), dtype=out_dtype, device=x.device)
         return out if add is None else out + add.view(*lead, N)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     m_blocks = -(-M // block_m)
-    mode = "kernel" if split_k == 1 or sum_here is False else "count" if sum_here is True else SPLIT_SUM
-    polled = _polled_parts(x.device, split_k * M * N) if mode == "last" else None
-    if polled is not None:
-        part = polled[:split_k * M * N].view(split_k, M, N)
-    else:
-        part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    counts = _arrival_counts(p, m_blocks) if mode != "kernel" and polled is None else None
+    counts = _arrival_counts(p, m_blocks) if split_k > 1 and (SPLIT_SUM_HERE if sum_here is None else sum_here) \
+        else None
     if num_warps is None:
         num_warps = 8 if p.hi_bits in (1, 2) else 4
     weight = _descriptors(p) if tma and (x2.is_cuda or _INTERPRETER) else None
@@ -1147,35 +1044,14 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     _packed_mm_kernel[grid](
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
-        SUM_HERE=counts is not None or polled is not None, SUM_LAST=polled is not None, HAS_ADD=add is not None,
-        ABLATE=ABLATE, **pdl,
+        SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
-    if split_k > 1 and counts is None and polled is None:
+    if split_k > 1 and counts is None:
         block = 1024
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
                                                    SPLIT=split_k, BLOCK=block, HAS_ADD=add is not None, **pdl)
     return out.view(*lead, N)
-
-
-_POLLED_PARTS: dict = {}      # device -> the partial-sum buffers of SPLIT_SUM "last", newest last
-
-
-def _polled_parts(device: torch.device, numel: int) -> torch.Tensor | None:
-    """The device's float32 buffer of at least numel partial sums for split-K's polled sums, every value the
-    sentinel (PART_SENTINEL) between launches; a larger one made on demand (filled with the sentinel;
-    never while a CUDA graph is being captured: None then, and the caller counts arrivals instead). Older
-    buffers are kept: graphs captured on them still use them. The decode matmuls of a device run one at a
-    time (one stream), as the arrival counts assume too."""
-    key = (device.type, device.index)
-    bufs = _POLLED_PARTS.setdefault(key, [])
-    if bufs and bufs[-1].numel() >= numel:
-        return bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    size = max(numel, 2 * bufs[-1].numel() if bufs else 1 << 20)
-    bufs.append(torch.full((size,), -4531283, dtype=torch.int32, device=device).view(torch.float32))
-    return bufs[-1]
 
 
 def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
@@ -1320,20 +1196,12 @@ TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swa
 # split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):
 # the same bits either way
 SPLIT_SUM_HERE = True
-# how the last k-slice of an output block learns the others are done: "count" (an arrival count per block:
-# every slice fences and counts), "last" (the grid's last slice polls partial sums that start as a
-# sentinel: the others only store), "kernel" (no sums in the matmul: a second kernel adds the partials).
-# HIVEJET_SPLIT_SUM overrides.
-SPLIT_SUM = os.environ.get("HIVEJET_SPLIT_SUM", "count")
-if SPLIT_SUM not in ("count", "last", "kernel"):
-    raise ValueError(f"HIVEJET_SPLIT_SUM={SPLIT_SUM!r}: count, last or kernel")
 # with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
 # for the previous kernel (0: none; 2, 4 and 8 made the 27B's step 0.13-0.76 ms longer, twenty-fourth session:
 # the prefetches slow the predecessor's last programs, which the wait is for)
 PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
 EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
-ABLATE = int(os.environ.get("HIVEJET_ABLATE", "0"))   # _packed_mm_kernel's timing experiments (wrong results)
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
 # Prompt chunks of at most this many rows (a power of two, at least 16; 0: none): a short request, a
 # follow-up's new tokens, a prompt's tail. They take the packed kernel with all rows in one block of x

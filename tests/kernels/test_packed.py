@@ -614,28 +614,6 @@ def test_split_sums_in_the_kernel(qtype):
         packed_matmul(x, p, add=a[:, :-1])
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_split_sums_polled_by_the_last_slice(qtype, monkeypatch):
-    """SPLIT_SUM "last": the grid's last k-slice polls the others' partial sums (a sentinel until
-    stored) and adds them: the separate sum kernel's bits for any split and row count, with `add`; the
-    buffer holds only the sentinel again after each call."""
-    import kernels.quant.packed as pk
-    monkeypatch.setattr(pk, "SPLIT_SUM", "last")
-    monkeypatch.setattr(pk, "_POLLED_PARTS", {})
-    n, k = 40, 512
-    p = pack_weight(_random_weight(qtype, n, k, seed=25), qtype, n, k, tile_n=16, tile_k=64)
-    g = torch.Generator().manual_seed(25)
-    for m in (1, 5, 20):
-        x, a = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
-        for split in (2, 8):
-            apart = packed_matmul(x, p, split_k=split, sum_here=False)
-            assert torch.equal(packed_matmul(x, p, split_k=split), apart)
-            assert torch.equal(packed_matmul(x, p, split_k=split, add=a), a + apart)
-            buf = pk._POLLED_PARTS[("cpu", None)][-1]
-            assert bool((buf.view(torch.int32) == -4531283).all())
-    assert p.counts is None       # (no arrival counts made)
-
-
 def test_stacked_weights_give_each_parts_result():
     """Weights of one tile layout stacked into one: each part becomes a view of the stack, and the stack's
     product holds each part's product, bit for bit at the same split, at its column offset; a Q6_K part
@@ -687,42 +665,6 @@ def test_stacked_weights_give_each_parts_result():
         stack_rows([parts[0].orig, parts[1].orig])
     st.release()
     assert not st.groups and st.single == [0, 1, 2, 3]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_split_sums_polled_on_gpu(qtype, monkeypatch):
-    """SPLIT_SUM "last" on the GPU, where k-slices really race: the engine's decode settings give the separate
-    sum kernel's bits every time (50 launches per row count, with the residual), also as a CUDA graph
-    replayed many times; the buffer is all sentinel again afterwards."""
-    import kernels.quant.packed as pk
-    from kernels.quant.packed import _sm_count, tuned_config
-    monkeypatch.setattr(pk, "SPLIT_SUM", "last")
-    n, k = 5120, 17408
-    p = pack_weight(_random_weight(qtype, n, k, seed=18).cuda(), qtype, n, k)
-    cfg = tuned_config(p, False, _sm_count(0), tma=torch.cuda.get_device_capability(0) >= (9, 0))
-    assert cfg["split_k"] > 1
-    for m in (1, 16, 33):
-        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        a = torch.randn(m, n, device="cuda")
-        apart = packed_matmul(x, p, **dict(cfg, sum_here=False))
-        for _ in range(50):
-            assert torch.equal(packed_matmul(x, p, **cfg), apart)
-            assert torch.equal(packed_matmul(x, p, **cfg, add=a), a + apart)
-    x = torch.randn(4, k, device="cuda", dtype=torch.float16)
-    a = torch.randn(4, n, device="cuda")
-    packed_matmul(x, p, **cfg, add=a)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = packed_matmul(x, p, **cfg, add=a)
-    for i in range(30):
-        x.copy_(torch.randn(4, k, device="cuda", generator=torch.Generator("cuda").manual_seed(i)))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, a + packed_matmul(x, p, **dict(cfg, sum_here=False)))
-    for buf in pk._POLLED_PARTS[("cuda", x.device.index)]:
-        assert bool((buf.view(torch.int32) == -4531283).all())
 
 
 @pytest.mark.gpu
