@@ -26,6 +26,10 @@ rounded once: `_round`):
 - `silu_mul(gate, up)` (SwiGLU FFN of llama/qwen*), `gelu_tanh_mul(gate, up)` (gemma3's GeGLU,
   F.gelu(approximate="tanh")), and `silu_mul_cat` / `gelu_tanh_mul_cat` taking one [N, 2F]
   tensor (gate | up halves, e.g. from a concatenated gate+up matmul).
+- `gated_sum_parts(parts, gate_col, up_col, n, op)`: silu / gelu_tanh(gate) * up where gate and up are
+  columns of a matmul's split-K partial sums (kernels.quant.packed.packed_matmul's `partials`,
+  [split, N, total]), added here in slice order: the matmul's own sum, the same bits, without its
+  slices' arrival counts (engine.models.common.StackedWeights.gated).
 - `sigmoid_gate_mul(a, gate)`: a * sigmoid(gate), qwen35's gated attention output. `gate` may have
   another shape with as many values, read in place: a [N, H*D] with gate = `qg[..., hd:]`
   ([N, H, D], a strided view of the joint Q|gate projection), as in qwen35's
@@ -65,7 +69,8 @@ from kernels.pdl import pdl_args
 HAVE_TRITON = triton is not None
 
 __all__ = [
-    "add_rms_norm", "argmax_rows", "force_triton", "gelu_tanh_mul", "gelu_tanh_mul_cat", "head_rms_norm",
+    "add_rms_norm", "argmax_rows", "force_triton", "gated_sum_parts", "gelu_tanh_mul", "gelu_tanh_mul_cat",
+    "head_rms_norm", "ref_gated_sum_parts",
     "qk_norm_rope", "ref_add_rms_norm", "ref_argmax_rows", "ref_gelu_tanh_mul", "ref_head_rms_norm",
     "ref_qk_norm_rope", "ref_rms_norm", "ref_rope", "ref_sigmoid_gate_mul", "ref_silu_mul", "rms_norm", "rope",
     "sigmoid_gate_mul", "silu_mul", "silu_mul_cat", "triton_add_rms_norm", "triton_argmax_rows",
@@ -140,6 +145,16 @@ def ref_silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | 
 
 def ref_gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     return _round(F.gelu(gate.double(), approximate="tanh") * up.double(), gate, out_dtype)
+
+
+def ref_gated_sum_parts(parts: torch.Tensor, gate_col: int, up_col: int, n: int, op: str = "silu",
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """act(gate) * up, gate and up summed over the split-K slices of parts [split, rows, total] in slice order
+    (float32, as the matmul adds them) at columns gate_col and up_col (n each)."""
+    a, b = parts[0, :, gate_col:gate_col + n], parts[0, :, up_col:up_col + n]
+    for i in range(1, parts.shape[0]):
+        a, b = a + parts[i, :, gate_col:gate_col + n], b + parts[i, :, up_col:up_col + n]
+    return (ref_silu_mul if op == "silu" else ref_gelu_tanh_mul)(a, b, out_dtype)
 
 
 def ref_sigmoid_gate_mul(a: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -271,6 +286,11 @@ if HAVE_TRITON:
         mask = offs < D
         a = tl.load(a_ptr + n * sa0 + g * sa1 + offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + n * sb0 + g * sb1 + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (n * G + g) * D + offs, _gate(a, b, OP), mask=mask)
+
+    @triton.jit
+    def _gate(a, b, OP: tl.constexpr):
+        """OP 0: silu(a)*b, 1: gelu_tanh(a)*b, 2: a*sigmoid(b), in float32."""
         if OP == 0:
             y = a / (1.0 + tl.exp(-a)) * b
         elif OP == 1:
@@ -278,7 +298,24 @@ if HAVE_TRITON:
             y = a / (1.0 + tl.exp(-2.0 * u)) * b  # 0.5*a*(1 + tanh(u)) = a*sigmoid(2u)
         else:
             y = a * (1.0 / (1.0 + tl.exp(-b)))
-        tl.store(out_ptr + (n * G + g) * D + offs, y, mask=mask)
+        return y
+
+    @triton.jit
+    def _gated_parts_kernel(part_ptr, out_ptr, MN, T, D, gate_col, up_col, SPLIT: tl.constexpr,
+                            OP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """out[n, :] = _gate(a, b) with a = part[0, n, gate_col:] + part[1, ...] + ... (in that order) and b
+        likewise at up_col; part [SPLIT, N, T] float32 (MN = N * T)."""
+        pdl_enter(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < D
+        row = part_ptr + n * T + offs
+        a = tl.load(row + gate_col, mask=mask, other=0.0)
+        b = tl.load(row + up_col, mask=mask, other=0.0)
+        for i in tl.static_range(1, SPLIT):
+            a += tl.load(row + i * MN + gate_col, mask=mask, other=0.0)
+            b += tl.load(row + i * MN + up_col, mask=mask, other=0.0)
+        tl.store(out_ptr + n * D + offs, _gate(a, b, OP), mask=mask)
 
     @triton.jit
     def _argmax_merge(acc_v, acc_i, v, i):
@@ -445,6 +482,24 @@ def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype
     return _gated(gate, up, 0, out_dtype=out_dtype)
 
 
+def triton_gated_sum_parts(parts: torch.Tensor, gate_col: int, up_col: int, n: int, op: str = "silu",
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    _need_triton()
+    if parts.dim() != 3 or parts.dtype != torch.float32 or not parts.is_contiguous():
+        raise ValueError(f"parts must be contiguous float32 [split, rows, total], got {parts.dtype} {tuple(parts.shape)}")
+    split, rows, total = parts.shape
+    if max(gate_col, up_col) + n > total or min(gate_col, up_col) < 0:
+        raise ValueError(f"columns {gate_col} and {up_col} + {n} do not fit {total}")
+    out = torch.empty((rows, n), dtype=out_dtype or torch.float32, device=parts.device)
+    if out.numel() == 0:
+        return out
+    block = min(1024, _next_pow2(n))
+    _gated_parts_kernel[(rows, triton.cdiv(n, block))](parts, out, rows * total, total, n, gate_col, up_col,
+                                                       SPLIT=split, OP=_GATE_OPS[op], BLOCK=block,
+                                                       **_warps(block, parts), **pdl_args(parts))
+    return out
+
+
 def triton_gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     return _gated(gate, up, 1, out_dtype=out_dtype)
 
@@ -543,6 +598,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     return (triton_gelu_tanh_mul if use_triton(gate) else ref_gelu_tanh_mul)(gate, up, out_dtype)
+
+
+_GATE_OPS = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated_sum_parts(parts: torch.Tensor, gate_col: int, up_col: int, n: int, op: str = "silu",
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """act(gate) * up (op "silu" or "gelu_tanh") for gate and up held as split-K partial sums: columns
+    gate_col and up_col (n each) of parts [split, rows, total], added in slice order first."""
+    if op not in _GATE_OPS:
+        raise ValueError(f"op must be one of {sorted(_GATE_OPS)}, not {op!r}")
+    return (triton_gated_sum_parts if use_triton(parts) else ref_gated_sum_parts)(parts, gate_col, up_col, n, op,
+                                                                                  out_dtype)
 
 
 def silu_mul_cat(gate_up: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@
 #   run 4 (at 9f2e2f0): the same with a NaN sending it to read all the partials again first (HIVEJET_SUM_POLLS)
 #   run 5 (at 49cca97): bench decode with the matmul taken apart end to end (wrong tokens; the step's timing
 #          around them): HIVEJET_ABLATE 0 / 1 / 3 / 7, 0 again
+#   run 6 (the engine as committed): the gate+up stack's partial sums added by the gated activation
+#          (StackedWeights.gated): the GPU tests of the packed matmul, the fused kernels and the runner (tiny
+#          llama / qwen35, stacked against separate), then bench decode with it / without it
+#          (HIVEJET_GATED_SUMS=0), twice
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -74,4 +78,14 @@ if [ "$1" = 5 ]; then
     m27_wait
     for ab in 0 1 3 7; do bench ablate${ab} HIVEJET_ABLATE=$ab; done
     bench ablate0_again
+fi
+if [ "$1" = 6 ]; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py tests/kernels/test_fused.py \
+        tests/engine/test_runner.py -k "gated or split_sums or qwen35 or llama or stacked" > "$OUT/gpu_tests_gated.txt" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_gated.txt" | tail -12
+    m27_wait
+    bench gated_1
+    bench plain_2 HIVEJET_GATED_SUMS=0
+    bench gated_3
+    bench plain_4 HIVEJET_GATED_SUMS=0
 fi

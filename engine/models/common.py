@@ -30,6 +30,10 @@ _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # the rows of their prefill product (kernels/quant/packed.py: matmul_tuned; a small chunk, at most
 # SMALL_PROMPT_ROWS, takes the packed kernel instead); 0 for decode rows
 PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
+# whether a stacked gate+up product hands its split-K partial sums straight to the gated activation, which
+# adds them (StackedWeights.gated: the same bits, without the slices' arrival counts); HIVEJET_GATED_SUMS=0: the
+# matmul adds them and a separate activation kernel follows (to measure one against the other)
+GATED_SUMS = os.environ.get("HIVEJET_GATED_SUMS", "1") != "0"
 _POOL_LOCK = threading.Lock()
 
 
@@ -239,6 +243,26 @@ class StackedWeights:
         if rows and not small_prompt_rows(rows):
             return self._prefill(x)
         return self.stacked_matmul(x, rows)   # (decode rows, or a small prompt chunk: the packed kernel)
+
+    def gated(self, x: torch.Tensor, op: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """act(x @ gate.T) * (x @ up.T) for a stack of (gate, up), op "silu" (SwiGLU) or "gelu_tanh" (GeGLU),
+        as out_dtype. On the GPU's decode rows (and small prompt chunks) the stack's split-K partial sums go
+        to the activation unadded: it adds them in slice order, the sums the matmul would make (the same
+        bits), and the matmul's slices skip their fence and arrival count (0.5-0.8 ms of a 27B step's
+        split-K sums, docs/PERFORMANCE.md, twenty-sixth session)."""
+        act = fused.silu_mul if op == "silu" else fused.gelu_tanh_mul
+        rows = PREFILL_ROWS.get()
+        from kernels.quant.packed import matmul_tuned, small_prompt_rows
+        if not (GATED_SUMS and x.is_cuda and len(self.parts) == 2 and not self.single
+                and [i for i, _ in self.groups[0][1]] == [0, 1] and (not rows or small_prompt_rows(rows))):
+            return act(*self.matmul(x), out_dtype)
+        stack, cols = self.groups[0]
+        parts = matmul_tuned(x.reshape(-1, x.shape[-1]), stack, rows, partials=True)
+        n = self.parts[0].n_out
+        if self.parts[1].n_out != n:
+            raise ValueError(f"gate has {n} outputs, up {self.parts[1].n_out}")
+        y = fused.gated_sum_parts(parts, cols[0][1], cols[1][1], n, op, out_dtype)
+        return y.view(*x.shape[:-1], n)
 
     def _prefill(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Prompt rows: one cuBLAS product per part, their fp16 operand made once (the same bits as apart)."""

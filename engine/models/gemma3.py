@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import Batch, DecoderModel, Rope, gelu_tanh_mul, rms_norm
+from engine.models.common import Batch, DecoderModel, Rope, rms_norm
 
 
 class Gemma3Model(DecoderModel):
@@ -67,6 +67,6 @@ class Gemma3Model(DecoderModel):
         a = L["wo"].matmul(a.reshape(n, -1))
         x = x + rms_norm(a, L["post_attn_norm"].dense, s.rms_eps)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps, L["ffn_in"].input_dtype)
-        f = gelu_tanh_mul(*L["ffn_in"].matmul(h), out_dtype=L["down"].input_dtype)
+        f = L["ffn_in"].gated(h, "gelu_tanh", L["down"].input_dtype)
         f = L["down"].matmul(f)
         return x + rms_norm(f, L["post_ffn_norm"].dense, s.rms_eps)

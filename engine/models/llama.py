@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import Batch, DecoderModel, Rope, default_attn_scale, rms_norm, silu_mul
+from engine.models.common import Batch, DecoderModel, Rope, default_attn_scale, rms_norm
 
 
 class LlamaModel(DecoderModel):
@@ -70,8 +70,7 @@ class LlamaModel(DecoderModel):
         a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, -1)
         x = L["wo"].matmul(a, add=x) if L["bo"] is None else x + (L["wo"].matmul(a) + L["bo"].dense)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps, L["ffn_in"].input_dtype)
-        gate, up = L["ffn_in"].matmul(h)
-        return L["down"].matmul(silu_mul(gate, up, L["down"].input_dtype), add=x)
+        return L["down"].matmul(L["ffn_in"].gated(h, "silu", L["down"].input_dtype), add=x)
 
 
 class Qwen2Model(LlamaModel):

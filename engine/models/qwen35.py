@@ -295,8 +295,7 @@ class Qwen35Model(DecoderModel):
 
     def _ffn(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, L["post_norm"].dense, self.spec.rms_eps, L["ffn_in"].input_dtype)
-        gate, up = L["ffn_in"].matmul(h)
-        return L["down"].matmul(silu_mul(gate, up, L["down"].input_dtype), add=x)
+        return L["down"].matmul(L["ffn_in"].gated(h, "silu", L["down"].input_dtype), add=x)
 
     def _gated_attention(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
                          residual: torch.Tensor | None = None) -> torch.Tensor:

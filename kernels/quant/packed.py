@@ -981,7 +981,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
                   block_m: int = 16, split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, swap_ab: bool = False, fast_cvt: bool = True,
                   tma: bool = False, add: torch.Tensor | None = None,
-                  sum_here: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                  sum_here: bool | None = None, maxnreg: int | None = None, partials: bool = False) -> torch.Tensor:
     """x [..., K] (any float dtype; rounded to fp16) @ W.T -> out_dtype [..., N], W packed; plus `add`
     ([..., N], float32, e.g. the residual stream) when given: add + x @ W.T, the same bits as adding
     afterwards, without a launch of its own.
@@ -993,6 +993,9 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
     being captured: then the second kernel is used).
     maxnreg: a cap on the registers per thread (ptxas's .maxnreg; CUDA only), so that more programs share
     an SM.
+    partials: return split-K's partial sums unadded, float32 [split_k, ..., N] (the product is their sum
+    in k-slice order, part[0] + part[1] + ...: what the consumer adds, as kernels.fused.gated_sum_parts
+    does, for the same bits without the slices' arrival counts); no `add`.
 
     Triton (CUDA, or the interpreter with TRITON_INTERPRET=1), one program per (block of block_m rows
     of x, tile_n outputs, K slice); split_k (a divisor of the K tiles, else the next one up) from the
@@ -1022,14 +1025,18 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         add = add.reshape(-1, N)
         if add.shape[0] != M or add.dtype != torch.float32 or not add.is_contiguous():
             raise ValueError(f"add must be contiguous float32 [{M}, {N}], got {add.dtype} {tuple(add.shape)}")
+    if partials and (add is not None or out_dtype != torch.float32):
+        raise ValueError("partial sums are float32 and take no `add`")
     if M == 0 or N == 0:
         out = torch.zeros((*lead, N), dtype=out_dtype, device=x.device)
+        if partials:
+            return out.view(1, *lead, N)
         return out if add is None else out + add.view(*lead, N)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     m_blocks = -(-M // block_m)
-    counts = _arrival_counts(p, m_blocks) if split_k > 1 and (SPLIT_SUM_HERE if sum_here is None else sum_here) \
-        else None
+    counts = _arrival_counts(p, m_blocks) if split_k > 1 and not partials \
+        and (SPLIT_SUM_HERE if sum_here is None else sum_here) else None
     if num_warps is None:
         num_warps = 8 if p.hi_bits in (1, 2) else 4
     weight = _descriptors(p) if tma and (x2.is_cuda or _INTERPRETER) else None
@@ -1047,6 +1054,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
+    if partials:
+        return part.view(split_k, *lead, N) if split_k > 1 else out.view(1, *lead, N)
     if split_k > 1 and counts is None:
         block = 1024
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
@@ -1141,26 +1150,30 @@ def prefill_matmul(x: torch.Tensor, p: PackedWeight, pad_rows: int = 0,
     return out[:m].view(*x.shape[:-1], p.n)
 
 
-def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.Tensor | None = None,
+                 partials: bool = False) -> torch.Tensor:
     """What the engine's GPU path calls. prefill > SMALL_PROMPT_ROWS: the rows are prompt rows (a chunk
     of at most `prefill` rows, padded to that many): dequantize + cuBLAS (`prefill_matmul`); a smaller
     prefill: a small prompt chunk, packed_matmul with all its rows in one block (`small_prompt`); else
     decode/draft rows: packed_matmul with `tuned_config` (fixed per weight shape), so a decode row's
     result does not depend on the other rows. add: add + x @ W.T (float32, x's rows by p.n), the same bits
-    as adding after."""
+    as adding after. partials: split-K's partial sums unadded (packed_matmul's `partials`; the prompt rows'
+    product as the only one), no `add`."""
     if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
         return add + matmul_tuned(x, p, prefill)
     if not x.is_cuda:
-        return packed_matmul(x, p, add=add)
+        return packed_matmul(x, p, add=add, partials=partials)
     if prefill and not small_prompt_rows(prefill) and PREFILL_CUBLAS:
         y = prefill_matmul(x, p, pad_rows=int(prefill))
+        if partials:
+            return y.unsqueeze(0)
         return y if add is None else add + y
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     key = (p.n, p.k, p.tile_n, p.tile_k, p.hi_bits, p.group, p.codes, prefill, dev)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = _CONFIGS[key] = _checked_config(x, p, prefill, _sm_count(dev), _has_tma(dev))
-    return packed_matmul(x, p, add=add, **cfg)
+    return packed_matmul(x, p, add=add, partials=partials, **cfg)
 
 
 def _checked_config(x: torch.Tensor, p: PackedWeight, prefill: int, n_sm: int, tma: bool) -> dict:

@@ -174,6 +174,31 @@ def test_gated_cat_halves():
         _close(fused.gelu_tanh_mul_cat(gu), ref_gelu_tanh_mul(gu[:, :160], gu[:, 160:]))
 
 
+@pytest.mark.parametrize("op", ["silu", "gelu_tanh"])
+def test_gated_sum_parts(op):
+    """The gated activation of split-K partial sums: the sums added in slice order then the activation,
+    the same bits as adding first and running the plain kernel (Triton), the reference alike; fp16 out; bad
+    arguments refused."""
+    g = _gen(31)
+    parts = torch.randn(5, 3, 2 * 96 + 32, generator=g) * 2          # 5 slices, 3 rows, gate | up | padding
+    gate, up = parts[0, :, :96].clone(), parts[0, :, 128:224].clone()
+    for i in range(1, 5):
+        gate, up = gate + parts[i, :, :96], up + parts[i, :, 128:224]
+    tri = fused.triton_gated_sum_parts(parts, 0, 128, 96, op, torch.float16)
+    plain = (triton_silu_mul if op == "silu" else triton_gelu_tanh_mul)(gate, up, torch.float16)
+    assert tri.dtype == torch.float16 and torch.equal(tri, plain)
+    ref = fused.ref_gated_sum_parts(parts, 0, 128, 96, op)
+    assert torch.equal(ref, (ref_silu_mul if op == "silu" else ref_gelu_tanh_mul)(gate, up))
+    _close(fused.triton_gated_sum_parts(parts, 0, 128, 96, op), ref)
+    one = parts[:1].contiguous()                                       # one slice: no sums
+    assert torch.equal(fused.triton_gated_sum_parts(one, 0, 128, 96, op),
+                       (triton_silu_mul if op == "silu" else triton_gelu_tanh_mul)(one[0, :, :96], one[0, :, 128:224]))
+    with pytest.raises(ValueError, match="do not fit"):
+        fused.triton_gated_sum_parts(parts, 0, 200, 96, op)
+    with pytest.raises(ValueError, match="op must be"):
+        fused.gated_sum_parts(parts, 0, 128, 96, "relu")
+
+
 def test_sigmoid_gate_mul():
     """Same shapes, and qwen35's layout: a [N, H*D], gate a strided [N, H, D] view of Q|gate."""
     n, h, hd = 3, 3, 64

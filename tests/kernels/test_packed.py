@@ -614,6 +614,28 @@ def test_split_sums_in_the_kernel(qtype):
         packed_matmul(x, p, add=a[:, :-1])
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_partial_sums_added_by_the_consumer(qtype):
+    """partials=True: split-K's partial sums unadded, [split, ..., N]; added in slice order they are the
+    product's bits (what the gated activation relies on), for any split and row count; one slice when the
+    split is 1; no `add` with them."""
+    n, k = 40, 512
+    p = pack_weight(_random_weight(qtype, n, k, seed=27), qtype, n, k, tile_n=16, tile_k=64)
+    g = torch.Generator().manual_seed(27)
+    for m in (1, 5, 20):
+        x = torch.randn(m, k, generator=g)
+        for split in (1, 2, 8):
+            parts = packed_matmul(x, p, split_k=split, partials=True)
+            assert parts.shape == (split, m, n)
+            tot = parts[0]
+            for i in range(1, split):
+                tot = tot + parts[i]
+            assert torch.equal(tot, packed_matmul(x, p, split_k=split))
+    assert packed_matmul(x.view(4, 5, k), p, split_k=2, partials=True).shape == (2, 4, 5, n)
+    with pytest.raises(ValueError, match="no `add`"):
+        packed_matmul(x, p, split_k=2, partials=True, add=torch.zeros(20, n))
+
+
 def test_stacked_weights_give_each_parts_result():
     """Weights of one tile layout stacked into one: each part becomes a view of the stack, and the stack's
     product holds each part's product, bit for bit at the same split, at its column offset; a Q6_K part
@@ -665,6 +687,54 @@ def test_stacked_weights_give_each_parts_result():
         stack_rows([parts[0].orig, parts[1].orig])
     st.release()
     assert not st.groups and st.single == [0, 1, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["silu", "gelu_tanh"])
+def test_gated_stack_on_gpu(op):
+    """StackedWeights.gated on the GPU (a gate+up stack of the 27B's FFN shape): the partial sums added by
+    the activation give the bits of the stacked matmul followed by the plain activation, for decode rows and
+    a small prompt chunk, and inside a CUDA graph; with HIVEJET_GATED_SUMS off it is that path."""
+    import engine.models.common as common
+    from engine.models.common import PREFILL_ROWS, StackedWeights
+    from kernels import fused
+
+    class Part:      # what StackedWeights needs of a Weight
+        def __init__(self, seed):
+            self.n_out, self.n_in = 17408, 5120
+            self.gpu = pack_weight(_random_weight(QT.Q4_K, 17408, 5120, seed=seed).cuda(), QT.Q4_K, 17408, 5120)
+            self.orig = self.gpu
+    st = StackedWeights(Part(40), Part(41))
+    st.stack_packed()
+    act = fused.silu_mul if op == "silu" else fused.gelu_tanh_mul
+    f16 = torch.float16
+    for m in (1, 4, 16, 33):
+        x = torch.randn(m, 5120, device="cuda", dtype=f16)
+        want = act(*st.stacked_matmul(x), f16)
+        for _ in range(5):
+            assert torch.equal(st.gated(x, op, f16), want)
+    tok = PREFILL_ROWS.set(64)                       # a small prompt chunk
+    try:
+        x = torch.randn(40, 5120, device="cuda", dtype=f16)
+        assert torch.equal(st.gated(x, op, f16), act(*st.stacked_matmul(x, 64), f16))
+    finally:
+        PREFILL_ROWS.reset(tok)
+    x = torch.randn(4, 5120, device="cuda", dtype=f16)
+    st.gated(x, op, f16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = st.gated(x, op, f16)
+    for i in range(10):
+        x.copy_(torch.randn(4, 5120, device="cuda", generator=torch.Generator("cuda").manual_seed(i)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, act(*st.stacked_matmul(x), f16))
+    common.GATED_SUMS = False
+    try:
+        assert torch.equal(st.gated(x, op, f16), act(*st.stacked_matmul(x), f16))
+    finally:
+        common.GATED_SUMS = True
 
 
 @pytest.mark.gpu
