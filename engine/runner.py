@@ -215,6 +215,12 @@ class SlotBatch:
             self._pool["tables"] = self.runner.block_table.index_select(0, self.slots.long())
         return self._pool["tables"]
 
+    def lengths(self) -> torch.Tensor:
+        """The decode rows' key counts, int32 (positions + 1; once per step)."""
+        if "lengths" not in self._pool:
+            self._pool["lengths"] = (self.positions + 1).to(torch.int32)
+        return self._pool["lengths"]
+
     def attend(self, il, q, k, v, scale, window):
         return self.runner._attend(self, il, q, k, v, scale, window)
 

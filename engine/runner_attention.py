@@ -5,6 +5,7 @@ pieces for compressed ones (CUDA), else the paged prefill kernel / its reference
 encoded into the pool first (and, for rotated K types, preconditioned: engine/runner_keyprep.py)."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
     from engine.runner_keyprep import KeyPrep
 
 DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
+# float caches: the rows' new K and V written into the pool by one Triton kernel (kernels/attention/kv_write.py)
+# instead of two casts and two index_copy_ (torch kernels, outside the step's programmatic dependent launch);
+# the same bits. Off until measured on the GPU (HIVEJET_KV_WRITE_KERNEL=1 turns it on).
+KV_WRITE_KERNEL = os.environ.get("HIVEJET_KV_WRITE_KERNEL", "0") == "1"
+_KERNEL_WRITES = ("f16", "f32")   # (bf16 too on the GPU, but the interpreter truncates it: no test here)
 
 
 class AttentionMixin:
@@ -39,12 +45,16 @@ class AttentionMixin:
             k, q, bias = self._precondition(kp, b, q, k)
             seg_len = self.segment
         flat = b.rows()                                                # each row's place in the pool
-        kc.view(-1, s.n_head_kv, kc.shape[-1]).index_copy_(0, flat, ck.encode(k, self._impl))
-        vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, cv.encode(v, self._impl))
         tk = self.triton
+        if tk and KV_WRITE_KERNEL and ck.name in _KERNEL_WRITES and cv.name in _KERNEL_WRITES:
+            from kernels.attention.kv_write import write_kv_rows
+            write_kv_rows(k, v, kc, vc, flat, ck.dtype, cv.dtype)
+        else:
+            kc.view(-1, s.n_head_kv, kc.shape[-1]).index_copy_(0, flat, ck.encode(k, self._impl))
+            vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, cv.encode(v, self._impl))
         if b.decode:
             bt = b.tables()
-            lens = (b.positions + 1).to(torch.int32)
+            lens = b.lengths()
             if tk:
                 from kernels.attention.paged import paged_decode_attention
                 return paged_decode_attention(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,

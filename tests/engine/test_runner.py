@@ -438,6 +438,35 @@ def test_triton_path_in_the_interpreter(tiny, monkeypatch, arch, kt, vt):
         model.close()
 
 
+@pytest.mark.parametrize("arch,kt,vt", [("llama", "f16", "f16"), ("qwen35", "f16", "f32")])
+def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
+    """HIVEJET_KV_WRITE_KERNEL (engine/runner_attention.py): float caches' new K and V written by one Triton
+    kernel give the logits of the casts and index_copy_ it replaces, bit for bit (the runner's Triton path in
+    the interpreter, prompt chunks and decode rows)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is for machines without a GPU")
+    import engine.runner_attention as ra
+    import kernels.attention.kv_write as kw
+    calls = []
+    real = kw.write_kv_rows
+    monkeypatch.setattr(kw, "write_kv_rows", lambda *a: calls.append(1) or real(*a))
+    model = open_model(tiny(arch))
+    try:
+        p = prompt(20, 4, model.spec.vocab_size)
+        outs = []
+        for on in (False, True):
+            monkeypatch.setattr(ra, "KV_WRITE_KERNEL", on)
+            r = Runner(model, device="cpu", n_slots=2, max_ctx=48, cache_type_k=kt, cache_type_v=vt, triton=True)
+            outs.append(runner_greedy(r, [p], 6))
+            assert bool(calls) == on          # the kernel ran, and only when switched on
+        assert outs[0][0] == outs[1][0]
+        for a, b in zip(outs[0][1][0], outs[1][1][0]):
+            assert torch.equal(a, b)
+    finally:
+        model.close()
+
+
 @pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo3_tcq", "q8_0"), ("qwen35", "turbo2", "turbo2_tcq"),
                                         ("gemma3", "f16", "f16")])
 def test_memory_helpers_and_planner_match_the_runner(tiny, arch, kt, vt):
