@@ -50,3 +50,20 @@ agents() {
     timeout "$2" python3 -u -m app.cli bench agents -m /tmp/m27.gguf "${extra[@]}" --servers "$1" \
         --json "$OUT/agents_${1/./}.json" 2>&1 | grep -v Warn | tail -12
 }
+
+# The synthetic 27B's decode step at 1 / 4 / 16 rows into $OUT/decode27b_LABEL.json, with the given environment
+# settings (an experiment's switch): `bench LABEL [VAR=VALUE ...]`.
+bench() {
+    local label=$1; shift
+    echo "$label"
+    m27_wait
+    env "$@" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
+        --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
+}
+
+# GPU tests into $OUT/FILE, their summary printed: `tests_into FILE PYTEST-ARGS...` (TESTS_SECONDS, default 240).
+tests_into() {
+    local file=$1; shift
+    timeout "${TESTS_SECONDS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf "$@" > "$OUT/$file" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/$file" | tail -12
+}

@@ -23,17 +23,6 @@
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 [ "$1" = 5 ] || [ "$1" = 6 ] || m27_start      # (the runs that use the 27B; it is written beside their tests)
-tests_into() {   # tests_into FILE PYTEST-ARGS...: GPU tests into $OUT/FILE, their summary printed
-    local file=$1; shift
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf "$@" > "$OUT/$file" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/$file" | tail -8
-}
-bench() {   # bench LABEL [VAR=VALUE ...]
-    local label=$1; shift
-    echo "$label"
-    env "$@" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
-        --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
-}
 if [ "$1" = 1 ]; then
     tests_into gpu_tests_split.txt tests/kernels/test_packed.py -k "split"
     m27_wait

@@ -27,21 +27,12 @@ shapes() {   # shapes LABEL [VAR=VALUE ...]
     env "$@" timeout 120 python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf --json "$OUT/shapes_$label.json" 2>&1 \
         | grep -v Warn | tail -14
 }
-bench() {   # bench LABEL [VAR=VALUE ...]
-    local label=$1; shift
-    echo "$label"
-    env "$@" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
-        --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
-}
 if [ "$1" = 1 ]; then
     m27_wait
     for ab in 0 1 2 3 6 7; do shapes ablate$ab HIVEJET_ABLATE=$ab; done
 fi
 if [ "$1" = 2 ]; then
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
-        > "$OUT/gpu_tests_sums.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_sums.txt" | tail -8
-    m27_wait
+    tests_into gpu_tests_sums.txt tests/kernels/test_packed.py -k "split_sums"
     bench count_1
     bench last_2 HIVEJET_SPLIT_SUM=last
     bench kernel_3 HIVEJET_SPLIT_SUM=kernel
@@ -49,41 +40,23 @@ if [ "$1" = 2 ]; then
     bench last_5 HIVEJET_SPLIT_SUM=last
     shapes last HIVEJET_SPLIT_SUM=last
 fi
-if [ "$1" = 3 ]; then
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
-        > "$OUT/gpu_tests_sums.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_sums.txt" | tail -8
-    m27_wait
+if [ "$1" = 3 ] || [ "$1" = 4 ]; then   # (run 4 also times the capped kernel alone)
+    tests_into gpu_tests_sums.txt tests/kernels/test_packed.py -k "split_sums"
     bench count_1
     bench last_2 HIVEJET_SPLIT_SUM=last
     bench last_cap96_3 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
     bench count_4
     bench last_5 HIVEJET_SPLIT_SUM=last
     shapes last HIVEJET_SPLIT_SUM=last
-fi
-if [ "$1" = 4 ]; then
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py -k "split_sums" \
-        > "$OUT/gpu_tests_sums.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_sums.txt" | tail -8
-    m27_wait
-    bench count_1
-    bench last_2 HIVEJET_SPLIT_SUM=last
-    bench last_cap96_3 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
-    bench count_4
-    bench last_5 HIVEJET_SPLIT_SUM=last
-    shapes last HIVEJET_SPLIT_SUM=last
-    shapes last_cap96 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
+    [ "$1" = 4 ] && shapes last_cap96 HIVEJET_SPLIT_SUM=last HIVEJET_DECODE_MAXNREG=128:128,64:96
 fi
 if [ "$1" = 5 ]; then
-    m27_wait
     for ab in 0 1 3 7; do bench ablate${ab} HIVEJET_ABLATE=$ab; done
     bench ablate0_again
 fi
 if [ "$1" = 6 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/kernels/test_packed.py tests/kernels/test_fused.py \
-        tests/engine/test_runner.py -k "gated or split_sums or qwen35 or llama or stacked" > "$OUT/gpu_tests_gated.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_gated.txt" | tail -12
-    m27_wait
+    tests_into gpu_tests_gated.txt tests/kernels/test_packed.py tests/kernels/test_fused.py \
+        tests/engine/test_runner.py -k "gated or split_sums or qwen35 or llama or stacked"
     bench gated_1
     bench plain_2 HIVEJET_GATED_SUMS=0
     bench gated_3

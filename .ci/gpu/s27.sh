@@ -8,18 +8,9 @@
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
-bench() {   # bench LABEL [VAR=VALUE ...]
-    local label=$1; shift
-    echo "$label"
-    env "$@" timeout 75 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 --rows 1 4 16 \
-        --json "$OUT/decode27b_$label.json" 2>&1 | grep -v Warn | tail -3
-}
 if [ "$1" = 1 ]; then
-    HIVEJET_KV_WRITE_KERNEL=1 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-        tests/kernels/test_kv_write.py tests/engine/test_runner.py \
-        -k "kv_write or graphs_equal_eager or (greedy_equals_cpu and qwen35) or stacked" > "$OUT/gpu_tests_kvw.txt" 2>&1
-    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests_kvw.txt" | tail -10
-    m27_wait
+    HIVEJET_KV_WRITE_KERNEL=1 tests_into gpu_tests_kvw.txt tests/kernels/test_kv_write.py tests/engine/test_runner.py \
+        -k "kv_write or graphs_equal_eager or (greedy_equals_cpu and qwen35) or stacked"
     bench kvw_off_1
     bench kvw_on_2 HIVEJET_KV_WRITE_KERNEL=1
     bench kvw_off_3
