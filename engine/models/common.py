@@ -234,15 +234,20 @@ class StackedWeights:
         dts = {w.input_dtype for w in self.parts}
         return dts.pop() if len(dts) == 1 else None
 
-    def matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each part's x @ W.T, in the parts' order."""
-        if not self.groups or not x.is_cuda:
-            return [w.matmul(x) for w in self.parts]
+    def _stacked_rows(self, x: torch.Tensor) -> bool:
+        """Whether x's rows take the stacked packed kernel: GPU decode rows or a small prompt chunk (larger
+        prompt chunks take _prefill, the CPU each part's own product)."""
         from kernels.quant.packed import small_prompt_rows
         rows = PREFILL_ROWS.get()
-        if rows and not small_prompt_rows(rows):
-            return self._prefill(x)
-        return self.stacked_matmul(x, rows)   # (decode rows, or a small prompt chunk: the packed kernel)
+        return bool(self.groups) and x.is_cuda and (not rows or small_prompt_rows(rows))
+
+    def matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's x @ W.T, in the parts' order."""
+        if self._stacked_rows(x):
+            return self.stacked_matmul(x, PREFILL_ROWS.get())
+        if not self.groups or not x.is_cuda:
+            return [w.matmul(x) for w in self.parts]
+        return self._prefill(x)
 
     def gated(self, x: torch.Tensor, op: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """act(x @ gate.T) * (x @ up.T) for a stack of (gate, up), op "silu" (SwiGLU) or "gelu_tanh" (GeGLU),
@@ -250,17 +255,14 @@ class StackedWeights:
         to the activation unadded: it adds them in slice order, the sums the matmul would make (the same
         bits), and the matmul's slices skip their fence and arrival count (0.5-0.8 ms of a 27B step's
         split-K sums, docs/PERFORMANCE.md, twenty-sixth session)."""
-        act = fused.silu_mul if op == "silu" else fused.gelu_tanh_mul
-        rows = PREFILL_ROWS.get()
-        from kernels.quant.packed import matmul_tuned, small_prompt_rows
-        if not (GATED_SUMS and x.is_cuda and len(self.parts) == 2 and not self.single
-                and [i for i, _ in self.groups[0][1]] == [0, 1] and (not rows or small_prompt_rows(rows))):
+        one_stack = not self.single and [i for i, _ in self.groups[0][1]] == [0, 1] \
+            and self.parts[0].n_out == self.parts[1].n_out
+        if not (GATED_SUMS and one_stack and self._stacked_rows(x)):
+            act = fused.silu_mul if op == "silu" else fused.gelu_tanh_mul
             return act(*self.matmul(x), out_dtype)
-        stack, cols = self.groups[0]
-        parts = matmul_tuned(x.reshape(-1, x.shape[-1]), stack, rows, partials=True)
-        n = self.parts[0].n_out
-        if self.parts[1].n_out != n:
-            raise ValueError(f"gate has {n} outputs, up {self.parts[1].n_out}")
+        from kernels.quant.packed import matmul_tuned
+        (stack, cols), n = self.groups[0], self.parts[0].n_out
+        parts = matmul_tuned(x.reshape(-1, x.shape[-1]), stack, PREFILL_ROWS.get(), partials=True)
         y = fused.gated_sum_parts(parts, cols[0][1], cols[1][1], n, op, out_dtype)
         return y.view(*x.shape[:-1], n)
 

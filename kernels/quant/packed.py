@@ -1032,8 +1032,10 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         if partials:
             return out.view(1, *lead, N)
         return out if add is None else out + add.view(*lead, N)
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else None
+    # (partial sums returned as they are: no output of their sum to make)
+    out = part if partials and part is not None else torch.empty((M, N), dtype=out_dtype, device=x.device)
+    part = out if part is None else part
     m_blocks = -(-M // block_m)
     counts = _arrival_counts(p, m_blocks) if split_k > 1 and not partials \
         and (SPLIT_SUM_HERE if sum_here is None else sum_here) else None
@@ -1055,7 +1057,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
     if partials:
-        return part.view(split_k, *lead, N) if split_k > 1 else out.view(1, *lead, N)
+        return part.view(split_k, *lead, N)
     if split_k > 1 and counts is None:
         block = 1024
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
