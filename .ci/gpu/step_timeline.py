@@ -3,7 +3,7 @@ under torch.profiler, every kernel's start and duration from the trace. Prints t
 kernels' busy time per kernel name, and the idle time between kernels (gaps) by the kind of kernel that
 follows, so launch latency and small-kernel costs show beside the matmuls.
 
-    python3 -u .ci/gpu/step_timeline.py /tmp/m27.gguf [--rows 1 16] [--json OUT]
+    python3 -u .ci/gpu/step_timeline.py /tmp/m27.gguf [--rows 1 16] [--json OUT] [--sequence N]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def replay_trace(runner, B: int, pos: int = 256) -> list[dict]:
     with open(path) as f:
         ev = json.load(f)["traceEvents"]
     os.unlink(path)
-    ks = [dict(name=_short(e["name"]), ts=float(e["ts"]), dur=float(e["dur"]))
+    ks = [dict(name=_short(e["name"]), full=e["name"][:240], ts=float(e["ts"]), dur=float(e["dur"]))
           for e in ev if e.get("cat") == "kernel"]
     return sorted(ks, key=lambda k: k["ts"])
 
@@ -66,13 +66,18 @@ def main():
     ap.add_argument("model")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--json")
+    ap.add_argument("--sequence", type=int, default=0,
+                    help="also keep the first N kernels of each replay in order (full names, durations)")
     a = ap.parse_args()
     model = open_model(a.model)
     runner = Runner(model, device="cuda", n_slots=max(a.rows), max_ctx=512)
     runner.capture(a.rows)
     out = {}
     for B in a.rows:
-        s = summarize(replay_trace(runner, B))
+        ks = replay_trace(runner, B)
+        s = summarize(ks)
+        if a.sequence:
+            s["sequence"] = [dict(name=k["full"], dur_us=k["dur"]) for k in ks[:a.sequence]]
         out[str(B)] = s
         print(f"{B} rows: {s['kernels']} kernels, span {s['span_us']:.0f} us, busy {s['busy_us']:.0f} us, "
               f"gaps {s['gap_us']:.0f} us")
