@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.models.common import FUSED_HEADS, HeadPrep
 from kernels.attention.flash import attention_lse, flash_chunk_attention, flash_fits, merge_attention
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
 
@@ -21,9 +22,16 @@ if TYPE_CHECKING:
 DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
 # float caches: the rows' new K and V written into the pool by one Triton kernel (kernels/attention/kv_write.py)
 # instead of two casts and two index_copy_ (torch kernels, outside the step's programmatic dependent launch);
-# the same bits. Off until measured on the GPU (HIVEJET_KV_WRITE_KERNEL=1 turns it on).
-KV_WRITE_KERNEL = os.environ.get("HIVEJET_KV_WRITE_KERNEL", "0") == "1"
-_KERNEL_WRITES = ("f16", "f32")   # (bf16 too on the GPU, but the interpreter truncates it: no test here)
+# the same bits. Measured on the H200 (docs/PERFORMANCE.md, twenty-seventh session): the 27B's 1-row step
+# 8.09 -> 7.99 ms. HIVEJET_KV_WRITE_KERNEL=0 restores the torch path.
+KV_WRITE_KERNEL = os.environ.get("HIVEJET_KV_WRITE_KERNEL", "1") != "0"
+
+
+def kernel_writes(ck, cv, device: torch.device) -> bool:
+    """Whether write_kv_rows takes these cache types: the float ones (bf16 on the GPU only: Triton's
+    interpreter truncates to bf16 where torch and the GPU round to nearest)."""
+    types = ("f16", "f32", "bf16") if device.type == "cuda" else ("f16", "f32")
+    return ck.name in types and cv.name in types
 
 
 class AttentionMixin:
@@ -45,22 +53,49 @@ class AttentionMixin:
             k, q, bias = self._precondition(kp, b, q, k)
             seg_len = self.segment
         flat = b.rows()                                                # each row's place in the pool
-        tk = self.triton
-        if tk and KV_WRITE_KERNEL and ck.name in _KERNEL_WRITES and cv.name in _KERNEL_WRITES:
+        if self.triton and KV_WRITE_KERNEL and kernel_writes(ck, cv, k.device):
             from kernels.attention.kv_write import write_kv_rows
             write_kv_rows(k, v, kc, vc, flat, ck.dtype, cv.dtype)
         else:
             kc.view(-1, s.n_head_kv, kc.shape[-1]).index_copy_(0, flat, ck.encode(k, self._impl))
             vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, cv.encode(v, self._impl))
+        return self._attend_stored(b, il, q, q_orig, bias, seg_len, scale, window, kp)
+
+    def _attend_prepared(self, b: SlotBatch, il, q, k, v, prep: HeadPrep, scale, window, gate=None, out_dtype=None):
+        """Decode rows whose q and k still need `prep` (their norms and rope): over a float cache without
+        key preconditioning, one kernel does prep, writes K and V into the pool and hands back the queries
+        (kernels/attention/kv_write.py: norm_rope_write_kv), then they attend (times sigmoid(gate) in
+        out_dtype, when given, in the attention's merge kernel). None: not this case (the caller preps and
+        attends as usual)."""
+        ck, cv = self.codec_k, self.codec_v
+        if not (self.triton and FUSED_HEADS and KV_WRITE_KERNEL and il not in self.kprep
+                and kernel_writes(ck, cv, q.device) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+            return None
+        from kernels.attention.kv_write import norm_rope_write_kv
+        q = norm_rope_write_kv(q, k, v, prep.q_norm, prep.k_norm, prep.eps, prep.cos, prep.sin, prep.rope.dim,
+                               prep.rope.neox, self.k[il], self.v[il], b.rows(), ck.dtype, cv.dtype)
+        return self._decode_attention(b, il, q, scale, window, gate=gate, out_dtype=out_dtype)
+
+    def _decode_attention(self, b: SlotBatch, il, q, scale, window, bias=None, seg_len=0, gate=None,
+                          out_dtype=None):
+        """Decode rows over the pool with the Triton kernel (their K and V written)."""
+        from kernels.attention.paged import paged_decode_attention
+        return paged_decode_attention(q, self.k[il], self.v[il], b.tables(), b.lengths(), self.codec_k,
+                                      self.codec_v, scale, self.spec.head_dim_v, window, n_split=self.n_split,
+                                      seg_bias=bias, seg_len=seg_len, precision=self._decode_dot, gate=gate,
+                                      out_dtype=out_dtype)
+
+    def _attend_stored(self, b: SlotBatch, il, q, q_orig, bias, seg_len, scale, window, kp):
+        """The rows' attention once their keys and values are in the pool (q preconditioned as the keys
+        were when kp is given; q_orig: as the model made it)."""
+        s = self.spec
+        kc, vc = self.k[il], self.v[il]
+        ck, cv = self.codec_k, self.codec_v
+        tk = self.triton
         if b.decode:
-            bt = b.tables()
-            lens = b.lengths()
             if tk:
-                from kernels.attention.paged import paged_decode_attention
-                return paged_decode_attention(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
-                                              n_split=self.n_split, seg_bias=bias, seg_len=seg_len,
-                                              precision=self._decode_dot)
-            return ref_paged_decode(q, kc, vc, bt, lens, ck, cv, scale, s.head_dim_v, window,
+                return self._decode_attention(b, il, q, scale, window, bias, seg_len)
+            return ref_paged_decode(q, kc, vc, b.tables(), b.lengths(), ck, cv, scale, s.head_dim_v, window,
                                     seg_bias=bias, seg_len=seg_len)
         bt = self.block_table[b.slot]
         if q.is_cuda and ck.name in ("f16", "bf16") and cv.name == ck.name:

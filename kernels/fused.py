@@ -116,6 +116,12 @@ def ref_head_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> to
     return ref_rms_norm(x, w, eps)
 
 
+def ref_head_rms_norm_silu(x: torch.Tensor, w: torch.Tensor | None, eps: float, gate: torch.Tensor,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * RMSNorm(x) per head (x, gate [N, H, D]): the gated output norm of Qwen3.5's DeltaNet."""
+    return ref_silu_mul(gate, ref_head_rms_norm(x, w, eps), out_dtype)
+
+
 def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, neox: bool) -> torch.Tensor:
     """engine.models.common.Rope.apply: x [N, H, D]; cos/sin [N, rope_dim/2]; only the first
     rope_dim dims of each head are rotated."""
@@ -229,18 +235,11 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * E + offs, y, mask=mask)
 
     @triton.jit
-    def _heads_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, stride_xn, stride_xh, stride_cn, eps,
-                      NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE_DIM: tl.constexpr, NEOX: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-        """One token (program_id 0) x BLOCK_H heads: optional RMSNorm over D, then rotary over the
-        first ROPE_DIM dims (0: none). Each value's rotation partner is loaded a second time
-        (from cache) rather than shuffled in registers."""
-        pdl_enter(PDL)
-        n = tl.program_id(0).to(tl.int64)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
-        base = x_ptr + n * stride_xn + offs_h[:, None].to(tl.int64) * stride_xh
+    def _head_tile(base, n, offs_d, mask, w_ptr, cos_ptr, sin_ptr, D, stride_cn, eps, NORM: tl.constexpr,
+                   HAS_W: tl.constexpr, ROPE_DIM: tl.constexpr, NEOX: tl.constexpr):
+        """Token n's heads at `base` (a [BLOCK_H, 1] block of head-row pointers), float32 [BLOCK_H, BLOCK_D]:
+        optional RMSNorm over D (times w), then rotary over the first ROPE_DIM dims (0: none). Each
+        value's rotation partner is loaded a second time (from cache) rather than shuffled in registers."""
         x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         if ROPE_DIM > 0:
             HALF: tl.constexpr = ROPE_DIM // 2
@@ -271,6 +270,26 @@ if HAVE_TRITON:
             # first of a pair: a*c - b*s; second: a*s + b*c (= b*c + a*s), with x the value itself
             sign = tl.where(lo, -1.0, 1.0)[None, :]
             x = tl.where(in_rot[None, :], x * c + (sign * xp) * s, x)
+        return x
+
+    @triton.jit
+    def _heads_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, gate_ptr, out_ptr, H, D, stride_xn, stride_xh, stride_cn,
+                      stride_gn, stride_gh, eps, NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE_DIM: tl.constexpr,
+                      NEOX: tl.constexpr, GATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        """One token (program_id 0) x BLOCK_H heads through _head_tile, then (GATE) times silu(gate), stored
+        in out's dtype."""
+        pdl_enter(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+        base = x_ptr + n * stride_xn + offs_h[:, None].to(tl.int64) * stride_xh
+        x = _head_tile(base, n, offs_d, mask, w_ptr, cos_ptr, sin_ptr, D, stride_cn, eps, NORM, HAS_W, ROPE_DIM, NEOX)
+        if GATE:
+            g = tl.load(gate_ptr + n * stride_gn + offs_h[:, None].to(tl.int64) * stride_gh + offs_d[None, :],
+                        mask=mask, other=0.0).to(tl.float32)
+            x = _gate(g, x, 0)
         out = out_ptr + (n * H + offs_h[:, None]) * D + offs_d[None, :]
         tl.store(out, x, mask=mask)
 
@@ -409,7 +428,9 @@ def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor
     return out, new_res
 
 
-def _heads(x, w, eps, cos, sin, rope_dim, neox, norm):
+def _heads(x, w, eps, cos, sin, rope_dim, neox, norm, gate=None, out_dtype=None):
+    """x [N, H, D] per head: RMSNorm (norm, weights w), rope over the first rope_dim dims, then (gate
+    [N, H, D]) times silu(gate); float32 math, the result in out_dtype (default x's)."""
     _need_triton()
     if x.dim() != 3:
         raise ValueError(f"expected x [N, H, D], got {tuple(x.shape)}")
@@ -424,21 +445,32 @@ def _heads(x, w, eps, cos, sin, rope_dim, neox, norm):
         cos, sin = _last_contig(cos), _last_contig(sin)
         if sin.stride(0) != cos.stride(0):
             cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty((N, H, D), dtype=x.dtype, device=x.device)
+    if gate is not None:
+        if gate.shape != x.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
+        gate = _last_contig(gate)
+    out = torch.empty((N, H, D), dtype=out_dtype or x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     block_d = _next_pow2(D)
     block_h = max(1, min(_next_pow2(H), 4096 // block_d))
     grid = (N, triton.cdiv(H, block_h))
-    _heads_kernel[grid](x, w if w is not None else x, cos if rope_dim else x, sin if rope_dim else x, out,
-                        H, D, x.stride(0), x.stride(1), cos.stride(0) if rope_dim else 0, float(eps),
-                        NORM=norm, HAS_W=w is not None, ROPE_DIM=rope_dim, NEOX=bool(neox),
-                        BLOCK_H=block_h, BLOCK_D=block_d, **_warps(block_h * block_d, x), **pdl_args(x))
+    g = gate if gate is not None else x
+    _heads_kernel[grid](x, w if w is not None else x, cos if rope_dim else x, sin if rope_dim else x, g, out,
+                        H, D, x.stride(0), x.stride(1), cos.stride(0) if rope_dim else 0, g.stride(0), g.stride(1),
+                        float(eps), NORM=norm, HAS_W=w is not None, ROPE_DIM=rope_dim, NEOX=bool(neox),
+                        GATE=gate is not None, BLOCK_H=block_h, BLOCK_D=block_d, **_warps(block_h * block_d, x),
+                        **pdl_args(x))
     return out
 
 
 def triton_head_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     return _heads(x, w, eps, None, None, 0, False, True)
+
+
+def triton_head_rms_norm_silu(x: torch.Tensor, w: torch.Tensor | None, eps: float, gate: torch.Tensor,
+                              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _heads(x, w, eps, None, None, 0, False, True, gate=gate, out_dtype=out_dtype)
 
 
 def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, neox: bool) -> torch.Tensor:
@@ -581,6 +613,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor | None
 
 def head_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     return (triton_head_rms_norm if use_triton(x) else ref_head_rms_norm)(x, w, eps)
+
+
+def head_rms_norm_silu(x: torch.Tensor, w: torch.Tensor | None, eps: float, gate: torch.Tensor,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (triton_head_rms_norm_silu if use_triton(x) else ref_head_rms_norm_silu)(x, w, eps, gate, out_dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, neox: bool) -> torch.Tensor:

@@ -4,7 +4,7 @@ shared-memory loads by width, and the integer / fp16 instructions of the inner l
 TRITON_INTERPRET; no GPU needed.
 
     python3 .ci/gpu/sass_stats.py [--type Q4_K] [--tile-n 128] [--tile-k 128] [--warps 4] [--stages 3]
-                                  [--no-swap] [--sass FILE]
+                                  [--no-swap] [--block-m 16] [--sass FILE]
 """
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--split", type=int, default=4)
     ap.add_argument("--no-swap", action="store_true")
+    ap.add_argument("--block-m", type=int, default=16, help="rows of x per program (wide_decode_rows: up to 64)")
     ap.add_argument("--sass", help="write the whole SASS here")
     a = ap.parse_args()
     kern = compile_decode_matmul(a.type, a.tile_n, a.tile_k, num_warps=a.warps, num_stages=a.stages,
-                                 swap_ab=not a.no_swap, split=a.split)
+                                 swap_ab=not a.no_swap, split=a.split, block_m=a.block_m)
     sass = sass_of(kern.asm["cubin"])
     usage = " ".join(f"{k}:{v}" for k, v in resource_usage(kern.asm["cubin"]).items())
     if a.sass:

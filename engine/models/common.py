@@ -34,6 +34,13 @@ PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows
 # adds them (StackedWeights.gated: the same bits, without the slices' arrival counts); HIVEJET_GATED_SUMS=0: the
 # matmul adds them and a separate activation kernel follows (to measure one against the other)
 GATED_SUMS = os.environ.get("HIVEJET_GATED_SUMS", "1") != "0"
+# whether a GPU step fuses per-head work: the DeltaNet's output norm with its SiLU gate (head_rms_norm_silu),
+# and in decode rows the attention's q/k norms and rope with the K/V write (HeadPrep, engine/runner_attention.py);
+# HIVEJET_FUSED_HEADS=0: separate launches (to measure one against the other)
+FUSED_HEADS = os.environ.get("HIVEJET_FUSED_HEADS", "1") != "0"
+# whether a GPU step's embedding rows come from one Triton launch (kernels/quant/packed.py: packed_rows) rather
+# than some twenty torch kernels; HIVEJET_ROWS_KERNEL=0: the torch ops (to measure one against the other)
+ROWS_KERNEL = os.environ.get("HIVEJET_ROWS_KERNEL", "1") != "0"
 _POOL_LOCK = threading.Lock()
 
 
@@ -179,7 +186,7 @@ class Weight:
             if isinstance(self.gpu, torch.Tensor):
                 return self.gpu[ids].float()
             from kernels.quant.packed import packed_rows
-            return packed_rows(self.gpu, ids)
+            return packed_rows(self.gpu, ids, "auto" if ROWS_KERNEL else "torch")
         row_bytes = self.raw.numel() // self.n_out
         raw_rows = self.raw.view(self.n_out, row_bytes)[ids]
         return dequantize_rows(raw_rows, self.qtype, self.n_in)
@@ -333,6 +340,19 @@ gelu_tanh_mul = fused.gelu_tanh_mul
 sigmoid_mul = fused.sigmoid_gate_mul   # a * sigmoid(gate), gate reshaped to a's shape
 
 
+def head_rms_norm_silu(x: torch.Tensor, w: torch.Tensor | None, eps: float, gate: torch.Tensor,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * RMSNorm(x) per head, x and gate [N, H, D]: one launch on the GPU."""
+    if x.is_cuda and FUSED_HEADS:
+        return fused.head_rms_norm_silu(x, w, eps, gate, out_dtype)
+    return silu_mul(gate, rms_norm(x, w, eps), out_dtype)
+
+
+def gate_output(a: torch.Tensor, gate: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """An attention output a [n, H, Dv] times sigmoid(gate) in out_dtype (no gate: a as it is)."""
+    return a if gate is None else sigmoid_mul(a, gate, out_dtype)
+
+
 class Rope:
     """Rotary position embedding over the first `dim` dims of each head.
     neox=False rotates adjacent pairs (x0,x1),(x2,x3)... (llama.cpp ROPE_TYPE_NORM);
@@ -358,6 +378,25 @@ class Rope:
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, H, D]; cos/sin [N, dim/2]."""
         return fused.rope(x, cos, sin, self.dim, self.neox)
+
+
+@dataclass
+class HeadPrep:
+    """What an attention layer does to its q and k heads before attending: an RMSNorm per head (weights
+    q_norm / k_norm; None: no norm), then `rope` with the step's (cos, sin). `apply` does it; a GPU decode
+    step does it inside the kernel that writes K and V (engine/runner_attention.py)."""
+
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    rope: Rope
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        return self.rope.apply(q, self.cos, self.sin), self.rope.apply(k, self.cos, self.sin)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
@@ -521,6 +560,16 @@ class DecoderModel:
             else:
                 outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
         return torch.cat(outs, dim=0)
+
+    def attend_heads(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
+                     prep: HeadPrep, scale: float, window: int = 0, gate: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """attend() for q and k as the projection made them: `prep` (their norms and rope) first. gate
+        [n, H, Dv]: the output times sigmoid(gate) (Qwen3.5's gated attention), in out_dtype."""
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py)
+            return batch.attend_heads(il, q, k, v, prep, scale, window, gate, out_dtype)
+        q, k = prep.apply(q, k)
+        return gate_output(self.attend(il, q, k, v, batch, scale, window), gate, out_dtype)
 
     # ----- KV cache -----
     cache_type_k = "f16"   # llama.cpp's default cache type

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import Batch, DecoderModel, Rope, rms_norm
+from engine.models.common import Batch, DecoderModel, HeadPrep, Rope, rms_norm
 
 
 class Gemma3Model(DecoderModel):
@@ -61,9 +61,8 @@ class Gemma3Model(DecoderModel):
         q = q.view(n, s.n_head, s.head_dim)
         k = k.view(n, s.n_head_kv, s.head_dim)
         v = v.view(n, s.n_head_kv, s.head_dim_v)
-        q = rope.apply(rms_norm(q, L["q_norm"].dense, s.rms_eps), cos, sin)
-        k = rope.apply(rms_norm(k, L["k_norm"].dense, s.rms_eps), cos, sin)
-        a = self.attend(il, q, k, v, batch, s.attn_scale, s.sliding_window if local else 0)
+        prep = HeadPrep(L["q_norm"].dense, L["k_norm"].dense, s.rms_eps, rope, cos, sin)
+        a = self.attend_heads(il, q, k, v, batch, prep, s.attn_scale, s.sliding_window if local else 0)
         a = L["wo"].matmul(a.reshape(n, -1))
         x = x + rms_norm(a, L["post_attn_norm"].dense, s.rms_eps)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps, L["ffn_in"].input_dtype)

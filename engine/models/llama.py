@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.common import Batch, DecoderModel, Rope, default_attn_scale, rms_norm
+from engine.models.common import Batch, DecoderModel, HeadPrep, Rope, default_attn_scale, rms_norm
 
 
 class LlamaModel(DecoderModel):
@@ -61,13 +61,9 @@ class LlamaModel(DecoderModel):
         q = self._bias(q, L["bq"]).view(n, s.n_head, s.head_dim)
         k = self._bias(k, L["bk"]).view(n, s.n_head_kv, s.head_dim)
         v = self._bias(v, L["bv"]).view(n, s.n_head_kv, s.head_dim_v)
-        if L["q_norm"] is not None:
-            q = rms_norm(q, L["q_norm"].dense, s.rms_eps)
-            k = rms_norm(k, L["k_norm"].dense, s.rms_eps)
-        cos, sin = batch.rope["main"]
-        q = self.rope.apply(q, cos, sin)
-        k = self.rope.apply(k, cos, sin)
-        a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, -1)
+        norms = (L["q_norm"].dense, L["k_norm"].dense) if L["q_norm"] is not None else (None, None)
+        prep = HeadPrep(*norms, s.rms_eps, self.rope, *batch.rope["main"])
+        a = self.attend_heads(il, q, k, v, batch, prep, self.attn_scale).reshape(n, -1)
         x = L["wo"].matmul(a, add=x) if L["bo"] is None else x + (L["wo"].matmul(a) + L["bo"].dense)
         h = rms_norm(x, L["ffn_norm"].dense, s.rms_eps, L["ffn_in"].input_dtype)
         return L["down"].matmul(L["ffn_in"].gated(h, "silu", L["down"].input_dtype), add=x)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.gguf.reader import GGUFError
-from engine.models.common import (Batch, DecoderModel, Rope, SeqChunk, SequenceKV, default_attn_scale, rms_norm,
-                                  sigmoid_mul, silu_mul)
+from engine.models.common import (Batch, DecoderModel, HeadPrep, Rope, SeqChunk, SequenceKV, default_attn_scale,
+                                  head_rms_norm_silu, rms_norm)
 from kernels.gdn import gdn_gates
 from kernels.gdn.chunk import chunk_scan
 from kernels.quant import dequantize_rows
@@ -307,14 +307,9 @@ class Qwen35Model(DecoderModel):
         q, gate = qg[..., :hd], qg[..., hd:]
         k = k.view(n, s.n_head_kv, hd)
         v = v.view(n, s.n_head_kv, hd)
-        q = rms_norm(q, L["q_norm"].dense, s.rms_eps)
-        k = rms_norm(k, L["k_norm"].dense, s.rms_eps)
-        cos, sin = batch.rope["main"]
-        q = self.rope.apply(q, cos, sin)
-        k = self.rope.apply(k, cos, sin)
-        a = self.attend(il, q, k, v, batch, self.attn_scale).reshape(n, s.n_head * hd)
-        a = sigmoid_mul(a, gate, L["wo"].input_dtype)
-        return L["wo"].matmul(a, add=residual)
+        prep = HeadPrep(L["q_norm"].dense, L["k_norm"].dense, s.rms_eps, self.rope, *batch.rope["main"])
+        a = self.attend_heads(il, q, k, v, batch, prep, self.attn_scale, gate=gate, out_dtype=L["wo"].input_dtype)
+        return L["wo"].matmul(a.reshape(n, s.n_head * hd), add=residual)
 
     def _gated_delta_net(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
                          residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -343,7 +338,7 @@ class Qwen35Model(DecoderModel):
                 c.kv.recurrent[il] = state
                 outs.append(o)
             o = torch.cat(outs, dim=0)
-        o = silu_mul(z.view(n, Hv, D), rms_norm(o, L["ssm_norm"].dense, s.rms_eps), L["ssm_out"].input_dtype)
+        o = head_rms_norm_silu(o, L["ssm_norm"].dense, s.rms_eps, z.view(n, Hv, D), L["ssm_out"].input_dtype)
         return L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
 
     def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kvcodec import KVCodec
+from kernels.kvcodec.base import placeholder
 
 try:
     import triton
@@ -113,9 +114,11 @@ if triton is not None:
             tl.store(ml_ptr + o * 2 + 1, l_i, mask=mg)
 
     @triton.jit
-    def _combine_kernel(acc_ptr, ml_ptr, len_ptr, out_ptr, H, NSPLIT, WINDOW: tl.constexpr, DV: tl.constexpr,
-                        BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr, PDL: tl.constexpr = False):
-        """One query head of one row: its used splits' partial (max, sum, acc) merged in split order."""
+    def _combine_kernel(acc_ptr, ml_ptr, len_ptr, out_ptr, gate_ptr, H, NSPLIT, stride_gb, stride_gh,
+                        WINDOW: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr,
+                        GATE: tl.constexpr = False, PDL: tl.constexpr = False):
+        """One query head of one row: its used splits' partial (max, sum, acc) merged in split order; GATE:
+        times sigmoid(gate[b, head]) (Qwen3.5's gated attention), stored in out's dtype."""
         pdl_enter(PDL)
         b = tl.program_id(0)
         qh = tl.program_id(1)
@@ -135,7 +138,11 @@ if triton is not None:
             acc = acc * alpha + tl.load(acc_ptr + (base + sp) * DV + dv) * beta
             l_ = l_ * alpha + ls * beta
             m = m_new
-        tl.store(out_ptr + (b * H + qh).to(tl.int64) * DV + dv, acc / l_)
+        o = acc / l_
+        if GATE:
+            g = tl.load(gate_ptr + b.to(tl.int64) * stride_gb + qh * stride_gh + dv).to(tl.float32)
+            o = o * (1.0 / (1.0 + tl.exp(-g)))      # (kernels/fused.py's a * sigmoid(b), in float32)
+        tl.store(out_ptr + (b * H + qh).to(tl.int64) * DV + dv, o)
 
     @triton.jit
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, start_ptr, cbk_ptr, cbv_ptr, out_ptr, sb_ptr,
@@ -233,6 +240,10 @@ def segment_bias(q: torch.Tensor, centers: torch.Tensor, slots: torch.Tensor, bl
     return out
 
 
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _finish(out_st: torch.Tensor, codec_v: KVCodec, head_dim_v: int, gate: torch.Tensor | None) -> torch.Tensor:
     out = codec_v.from_stored(out_st, head_dim_v)
     return out * torch.sigmoid(gate.float()) if gate is not None else out
@@ -240,7 +251,7 @@ def _finish(out_st: torch.Tensor, codec_v: KVCodec, head_dim_v: int, gate: torch
 
 def _seg_args(seg_bias, seg_len, q):
     if seg_bias is None or not seg_len:
-        return torch.zeros(1, dtype=torch.float32, device=q.device), 1, 0
+        return placeholder(q.device), 1, 0
     sb = seg_bias.float().contiguous()
     return sb, sb.shape[-1], int(seg_len)
 
@@ -280,13 +291,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
                            window: int = 0, gate: torch.Tensor | None = None, n_split: int | None = None,
                            block_t: int | None = None, seg_bias: torch.Tensor | None = None, seg_len: int = 0,
-                           precision: str = "ieee", min_keys: int | None = None) -> torch.Tensor:
+                           precision: str = "ieee", min_keys: int | None = None,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at position seq_lens[b] - 1, its K/V already written);
     block_tables int [B, max_blocks] (-1: dropped); seq_lens int [B]; seg_bias [B, H, n_seg] and
     seg_len: the key centers' score correction (SequenceKV.score_bias). n_split: the most split-K
     programs per row and KV head (a row uses fewer when it has under min_keys keys per split; keep it
     fixed across steps: it sets how a row's keys are split). precision: the dots' inputs ("ieee": fp32,
-    "tf32", "f16": tensor cores). Returns float32 [B, H, head_dim_v]."""
+    "tf32", "f16": tensor cores). gate [B, H, head_dim_v]: the output times sigmoid(gate) (in the merge
+    kernel where V is not rotated). Returns [B, H, head_dim_v], float32 or out_dtype."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     B, H, _ = q.shape
@@ -303,7 +316,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lens = seq_lens.to(torch.int32).to(q.device).contiguous()
     acc = torch.empty(B, H, n_split, dv, dtype=torch.float32, device=q.device)
     ml = torch.empty(B, H, n_split, 2, dtype=torch.float32, device=q.device)
-    out_st = torch.empty(B, H, dv, dtype=torch.float32, device=q.device)
+    # the gate in the merge kernel where the stored values are the output's (no rotation, no padding)
+    fuse = gate is not None and not codec_v.rotated and dv == head_dim_v and tuple(gate.shape) == (B, H, dv)
+    gate_k = _last_contig(gate) if fuse else None
+    out_st = torch.empty(B, H, dv, dtype=(out_dtype or torch.float32) if fuse else torch.float32, device=q.device)
     sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
     if B:
         pdl = pdl_args(q_st)
@@ -313,9 +329,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t, MIN_KEYS=min_keys,
             CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
-        _combine_kernel[(B, H)](acc, ml, lens, out_st, H, n_split, WINDOW=int(window), DV=dv, BLOCK_T=block_t,
-                                MIN_KEYS=min_keys, **pdl)
-    return _finish(out_st, codec_v, head_dim_v, gate)
+        g = gate_k if fuse else out_st
+        _combine_kernel[(B, H)](acc, ml, lens, out_st, g, H, n_split, g.stride(0), g.stride(1), WINDOW=int(window),
+                                DV=dv, BLOCK_T=block_t, MIN_KEYS=min_keys, GATE=fuse, **pdl)
+    if fuse:
+        return out_st
+    out = _finish(out_st, codec_v, head_dim_v, gate)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -24,6 +24,20 @@ try:
 except ImportError:  # CPU-only installs run the torch references
     HAVE_TRITON = False
 
+_PLACEHOLDERS: dict[str, torch.Tensor] = {}
+
+
+def placeholder(device) -> torch.Tensor:
+    """A 1-element float32 zero on `device`, made once per device: the argument a kernel gets for a table
+    or bias it does not read. (Made per call it was a fill kernel, three per attention layer of every
+    decode step.)"""
+    key = str(torch.device(device))
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
+    return t
+
+
 # codec ids shared with the Triton kernels (kernels/kvcodec/triton_decode.py, kernels/attention)
 F32, F16, BF16, Q8_0, TURBO4, TURBO3, TURBO2, TCQ3, TCQ2 = range(9)
 
@@ -68,8 +82,8 @@ class KVCodec:
         return 8.0 * self.row_bytes(d) / d
 
     def codebook(self, device="cpu") -> torch.Tensor:
-        """The value table the decoder indexes (float32); a 1-element dummy for table-free codecs."""
-        return torch.zeros(1, dtype=torch.float32, device=device)
+        """The value table the decoder indexes (float32); a 1-element placeholder for table-free codecs."""
+        return placeholder(device)
 
     # ----- domains -----
     def to_stored(self, x: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ except ImportError:  # CPU-only installs use the torch reference instead
     triton = None
 
 __all__ = ["PackedWeight", "PACKED_TYPES", "pack_weight", "dequant_packed_ref", "dequant_packed",
-           "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "stack_rows", "stack_key", "nibble_values",
+           "packed_matmul", "prefill_matmul", "prefill_rows", "packed_rows", "packed_rows_triton", "stack_rows", "stack_key", "nibble_values",
            "high_values"]
 
 
@@ -526,11 +526,14 @@ def dequant_packed_ref(p: PackedWeight) -> torch.Tensor:
     return _dequant(p, None)
 
 
-def packed_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+def packed_rows(p: PackedWeight, ids: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """Dequantize only rows `ids` (an integer tensor of any shape, on p's device) -> float32
     ids.shape + (K,): an embedding lookup from a packed table. Same values as
-    dequant_packed_ref(p)[ids]; torch ops, no host synchronisation."""
+    dequant_packed_ref(p)[ids], no host synchronisation. impl "auto": one Triton launch on CUDA (a decode
+    step's embedding was some twenty torch kernels), torch ops elsewhere; "triton" / "torch" force one."""
     flat = ids.reshape(-1).to(device=p.device, dtype=torch.long)
+    if impl == "triton" or (impl == "auto" and triton is not None and flat.is_cuda):
+        return packed_rows_triton(p, flat).view(*ids.shape, p.k)
     return _dequant(p, flat).view(*ids.shape, p.k)
 
 
@@ -715,11 +718,11 @@ if triton is not None:
     def _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, tile, HI_BITS: tl.constexpr, GROUP: tl.constexpr,
                       CODES: tl.constexpr, OFFSET: tl.constexpr, HAS_MINV: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_CVT: tl.constexpr,
-                      TMA: tl.constexpr = False):
+                      TMA: tl.constexpr = False, F32: tl.constexpr = False):
         """Tile `tile` (= row band * K tiles + K tile) as fp16 [BLOCK_N, BLOCK_K]: scale * q - minv.
         FAST_CVT: q through _as_f16 and one fp16 fma (the exact value rounded once); else float32 math
         rounded to fp16 (the same value except where float32 itself rounded, which needs |minv| and
-        |scale * q| 2^13 apart)."""
+        |scale * q| 2^13 apart). F32 (without FAST_CVT): the float32 values, not rounded."""
         AS_F16: tl.constexpr = ASM4 and HI_BITS != 8     # the 4-bit plane comes as exact fp16 values
         if HI_BITS == 8:
             qi = _load_fields(lo_ptr, tile, 8, BLOCK_N, BLOCK_K, TMA)
@@ -753,7 +756,10 @@ if triton is not None:
             w = tl.reshape(qi.to(tl.float32), (BLOCK_N, G, GROUP)) * s.to(tl.float32)[:, :, None]
             if HAS_MIN:
                 w = w - mv.to(tl.float32)[:, :, None]
-        return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(tl.float16)
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        if not F32:
+            w = w.to(tl.float16)
+        return w
 
     @triton.jit
     def _prefetch_run(ptr, first, n, TILE: tl.constexpr):
@@ -883,6 +889,27 @@ if triton is not None:
         rows = band.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + rows[:, None] * K + offs_k[None, :], w, mask=rows[:, None] < N)
+
+
+    @triton.jit
+    def _rows_kernel(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, ids_ptr, out_ptr, N, K, KT: tl.constexpr,
+                     HI_BITS: tl.constexpr, GROUP: tl.constexpr, CODES: tl.constexpr, OFFSET: tl.constexpr,
+                     HAS_MINV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        """out[i, kt's columns] = row ids[i] of K tile kt in float32, scale * q - minv as the reference
+        computes it (launched without FMA contraction): the tile is dequantized whole and the row picked
+        out (a tile row's values are not contiguous in the fragment-ordered planes). An id outside 0..N-1
+        gives zeros (the engine checks ids first; this only keeps the kernel from reading past the table)."""
+        pdl_enter(PDL)
+        i, kt = tl.program_id(0), tl.program_id(1)
+        row = tl.load(ids_ptr + i).to(tl.int64)
+        ok = (row >= 0) & (row < N)
+        row = tl.where(ok, row, 0)
+        w = _dequant_tile(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, (row // BLOCK_N) * KT + kt, HI_BITS, GROUP,
+                          CODES, OFFSET, HAS_MINV, BLOCK_N, BLOCK_K, False, False, True)
+        pick = (tl.arange(0, BLOCK_N) == row % BLOCK_N) & ok
+        v = tl.sum(tl.where(pick[:, None], w, 0.0), axis=0)     # (exact: one value and zeros; -0 becomes 0)
+        tl.store(out_ptr + i.to(tl.int64) * K + kt * BLOCK_K + tl.arange(0, BLOCK_K), v)
 
 
 @lru_cache(maxsize=None)
@@ -1123,6 +1150,18 @@ def dequant_packed(p: PackedWeight) -> torch.Tensor:
     return out
 
 
+def packed_rows_triton(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """packed_rows' kernel: ids int64 [n] -> float32 [n, K] (one program per id and K tile)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    out = torch.empty((ids.numel(), p.k), dtype=torch.float32, device=p.device)
+    if ids.numel():
+        extra = dict(enable_fp_fusion=False) if p.device.type == "cuda" else {}
+        _rows_kernel[(ids.numel(), p.k // p.tile_k)](*_pointers(p), ids, out, p.n, p.k, **kernel_constants(p),
+                                                     **pdl_args(out), **extra)
+    return out
+
+
 def prefill_rows(x: torch.Tensor, k: int, pad_rows: int = 0) -> torch.Tensor:
     """x's rows as the fp16 [max(m, pad_rows), k] operand of prefill products, zero-padded (weights that
     read the same x share one: StackedWeights)."""
@@ -1175,7 +1214,26 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.
     cfg = _CONFIGS.get(key)
     if cfg is None:
         cfg = _CONFIGS[key] = _checked_config(x, p, prefill, _sm_count(dev), _has_tma(dev))
+    if not prefill:
+        cfg = wide_decode_rows(cfg, x.numel() // x.shape[-1])
     return packed_matmul(x, p, add=add, partials=partials, **cfg)
+
+
+def wide_decode_rows(cfg: dict, m: int) -> dict:
+    """Decode settings for m rows: past 16 rows, blocks of up to DECODE_BLOCK_M rows of x (each weight tile
+    dequantized once per block: with 16-row blocks a 64-row step dequantized every tile four times and
+    cost 3.9x a 1-row step), the split, warps and stages kept (the same K slices, so the same sums: a
+    row's result does not depend on the rows beside it), no register cap (set for 16-row accumulators).
+    Only for the settings with the weight tile as the dot's first operand (swap_ab), where x's rows are
+    the MMA's N side: measured on the H200 to give every row the bits it gets alone (Q4_K, Q5_K, Q6_K).
+    Not for x as the first operand (the int8-plane types: rows one rounding apart at 64-row blocks) nor
+    for TMA's 256-value tiles (past the shared memory): those keep 16-row blocks."""
+    if (m <= 16 or DECODE_BLOCK_M <= 16 or cfg.get("block_m", 16) != 16 or not cfg.get("swap_ab")
+            or cfg.get("tma")):
+        return cfg
+    wide = {k: v for k, v in cfg.items() if k != "maxnreg"}
+    wide["block_m"] = min(DECODE_BLOCK_M, 1 << (m - 1).bit_length())
+    return wide
 
 
 def _checked_config(x: torch.Tensor, p: PackedWeight, prefill: int, n_sm: int, tma: bool) -> dict:
@@ -1233,6 +1291,11 @@ if SMALL_PROMPT_ROWS and (SMALL_PROMPT_ROWS < 16 or SMALL_PROMPT_ROWS & (SMALL_P
 # measured and keeps its decode settings. HIVEJET_SMALL_PROMPT_CONFIG (JSON, same form) replaces it.
 SMALL_PROMPT_CONFIG: dict | None = json.loads(os.environ.get("HIVEJET_SMALL_PROMPT_CONFIG", "null")) or {
     "plain": dict(num_warps=4, num_stages=3, swap_ab=True), "hi": dict(num_warps=4, num_stages=3, swap_ab=True)}
+# the most rows of x one decode program multiplies with its weight tiles (wide_decode_rows: a power of two, 16
+# or more; 16 keeps 16-row blocks for any number of rows, as before); HIVEJET_DECODE_BLOCK_M overrides
+DECODE_BLOCK_M = int(os.environ.get("HIVEJET_DECODE_BLOCK_M", "64"))
+if DECODE_BLOCK_M < 16 or DECODE_BLOCK_M & (DECODE_BLOCK_M - 1):
+    raise ValueError(f"HIVEJET_DECODE_BLOCK_M={DECODE_BLOCK_M}: a power of two, at least 16")
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
 # HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
 DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))

@@ -438,33 +438,62 @@ def test_triton_path_in_the_interpreter(tiny, monkeypatch, arch, kt, vt):
         model.close()
 
 
-@pytest.mark.parametrize("arch,kt,vt", [("llama", "f16", "f16"), ("qwen35", "f16", "f32")])
-def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
-    """HIVEJET_KV_WRITE_KERNEL (engine/runner_attention.py): float caches' new K and V written by one Triton
-    kernel give the logits of the casts and index_copy_ it replaces, bit for bit (the runner's Triton path in
-    the interpreter, prompt chunks and decode rows)."""
+def _greedy_off_and_on(tiny, monkeypatch, arch, switch, kernel, n_new, **runner_kw):
+    """The runner's Triton path (the interpreter) decoding one prompt greedily with engine/runner_attention.py's
+    `switch` off, then on. Returns both runs' (tokens, logits), how often kernels/attention/kv_write.py's
+    `kernel` ran in each, and the model's attention layers."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the interpreter is for machines without a GPU")
     import engine.runner_attention as ra
     import kernels.attention.kv_write as kw
     calls = []
-    real = kw.write_kv_rows
-    monkeypatch.setattr(kw, "write_kv_rows", lambda *a: calls.append(1) or real(*a))
+    real = getattr(kw, kernel)
+    monkeypatch.setattr(kw, kernel, lambda *a: calls.append(1) or real(*a))
     model = open_model(tiny(arch))
     try:
         p = prompt(20, 4, model.spec.vocab_size)
-        outs = []
+        outs, counts = [], []
         for on in (False, True):
-            monkeypatch.setattr(ra, "KV_WRITE_KERNEL", on)
-            r = Runner(model, device="cpu", n_slots=2, max_ctx=48, cache_type_k=kt, cache_type_v=vt, triton=True)
-            outs.append(runner_greedy(r, [p], 6))
-            assert bool(calls) == on          # the kernel ran, and only when switched on
-        assert outs[0][0] == outs[1][0]
-        for a, b in zip(outs[0][1][0], outs[1][1][0]):
-            assert torch.equal(a, b)
+            monkeypatch.setattr(ra, switch, on)
+            calls.clear()
+            r = Runner(model, device="cpu", n_slots=2, max_ctx=48, triton=True, **runner_kw)
+            outs.append(runner_greedy(r, [p], n_new))
+            counts.append(len(calls))
+        n_attn = sum(1 for il in range(model.spec.n_layer) if not model.layers[il].get("recurrent"))
     finally:
         model.close()
+    return outs, counts, n_attn
+
+
+@pytest.mark.parametrize("arch,kt,vt", [("llama", "f16", "f16"), ("qwen35", "f16", "f32")])
+def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
+    """HIVEJET_KV_WRITE_KERNEL (engine/runner_attention.py): float caches' new K and V written by one Triton
+    kernel give the logits of the casts and index_copy_ it replaces, bit for bit (the runner's Triton path in
+    the interpreter, prompt chunks and decode rows)."""
+    import engine.runner_attention as ra
+    monkeypatch.setattr(ra, "FUSED_HEADS", False)     # (decode rows would take norm_rope_write_kv instead)
+    outs, counts, _ = _greedy_off_and_on(tiny, monkeypatch, arch, "KV_WRITE_KERNEL", "write_kv_rows", 6,
+                                         cache_type_k=kt, cache_type_v=vt)
+    assert counts[0] == 0 and counts[1] > 0           # the kernel ran, and only when switched on
+    assert outs[0][0] == outs[1][0]
+    for a, b in zip(outs[0][1][0], outs[1][1][0]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch,kt", [("qwen3", "f16"), ("qwen35", "f32"), ("gemma3", "f16"), ("llama", "f16")])
+def test_fused_heads_in_decode_rows(tiny, monkeypatch, arch, kt):
+    """HIVEJET_FUSED_HEADS (engine/runner_attention.py): decode rows over a float cache norm and rope q and k
+    and write K and V in one kernel (kernels/attention/kv_write.py: norm_rope_write_kv), qwen35's output gate
+    in the attention's merge kernel; prompt chunks keep the separate path. The same greedy tokens as without
+    it, the logits within float32 rounding (the CPU's separate path norms and ropes in torch; the interpreter
+    in the kernel's float32), the kernel run once per attention layer and decode step."""
+    outs, counts, n_attn = _greedy_off_and_on(tiny, monkeypatch, arch, "FUSED_HEADS", "norm_rope_write_kv", 5,
+                                              cache_type=kt)
+    assert counts == [0, 5 * n_attn]
+    assert outs[0][0] == outs[1][0]
+    for a, b in zip(outs[0][1][0], outs[1][1][0]):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item()), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo3_tcq", "q8_0"), ("qwen35", "turbo2", "turbo2_tcq"),

@@ -32,12 +32,12 @@ _MM_POINTERS = dict(x_ptr="*fp16", lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_
 
 def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5120, *, num_warps: int = 4,
                           num_stages: int = 3, swap_ab: bool = True, split: int = 4, pdl: bool = False,
-                          prefetch: int = 0, maxnreg: int | None = None):
+                          prefetch: int = 0, maxnreg: int | None = None, block_m: int = 16):
     """kernels/quant/packed.py's decode matmul for a [tile_n, k] weight of GGUF type `qtype` packed as the
     engine packs it (its layout's constants from `kernel_constants`), compiled for sm_90: the
     CompiledKernel (asm["ptx"], asm["cubin"]). pdl, prefetch: as packed_matmul launches it with
-    programmatic dependent launch (kernels/pdl.py); maxnreg: a cap on the registers per thread. Call it in a
-    process without TRITON_INTERPRET."""
+    programmatic dependent launch (kernels/pdl.py); maxnreg: a cap on the registers per thread; block_m: the
+    rows of x per program (wide_decode_rows). Call it in a process without TRITON_INTERPRET."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,7 +48,7 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
     from tests.kernels.test_packed import _random_weight
     qt = QT[qtype]
     p = pack_weight(_random_weight(qt, tile_n, k), qt, tile_n, k, tile_n=tile_n, tile_k=tile_k)
-    const = dict(kernel_constants(p), BLOCK_M=16, SWAP_AB=swap_ab, FAST_CVT=True, TMA=False, SPLIT=split,
+    const = dict(kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=True, TMA=False, SPLIT=split,
                  SUM_HERE=split > 1, HAS_ADD=False, PDL=pdl, PREFETCH=prefetch,
                  EARLY_TRIGGER=False)
     sig = {n: "constexpr" if n in const else _MM_POINTERS.get(n, "i32") for n in fn.arg_names}

@@ -157,6 +157,30 @@ def test_sliding_window_with_dropped_blocks(pair):
     _close(dec[0], plain_attention(q[-1], c.K[0], c.V[0], 44, scale, window=W))
 
 
+@pytest.mark.parametrize("vt", ["f16", "q8_0", "turbo3"])
+def test_output_gate_in_the_merge_kernel(vt):
+    """Decode rows with qwen35's output gate (a strided view of the Q|gate projection) and an fp16 result:
+    where V is not rotated the merge kernel gates and rounds, the same bits as the attention then
+    kernels/fused.py's sigmoid gate; a rotated V (turbo3) gets the torch gate afterwards, within rounding."""
+    from kernels.attention.paged import paged_decode_attention
+    from kernels.fused import triton_sigmoid_gate_mul
+    B, H, hkv, d = 2, 4, 2, 128
+    c = Cache("f16", vt, 16, hkv, d, [21, 40], seed=9)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, d, generator=g)
+    gate = (torch.randn(B, H, 2 * d, generator=g) * 3)[..., d:]
+    lens = torch.tensor([21, 40])
+    out = paged_decode_attention(q, c.k, c.v, c.tables, lens, c.ck, c.cv, 0.1, d, gate=gate, out_dtype=torch.float16,
+                                 block_t=16)
+    plain = paged_decode_attention(q, c.k, c.v, c.tables, lens, c.ck, c.cv, 0.1, d, block_t=16)
+    want = triton_sigmoid_gate_mul(plain, gate, torch.float16)
+    assert out.dtype == torch.float16 and out.shape == (B, H, d)
+    if vt == "turbo3":
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+    else:
+        assert torch.equal(out, want)
+
+
 def test_qwen35_output_gate():
     H, hkv, d = 4, 2, 128
     c = Cache("turbo3_tcq", "turbo3_tcq", 16, hkv, d, [21], seed=7)

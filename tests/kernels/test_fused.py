@@ -11,10 +11,10 @@ pytest.importorskip("triton")
 
 from kernels import fused  # noqa: E402
 from kernels.fused import (  # noqa: E402
-    force_triton, ref_add_rms_norm, ref_argmax_rows, ref_gelu_tanh_mul, ref_head_rms_norm, ref_qk_norm_rope,
-    ref_rms_norm, ref_rope, ref_sigmoid_gate_mul, ref_silu_mul, triton_add_rms_norm, triton_argmax_rows,
-    triton_gelu_tanh_mul, triton_head_rms_norm, triton_qk_norm_rope, triton_rms_norm, triton_rope,
-    triton_sigmoid_gate_mul, triton_silu_mul)
+    force_triton, ref_add_rms_norm, ref_argmax_rows, ref_gelu_tanh_mul, ref_head_rms_norm, ref_head_rms_norm_silu,
+    ref_qk_norm_rope, ref_rms_norm, ref_rope, ref_sigmoid_gate_mul, ref_silu_mul, triton_add_rms_norm,
+    triton_argmax_rows, triton_gelu_tanh_mul, triton_head_rms_norm, triton_head_rms_norm_silu, triton_qk_norm_rope,
+    triton_rms_norm, triton_rope, triton_sigmoid_gate_mul, triton_silu_mul)
 
 # the interpreter evaluates exp(-x) in numpy, which warns where it overflows to inf (as intended)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
@@ -94,6 +94,23 @@ def test_head_rms_norm(n, d):
     w = torch.randn(d, generator=g)
     _close(triton_head_rms_norm(x, w, EPS), ref_head_rms_norm(x, w, EPS))
     _close(triton_head_rms_norm(x, None, EPS), ref_head_rms_norm(x, None, EPS))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("d", [64, 80])
+def test_head_rms_norm_silu(n, d):
+    """Qwen3.5's DeltaNet output: silu(z) * RMSNorm(o) per head in one kernel, z a strided view of the
+    stacked projection; the float32 result, and fp16 as the norm then the gate kernel round it."""
+    g = _gen(7 * n + d)
+    x = torch.randn(n, 3, d, generator=g) * 2
+    z = torch.randn(n, 3 * d + 5, generator=g)[:, :3 * d].view(n, 3, d) * 3
+    w = torch.randn(d, generator=g)
+    _close(triton_head_rms_norm_silu(x, w, EPS, z), ref_head_rms_norm_silu(x, w, EPS, z))
+    assert torch.equal(ref_head_rms_norm_silu(x, w, EPS, z), ref_silu_mul(z, ref_head_rms_norm(x, w, EPS)))
+    two = triton_silu_mul(z, triton_head_rms_norm(x, w, EPS), torch.float16)
+    assert torch.equal(triton_head_rms_norm_silu(x, w, EPS, z, torch.float16), two)
+    with pytest.raises(ValueError, match="differ"):
+        triton_head_rms_norm_silu(x, w, EPS, z[:, :2])
 
 
 # --------------------------------------------------------------------------- rope
@@ -314,6 +331,23 @@ def test_gpu_qk_norm_rope_real_size(h, d, rope_dim, neox):
     _close(triton_qk_norm_rope(x, w, EPS, cos, sin, rope_dim, neox),
            ref_qk_norm_rope(x, w, EPS, cos, sin, rope_dim, neox))
     _close(triton_rope(x, cos, sin, rope_dim, neox), ref_rope(x, cos, sin, rope_dim, neox))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 16])
+def test_gpu_head_rms_norm_silu_real_size(n):
+    """The 27B's DeltaNet output (48 heads of 128), fp16 out: as the norm and the gate kernels make it apart,
+    to one fp16 rounding step (on the GPU the two compile their float32 math differently: measured, a few
+    values one step apart at 16 rows), and as the reference."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(n)
+    x = torch.randn(n, 48, 128, device=dev, generator=g)
+    z = torch.randn(n, 2 * 48 * 128, device=dev, generator=g)[:, 48 * 128:].view(n, 48, 128) * 3
+    w = torch.randn(128, device=dev, generator=g)
+    out = triton_head_rms_norm_silu(x, w, EPS, z, torch.float16)
+    two = triton_silu_mul(z, triton_head_rms_norm(x, w, EPS), torch.float16).float()
+    assert ((out.float() - two).abs() <= two.abs() * 2.0 ** -10 + 2.0 ** -24).all()
+    _close(out.float(), ref_head_rms_norm_silu(x, w, EPS, z, torch.float16).float(), rtol=2e-3)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 from kernels.quant.packed import (  # noqa: E402
     PACKED_TYPES, dequant_packed, dequant_packed_ref, group_scales, nibble_values, pack_weight, packed_matmul,
-    packed_rows, prefill_matmul, row_major,
+    packed_rows, packed_rows_triton, prefill_matmul, row_major,
 )
 from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
 from tests.kernels.sm90 import sm90_figures  # noqa: E402
@@ -258,6 +258,21 @@ def test_packed_rows():
         assert torch.equal(got, dequant_packed_ref(p)[ids])
 
 
+@CODED
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_rows_kernel(qtype, coded):
+    """The embedding lookup's Triton kernel (one launch: the decode step's first): each id's row as the
+    float32 reference gives it, tail-band rows included; an id outside the table gives zeros, not a read past it."""
+    n, k = 40, 256
+    p = pack_weight(_random_weight(qtype, n, k, seed=3), qtype, n, k, tile_n=16, coded=coded)
+    ids = torch.tensor([[0, 39], [17, 16], [39, 5]])
+    got = packed_rows(p, ids, impl="triton")
+    assert got.shape == (3, 2, k) and got.dtype == torch.float32
+    assert torch.equal(got, dequant_packed_ref(p)[ids])
+    assert torch.equal(packed_rows(p, ids, impl="triton"), packed_rows(p, ids, impl="torch"))
+    assert (packed_rows_triton(p, torch.tensor([n, -1])) == 0).all()
+
+
 def _check(y, x, p):
     ref = x.half().float() @ dequant_packed_ref(p).T
     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -315,6 +330,24 @@ def test_settings_by_tile_rows_from_the_environment(monkeypatch):
         monkeypatch.setenv("HIVEJET_TEST_WAVES", bad)
         with pytest.raises(ValueError, match="HIVEJET_TEST_WAVES"):
             _by_tile_rows("HIVEJET_TEST_WAVES", "128:8")
+
+
+def test_wide_decode_rows_settings(monkeypatch):
+    """Decode settings by row count: 16-row blocks up to 16 rows, then one block of the rows' power of two
+    up to DECODE_BLOCK_M (more rows: several such blocks), the split and the rest kept, no register cap;
+    HIVEJET_DECODE_BLOCK_M=16 keeps 16-row blocks; settings not made for 16-row blocks, without the weight
+    tile as the dot's first operand, or with TMA are left alone."""
+    from kernels.quant import packed
+    from kernels.quant.packed import wide_decode_rows
+    cfg = dict(block_m=16, num_warps=4, num_stages=3, swap_ab=True, split_k=5, maxnreg=128)
+    assert wide_decode_rows(cfg, 1) is cfg and wide_decode_rows(cfg, 16) is cfg
+    assert wide_decode_rows(cfg, 17) == dict(block_m=32, num_warps=4, num_stages=3, swap_ab=True, split_k=5)
+    assert wide_decode_rows(cfg, 33)["block_m"] == 64 and wide_decode_rows(cfg, 200)["block_m"] == 64
+    assert wide_decode_rows(dict(cfg, block_m=64), 40)["block_m"] == 64
+    for other in (dict(cfg, swap_ab=False), dict(cfg, tma=True)):
+        assert wide_decode_rows(other, 64) is other
+    monkeypatch.setattr(packed, "DECODE_BLOCK_M", 16)
+    assert wide_decode_rows(cfg, 64) is cfg
 
 
 def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
@@ -586,6 +619,25 @@ def test_tma_on_gpu(qtype):
         y = matmul_tuned(x, p)
         assert torch.equal(y, packed_matmul(x, p, **dict(cfg, tma=False)))
         assert torch.equal(matmul_tuned(x[:1], p), y[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q5_K, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(6144, 5120), (5120, 17408)])
+def test_wide_decode_blocks_keep_each_rows_bits_on_gpu(qtype, n, k):
+    """Decode steps of more than 16 rows multiply blocks of up to 64 rows of x per weight tile
+    (wide_decode_rows; Q8_0 keeps 16-row blocks): every row's product is the bits it gets alone in a 1-row
+    step, at 17, 33 and 64 rows, with the residual added and as split-K partials too (batch invariance)."""
+    from kernels.quant.packed import matmul_tuned
+    p = pack_weight(_random_weight(qtype, n, k, seed=23).cuda(), qtype, n, k)
+    x = torch.randn(64, k, device="cuda")
+    a = torch.randn(64, n, device="cuda")
+    alone = torch.cat([matmul_tuned(x[i:i + 1], p) for i in range(64)])
+    for m in (17, 33, 64):
+        assert torch.equal(matmul_tuned(x[:m], p), alone[:m])
+        assert torch.equal(matmul_tuned(x[:m], p, add=a[:m]), a[:m] + alone[:m])
+        parts = matmul_tuned(x[:m], p, partials=True)
+        assert torch.equal(parts, torch.cat([matmul_tuned(x[i:i + 1], p, partials=True) for i in range(m)], 1))
 
 
 # --- split-K sums in the kernel, the residual added there, stacked weights ---------------------

@@ -29,7 +29,10 @@ try:
     from kernels.fused import _rms_norm_kernel, _add_rms_norm_kernel, _heads_kernel, _gated_kernel
     from kernels.gdn.recurrent import _conv_kernel, _delta_kernel
     from kernels.attention.paged import _combine_kernel, _decode_kernel
-    from kernels.quant.packed import _sum_parts_kernel
+    from kernels.attention.kv_write import _norm_rope_write_kernel, _write_kv_kernel
+    from kernels.quant.packed import _rows_kernel, _sum_parts_kernel, kernel_constants, pack_weight
+    from tests.kernels.test_packed import _random_weight
+    from gguf import GGMLQuantizationType as QT
 except ImportError as e:
     print(f"cannot compile for sm_90 here: {e}"); sys.exit(3)
 
@@ -50,14 +53,22 @@ def small(fn, const, fp=(), types=()):
 out = []
 out += small(_rms_norm_kernel, dict(HAS_W=True, BLOCK=1024), fp=("eps",))
 out += small(_add_rms_norm_kernel, dict(HAS_XW=False, HAS_W=True, BLOCK=1024), fp=("eps",))
-out += small(_heads_kernel, dict(NORM=True, HAS_W=True, ROPE_DIM=64, NEOX=True, BLOCK_H=4, BLOCK_D=256), fp=("eps",))
+out += small(_heads_kernel, dict(NORM=True, HAS_W=True, ROPE_DIM=64, NEOX=True, GATE=True, BLOCK_H=4, BLOCK_D=256),
+             fp=("eps",))
 out += small(_gated_kernel, dict(OP=0, BLOCK=1024))
 out += small(_conv_kernel, dict(K=4, KP=4, DP=128), fp=("eps", "scale"))
 out += small(_delta_kernel, dict(DP=128, BV=32, RAW_GATES=True))
 out += small(_decode_kernel, dict(WINDOW=0, SEG=0, G=4, G_PAD=16, DK=256, DV=256, BS=16, BLOCK_T=64, MIN_KEYS=256,
                                   CODEC_K=1, CODEC_V=1, DOT="f16"), fp=("scale",),
              types=dict(q_ptr="*fp16", k_ptr="*u8", v_ptr="*u8"))
-out += small(_combine_kernel, dict(WINDOW=0, DV=256, BLOCK_T=64, MIN_KEYS=256))
+out += small(_combine_kernel, dict(WINDOW=0, DV=256, BLOCK_T=64, MIN_KEYS=256, GATE=True), types=dict(out_ptr="*fp16"))
+out += small(_write_kv_kernel, dict(K_ELEMS=1024, V_ELEMS=1024, BLOCK=1024),
+             types=dict(kc_ptr="*fp16", vc_ptr="*fp16", rows_ptr="*i64"))
+out += small(_norm_rope_write_kernel, dict(NORM=True, HAS_W=True, ROPE_DIM=64, NEOX=True, BLOCK_H=8, BLOCK_D=256),
+             fp=("eps",), types=dict(kc_ptr="*fp16", vc_ptr="*fp16", rows_ptr="*i64"))
+_q4 = pack_weight(_random_weight(QT.Q4_K, 128, 512), QT.Q4_K, 128, 512)
+out += small(_rows_kernel, kernel_constants(_q4), types=dict(lo_ptr="*u8", hi_ptr="*u8", s_ptr="*fp16", m_ptr="*fp16",
+                                                            sup_ptr="*fp16", ids_ptr="*i64"))
 out += small(_sum_parts_kernel, dict(SPLIT=4, BLOCK=1024, HAS_ADD=False))
 ptx = compile_decode_matmul(sys.argv[1], 128 if sys.argv[1] == "Q4_K" else 64, pdl=True, prefetch=1).asm["ptx"]
 out += [at(ptx, r"griddepcontrol\.wait"), at(ptx, MEM), at(ptx, r"cp\.async\.bulk\.prefetch\.L2", last=True),
