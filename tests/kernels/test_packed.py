@@ -335,8 +335,8 @@ def test_settings_by_tile_rows_from_the_environment(monkeypatch):
 def test_wide_decode_rows_settings(monkeypatch):
     """Decode settings by row count: 16-row blocks up to 16 rows, then one block of the rows' power of two
     up to DECODE_BLOCK_M (more rows: several such blocks), the split and the rest kept, no register cap;
-    HIVEJET_DECODE_BLOCK_M=16 keeps 16-row blocks; settings not made for 16-row blocks, without the weight
-    tile as the dot's first operand, or with TMA are left alone."""
+    HIVEJET_DECODE_BLOCK_M=16 keeps 16-row blocks, HIVEJET_DECODE_WIDE_WARPS sets their warps; settings not made
+    for 16-row blocks, without the weight tile as the dot's first operand, or with TMA are left alone."""
     from kernels.quant import packed
     from kernels.quant.packed import wide_decode_rows
     cfg = dict(block_m=16, num_warps=4, num_stages=3, swap_ab=True, split_k=5, maxnreg=128)
@@ -346,6 +346,8 @@ def test_wide_decode_rows_settings(monkeypatch):
     assert wide_decode_rows(dict(cfg, block_m=64), 40)["block_m"] == 64
     for other in (dict(cfg, swap_ab=False), dict(cfg, tma=True)):
         assert wide_decode_rows(other, 64) is other
+    monkeypatch.setattr(packed, "DECODE_WIDE_WARPS", 8)          # (HIVEJET_DECODE_WIDE_WARPS: not measured yet)
+    assert wide_decode_rows(cfg, 64)["num_warps"] == 8 and wide_decode_rows(cfg, 16) is cfg
     monkeypatch.setattr(packed, "DECODE_BLOCK_M", 16)
     assert wide_decode_rows(cfg, 64) is cfg
 
