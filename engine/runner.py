@@ -50,7 +50,7 @@ import torch
 from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import PoolFullError, rope_key_pairs
 from engine.kv.sequence import SequenceKV
-from engine.models.common import PREFILL_ROWS, DecoderModel, gate_output, rms_norm
+from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
 from engine.runner_attention import AttentionMixin
 from engine.runner_keyprep import KeyPrep, KeyPrepMixin
@@ -224,16 +224,13 @@ class SlotBatch:
     def attend(self, il, q, k, v, scale, window):
         return self.runner._attend(self, il, q, k, v, scale, window)
 
-    def attend_heads(self, il, q, k, v, prep, scale, window, gate=None, out_dtype=None):
-        """attend() for q, k before their norms and rope (engine/models/common.py: HeadPrep, and the
-        output gate): decode rows over a float cache do the norms and rope in the kernel that writes K
-        and V, the gate in the attention's merge kernel."""
-        out = self.runner._attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype) \
-            if self.decode else None
-        if out is None:
-            q, k = prep.apply(q, k)
-            out = gate_output(self.attend(il, q, k, v, scale, window), gate, out_dtype)
-        return out
+    def attend_prepared(self, il, q, k, v, prep, scale, window, gate=None, out_dtype=None):
+        """DecoderModel.attend_heads' GPU shortcut: decode rows over a float cache do the norms and rope
+        (engine/models/common.py: HeadPrep) in the kernel that writes K and V, the output gate in the
+        attention's merge kernel. None where that does not apply (the model preps and attends as usual)."""
+        if not self.decode:
+            return None
+        return self.runner._attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype)
 
     def state_slots(self) -> torch.Tensor:
         """The decode rows' recurrent-state slots, padding rows -1 (no state update; once per step)."""

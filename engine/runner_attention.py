@@ -27,15 +27,15 @@ DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention o
 KV_WRITE_KERNEL = os.environ.get("HIVEJET_KV_WRITE_KERNEL", "1") != "0"
 
 
-def kernel_writes(ck, cv, device: torch.device) -> bool:
-    """Whether write_kv_rows takes these cache types: the float ones (bf16 on the GPU only: Triton's
-    interpreter truncates to bf16 where torch and the GPU round to nearest)."""
-    types = ("f16", "f32", "bf16") if device.type == "cuda" else ("f16", "f32")
-    return ck.name in types and cv.name in types
-
-
 class AttentionMixin:
     """Runner methods: one attention layer for a SlotBatch (decode rows or one slot's prompt chunk)."""
+
+    def _kernel_writes(self, device: torch.device) -> bool:
+        """Whether new K/V rows go into the pool by write_kv_rows (or norm_rope_write_kv): the Triton path
+        and float cache types (bf16 on the GPU only: Triton's interpreter truncates to bf16 where torch and
+        the GPU round to nearest)."""
+        types = ("f16", "f32", "bf16") if device.type == "cuda" else ("f16", "f32")
+        return self.triton and KV_WRITE_KERNEL and self.codec_k.name in types and self.codec_v.name in types
 
     def _attend(self, b: SlotBatch, il, q, k, v, scale, window):
         s = self.spec
@@ -53,7 +53,7 @@ class AttentionMixin:
             k, q, bias = self._precondition(kp, b, q, k)
             seg_len = self.segment
         flat = b.rows()                                                # each row's place in the pool
-        if self.triton and KV_WRITE_KERNEL and kernel_writes(ck, cv, k.device):
+        if self._kernel_writes(k.device):
             from kernels.attention.kv_write import write_kv_rows
             write_kv_rows(k, v, kc, vc, flat, ck.dtype, cv.dtype)
         else:
@@ -67,13 +67,13 @@ class AttentionMixin:
         (kernels/attention/kv_write.py: norm_rope_write_kv), then they attend (times sigmoid(gate) in
         out_dtype, when given, in the attention's merge kernel). None: not this case (the caller preps and
         attends as usual)."""
-        ck, cv = self.codec_k, self.codec_v
-        if not (self.triton and FUSED_HEADS and KV_WRITE_KERNEL and il not in self.kprep
-                and kernel_writes(ck, cv, q.device) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+        if not (FUSED_HEADS and il not in self.kprep and self._kernel_writes(q.device)
+                and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
             return None
         from kernels.attention.kv_write import norm_rope_write_kv
         q = norm_rope_write_kv(q, k, v, prep.q_norm, prep.k_norm, prep.eps, prep.cos, prep.sin, prep.rope.dim,
-                               prep.rope.neox, self.k[il], self.v[il], b.rows(), ck.dtype, cv.dtype)
+                               prep.rope.neox, self.k[il], self.v[il], b.rows(), self.codec_k.dtype,
+                               self.codec_v.dtype)
         return self._decode_attention(b, il, q, scale, window, gate=gate, out_dtype=out_dtype)
 
     def _decode_attention(self, b: SlotBatch, il, q, scale, window, bias=None, seg_len=0, gate=None,

@@ -21,29 +21,34 @@
 #   run 6: after run 5, wide blocks kept to the swap_ab settings without TMA (Q8_0 rows differed, TMA tiles ran out of
 #          shared memory): the packed matmul's GPU tests again.
 #   run 7: the final code: bench decode at 1 / 4 / 16 rows and the traced step's kernels (PDL off).
+# (Runs 1 and 2 switch off what later runs added, so that they measure on today's code what they measured then.)
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
-if [ "$1" = 1 ]; then
-    HIVEJET_KV_WRITE_KERNEL=1 tests_into gpu_tests_kvw.txt tests/kernels/test_kv_write.py tests/engine/test_runner.py \
-        -k "kv_write or graphs_equal_eager or (greedy_equals_cpu and qwen35) or stacked"
-    bench kvw_off_1
-    bench kvw_on_2 HIVEJET_KV_WRITE_KERNEL=1
-    bench kvw_off_3
-    bench kvw_on_4 HIVEJET_KV_WRITE_KERNEL=1
-    # the order of one replayed 1-row step's first kernels (the first attention layer is the 4th), PDL off
+# the first 90 kernels of one replayed 1-row step in order (the first attention layer is the 4th), PDL off, into
+# $OUT/NAME.json: `kernel_sequence NAME`
+kernel_sequence() {
+    m27_wait
     HIVEJET_PDL=0 timeout 120 python3 -u .ci/gpu/step_timeline.py /tmp/m27.gguf --rows 1 --sequence 90 \
-        --json "$OUT/step_timeline_seq.json" 2>&1 | grep -v Warn | tail -12
+        --json "$OUT/$1.json" 2>&1 | grep -v Warn | tail -14
+}
+if [ "$1" = 1 ]; then
+    HIVEJET_FUSED_HEADS=0 tests_into gpu_tests_kvw.txt tests/kernels/test_kv_write.py tests/engine/test_runner.py \
+        -k "kv_write or graphs_equal_eager or (greedy_equals_cpu and qwen35) or stacked"
+    bench kvw_off_1 HIVEJET_KV_WRITE_KERNEL=0 HIVEJET_ROWS_KERNEL=0
+    bench kvw_on_2 HIVEJET_FUSED_HEADS=0 HIVEJET_ROWS_KERNEL=0
+    bench kvw_off_3 HIVEJET_KV_WRITE_KERNEL=0 HIVEJET_ROWS_KERNEL=0
+    bench kvw_on_4 HIVEJET_FUSED_HEADS=0 HIVEJET_ROWS_KERNEL=0
+    kernel_sequence step_timeline_seq
 fi
 if [ "$1" = 2 ]; then
     TESTS_SECONDS=260 tests_into gpu_tests_fused.txt tests/kernels/test_kv_write.py tests/kernels/test_fused.py \
         tests/engine/test_runner.py -k "not smollm2 and not gemma3_real and not every_cache_type"
-    bench fused_1
-    bench sep_2 HIVEJET_FUSED_HEADS=0
-    bench fused_3
-    bench sep_4 HIVEJET_FUSED_HEADS=0
-    HIVEJET_PDL=0 timeout 120 python3 -u .ci/gpu/step_timeline.py /tmp/m27.gguf --rows 1 --sequence 90 \
-        --json "$OUT/step_timeline_seq_fused.json" 2>&1 | grep -v Warn | tail -12
+    bench fused_1 HIVEJET_ROWS_KERNEL=0
+    bench sep_2 HIVEJET_FUSED_HEADS=0 HIVEJET_ROWS_KERNEL=0
+    bench fused_3 HIVEJET_ROWS_KERNEL=0
+    bench sep_4 HIVEJET_FUSED_HEADS=0 HIVEJET_ROWS_KERNEL=0
+    kernel_sequence step_timeline_seq_fused
 fi
 if [ "$1" = 3 ]; then
     TESTS_SECONDS=300 tests_into gpu_tests_3.txt tests/kernels/test_packed.py tests/kernels/test_attention.py \
@@ -81,6 +86,5 @@ if [ "$1" = 6 ]; then
 fi
 if [ "$1" = 7 ]; then
     bench final
-    HIVEJET_PDL=0 timeout 120 python3 -u .ci/gpu/step_timeline.py /tmp/m27.gguf --rows 1 --sequence 90 \
-        --json "$OUT/step_timeline_seq_final.json" 2>&1 | grep -v Warn | tail -14
+    kernel_sequence step_timeline_seq_final
 fi

@@ -348,11 +348,6 @@ def head_rms_norm_silu(x: torch.Tensor, w: torch.Tensor | None, eps: float, gate
     return silu_mul(gate, rms_norm(x, w, eps), out_dtype)
 
 
-def gate_output(a: torch.Tensor, gate: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
-    """An attention output a [n, H, Dv] times sigmoid(gate) in out_dtype (no gate: a as it is)."""
-    return a if gate is None else sigmoid_mul(a, gate, out_dtype)
-
-
 class Rope:
     """Rotary position embedding over the first `dim` dims of each head.
     neox=False rotates adjacent pairs (x0,x1),(x2,x3)... (llama.cpp ROPE_TYPE_NORM);
@@ -566,10 +561,13 @@ class DecoderModel:
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """attend() for q and k as the projection made them: `prep` (their norms and rope) first. gate
         [n, H, Dv]: the output times sigmoid(gate) (Qwen3.5's gated attention), in out_dtype."""
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py)
-            return batch.attend_heads(il, q, k, v, prep, scale, window, gate, out_dtype)
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py): maybe all in its kernels
+            out = batch.attend_prepared(il, q, k, v, prep, scale, window, gate, out_dtype)
+            if out is not None:
+                return out
         q, k = prep.apply(q, k)
-        return gate_output(self.attend(il, q, k, v, batch, scale, window), gate, out_dtype)
+        a = self.attend(il, q, k, v, batch, scale, window)
+        return a if gate is None else sigmoid_mul(a, gate, out_dtype)
 
     # ----- KV cache -----
     cache_type_k = "f16"   # llama.cpp's default cache type

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fused import _last_contig
 from kernels.kvcodec import KVCodec
 from kernels.kvcodec.base import placeholder
 
@@ -240,10 +241,6 @@ def segment_bias(q: torch.Tensor, centers: torch.Tensor, slots: torch.Tensor, bl
     return out
 
 
-def _last_contig(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _finish(out_st: torch.Tensor, codec_v: KVCodec, head_dim_v: int, gate: torch.Tensor | None) -> torch.Tensor:
     out = codec_v.from_stored(out_st, head_dim_v)
     return out * torch.sigmoid(gate.float()) if gate is not None else out
@@ -318,7 +315,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ml = torch.empty(B, H, n_split, 2, dtype=torch.float32, device=q.device)
     # the gate in the merge kernel where the stored values are the output's (no rotation, no padding)
     fuse = gate is not None and not codec_v.rotated and dv == head_dim_v and tuple(gate.shape) == (B, H, dv)
-    gate_k = _last_contig(gate) if fuse else None
     out_st = torch.empty(B, H, dv, dtype=(out_dtype or torch.float32) if fuse else torch.float32, device=q.device)
     sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
     if B:
@@ -329,7 +325,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t, MIN_KEYS=min_keys,
             CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
-        g = gate_k if fuse else out_st
+        g = _last_contig(gate) if fuse else out_st      # (a tensor the kernel does not read without the gate)
         _combine_kernel[(B, H)](acc, ml, lens, out_st, g, H, n_split, g.stride(0), g.stride(1), WINDOW=int(window),
                                 DV=dv, BLOCK_T=block_t, MIN_KEYS=min_keys, GATE=fuse, **pdl)
     if fuse:

@@ -998,10 +998,17 @@ def small_prompt(p: PackedWeight, decode: dict) -> dict:
     (each weight tile dequantized once for all of them, where decode's 16-row blocks would dequantize it
     once per 16 rows), SMALL_PROMPT_CONFIG's changes for the weight's class, no register cap (the cap was
     set for 16-row blocks; a 64-row accumulator needs more)."""
-    cfg = {k: v for k, v in decode.items() if k != "maxnreg"}
-    cfg["block_m"] = SMALL_PROMPT_ROWS
+    cfg = rows_in_blocks(decode, SMALL_PROMPT_ROWS)
     cfg.update((SMALL_PROMPT_CONFIG or {}).get(weight_class(p), {}))
     return cfg
+
+
+def rows_in_blocks(cfg: dict, block_m: int) -> dict:
+    """Settings made for 16-row blocks of x, with block_m rows instead and no register cap (the cap was set
+    for 16-row accumulators)."""
+    wide = {k: v for k, v in cfg.items() if k != "maxnreg"}
+    wide["block_m"] = block_m
+    return wide
 
 
 def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = torch.float32, *,
@@ -1231,8 +1238,7 @@ def wide_decode_rows(cfg: dict, m: int) -> dict:
     if (m <= 16 or DECODE_BLOCK_M <= 16 or cfg.get("block_m", 16) != 16 or not cfg.get("swap_ab")
             or cfg.get("tma")):
         return cfg
-    wide = {k: v for k, v in cfg.items() if k != "maxnreg"}
-    wide["block_m"] = min(DECODE_BLOCK_M, 1 << (m - 1).bit_length())
+    wide = rows_in_blocks(cfg, min(DECODE_BLOCK_M, 1 << (m - 1).bit_length()))
     if DECODE_WIDE_WARPS:
         wide["num_warps"] = DECODE_WIDE_WARPS
     return wide
