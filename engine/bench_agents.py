@@ -168,9 +168,14 @@ def run_scenarios(url: str, vocab: int, agents=(1, 4, 8, 16), gen: int = 128, co
             t0 = time.perf_counter()
             rs = _parallel([lambda: complete(url, _prompt(rng, 32, vocab), gen) for _ in range(n)])
             wall = time.perf_counter() - t0
+            # where the wall time beyond decoding goes: the first tokens (prompts read) and the ends' spread
+            ttft = sorted(r["ttft"] for r in rs)
             res["decode"].append(dict(agents=n, per_agent=sum(map(_decode_rate, rs)) / n,
-                                      total=sum(r["tokens"] for r in rs) / wall))
-            _log(f"1. {n} agents: {res['decode'][-1]['total']:.1f} tok/s total ({wall:.1f} s)")
+                                      total=sum(r["tokens"] for r in rs) / wall, wall_s=wall,
+                                      ttft_s=dict(min=ttft[0], median=ttft[len(ttft) // 2], max=ttft[-1]),
+                                      end_spread_s=max(r["t_end"] for r in rs) - min(r["t_end"] for r in rs)))
+            _log(f"1. {n} agents: {res['decode'][-1]['total']:.1f} tok/s total ({wall:.1f} s; first token "
+                 f"{ttft[0]:.3f}-{ttft[-1]:.3f} s)")
             done(res)
     convs = [_prompt(rng, context, vocab) for _ in range(4)]
     if 2 in scenarios or 3 in scenarios:
@@ -295,7 +300,9 @@ def print_agents(res: dict) -> None:
         return all(key in r for r in runs)
     if ran("decode"):
         for i, d in enumerate(runs[0]["decode"]):
-            cells = [f"{r['decode'][i]['total']:.1f} total, {r['decode'][i]['per_agent']:.1f}/agent" for r in runs]
+            cells = [f"{r['decode'][i]['total']:.1f} total, {r['decode'][i]['per_agent']:.1f}/agent"
+                     + (f", last first token {r['decode'][i]['ttft_s']['max']:.2f} s" if "ttft_s" in r["decode"][i] else "")
+                     for r in runs]
             print(f"1. {d['agents']:2d} agents decode: " + " | ".join(cells))
     if ran("long_context"):
         print("2. 4 agents at long context, tok/s each: " + " | ".join(

@@ -7,6 +7,18 @@
 #          1-row step: more warps may change them, then that setting is out), then bench decode rows 1..64 with
 #          the default (64-row blocks, the weight's warps), 8 warps (HIVEJET_DECODE_WIDE_WARPS=8), and 32-row blocks
 #          at 8 warps. Keep the fastest setting whose tests pass.
+#   run 2: the decode attention's fewest keys per split-K program for float caches (FLOAT_DECODE_CONFIG min_keys
+#          256: a row under 256 keys runs on one program per KV head, 13 us a layer at 256 keys in the s27 trace):
+#          sweep_attn.py --short (contexts 128..4096, 1-16 rows), then bench decode at depths 0 and 23000 with
+#          min_keys 256 / 64 / 128 (through a switch HIVEJET_ATTN_MIN_KEYS made for this run, not kept: the
+#          sweep chose a split by row length instead, short_keys, run 3).
+#   run 3: short rows in about 8 programs of at least 64 keys (FLOAT_DECODE_CONFIG short_keys): the GPU tests of
+#          the attention and the runner, bench decode at depths 0 and 23000 with it, without
+#          (HIVEJET_ATTN_SHORT_KEYS=0) and with it again, and the 1-row step's kernels (step_timeline.py).
+#   run 4: the final code: bench decode with llama-bench in the same run (carry .bench-bin), then the runner's
+#          overlapped-step GPU tests and the attention's split tests (run 3's 200 s ran out before the first).
+#   run 5: issue #6's agents on the final code: HiveJet scenarios 1 and 2, llama-server scenario 1 (carry
+#          .bench-srv; both llama.cpp tars together pass a call's 64 MiB).
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -22,4 +34,41 @@ if [ "$1" = 1 ]; then
         env ${run#*:} timeout 100 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 \
             --json "$OUT/decode27b_${run%%:*}.json" 2>&1 | grep -v Warn | tail -8
     done
+fi
+if [ "$1" = 2 ]; then
+    timeout 150 python3 -u .ci/gpu/sweep_attn.py 110 --short 2>&1 | grep -E "^top|^\{|skip"
+    m27_wait
+    for mk in 256 64 128; do
+        echo "min_keys $mk"
+        HIVEJET_ATTN_MIN_KEYS=$mk timeout 120 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 23000 \
+            --rows 1 4 16 --json "$OUT/decode27b_mk$mk.json" 2>&1 | grep -v Warn | tail -12
+    done
+fi
+if [ "$1" = 3 ]; then
+    TESTS_SECONDS=200 tests_into gpu_tests.txt tests/kernels/test_attention.py tests/engine/test_runner.py \
+        tests/engine/test_engine_runner.py -k "not smollm2 and not gemma3_real and not (greedy_equals_cpu and gemma3)"
+    m27_wait
+    for run in "short:" "long:HIVEJET_ATTN_SHORT_KEYS=0" "short2:"; do
+        echo "${run%%:*}"
+        env ${run#*:} timeout 120 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --depths 0 23000 \
+            --rows 1 4 16 --json "$OUT/decode27b_${run%%:*}.json" 2>&1 | grep -v Warn | tail -11
+    done
+    timeout 90 python3 -u .ci/gpu/step_timeline.py /tmp/m27.gguf --rows 1 --sequence 60 \
+        --json "$OUT/step_timeline.json" 2>&1 | grep -v Warn | head -30
+fi
+if [ "$1" = 4 ]; then
+    m27_wait
+    tar xJf .bench-bin/llama-bench-b11434-cuda-sm90.tar.xz -C /tmp
+    timeout 240 python3 -u -m app.cli bench decode -m /tmp/m27.gguf --llamacpp /tmp --json "$OUT/decode27b_full.json" \
+        2>&1 | grep -v Warn | tail -16
+    TESTS_SECONDS=150 tests_into gpu_tests.txt tests/engine/test_engine_runner.py tests/kernels/test_attention.py \
+        -k "overlapped_steps_give or short or split"
+fi
+if [ "$1" = 5 ]; then
+    m27_wait
+    timeout 300 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --device cuda --servers hivejet --scenarios 1 2 \
+        --json "$OUT/agents_hivejet.json" 2>&1 | grep -v Warn | tail -14
+    tar xJf .bench-srv/llama-server-*.tar.xz -C /tmp
+    timeout 200 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --llamacpp /tmp --servers llama.cpp --scenarios 1 \
+        --json "$OUT/agents_llamacpp.json" 2>&1 | grep -v Warn | tail -10
 fi

@@ -5,7 +5,8 @@ the GPU), over copies of the cache that together exceed the L2, as the runner la
 sequences at depth 23,000, one at 131,072, one and sixteen at 4,096. Then the best settings for the float
 rows again on the coded cache types, against the settings those use now. K/V are random bytes kept small (no
 NaNs); the speed does not depend on them. Prints one JSON line per setting (us per case) and writes
-$OUT/sweep_attn.json.    python3 -u .ci/gpu/sweep_attn.py [seconds]"""
+$OUT/sweep_attn.json. --short: contexts of 128 to 4,096 keys (and 23,000 for comparison), the float rows only, into $OUT/sweep_attn_short.json.
+    python3 -u .ci/gpu/sweep_attn.py [seconds] [--short]"""
 import itertools
 import json
 import math
@@ -21,9 +22,13 @@ from kernels.kvcodec import get_codec
 sys.path.insert(0, ".ci/gpu")
 from sweep_scales import graph_time  # noqa: E402
 
-BUDGET = float(sys.argv[1]) if len(sys.argv) > 1 else 200
+SHORT = "--short" in sys.argv        # short contexts (a chat's first turns, bench decode at depth 0)
+args = [a for a in sys.argv[1:] if a != "--short"]
+BUDGET = float(args[0]) if args else 200
 H, HKV, D, BS = 24, 4, 256, 16
 CASES = [(1, 23000), (4, 23000), (1, 131072), (1, 4096), (16, 4096)]
+if SHORT:
+    CASES = [(1, 128), (1, 512), (4, 512), (16, 512), (1, 2048), (16, 2048), (1, 4096), (16, 4096), (1, 23000)]
 CODED = ("q8_0", "turbo4", "turbo3_tcq")
 
 
@@ -42,7 +47,7 @@ def case_data(name, cases):
     codec = get_codec(name)
     out = []
     for B, L in cases:
-        n = max(1, math.ceil(300e6 / (2 * B * L * HKV * codec.row_bytes(D))))
+        n = min(256, max(1, math.ceil(300e6 / (2 * B * L * HKV * codec.row_bytes(D)))))   # (256: past the L2)
         copies = [make_cache(codec, B, L) for _ in range(n)]
         out.append((B, L, codec, copies, torch.randn(B, H, D, device="cuda"),
                     torch.full((B,), L, dtype=torch.int32, device="cuda")))
@@ -85,6 +90,9 @@ results["f16"].append(dict(setting=FLOAT_BASE, us=base_us))
 print(json.dumps(results["f16"][-1]), flush=True)
 grid = [dict(block_t=bt, num_warps=nw, num_stages=ns, min_keys=mk)
         for bt, nw, ns, mk in itertools.product((16, 32, 64), (4, 8), (1, 2, 3), (64, 256)) if mk >= bt]
+if SHORT:   # fewer keys per split-K program (more programs on a short row), around the float rows' settings
+    grid = [dict(block_t=bt, num_warps=nw, num_stages=2, min_keys=mk)
+            for bt, nw, mk in itertools.product((32, 64), (4, 8), (32, 64, 128, 256)) if mk >= bt]
 for s in grid:
     if time.time() > t_end - 60:
         break
@@ -106,7 +114,7 @@ for r in ranked[:5]:
 del data
 torch.cuda.empty_cache()
 # the coded types: their settings now against the three best float-row settings
-for name in CODED:
+for name in (() if SHORT else CODED):
     if time.time() > t_end:
         break
     d2 = case_data(name, CASES[:3])
@@ -121,4 +129,5 @@ for name in CODED:
     paged.DECODE_CONFIG.update(BASE)
     del d2
     torch.cuda.empty_cache()
-json.dump(results, open(os.path.join(os.environ.get("OUT", "/tmp"), "sweep_attn.json"), "w"), indent=1)
+json.dump(results, open(os.path.join(os.environ.get("OUT", "/tmp"), "sweep_attn_short.json" if SHORT else "sweep_attn.json"),
+                        "w"), indent=1)

@@ -23,6 +23,8 @@ makes a decode step's table with `segment_bias` (Triton, row by row).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.fused import _last_contig
@@ -46,16 +48,23 @@ def _next_pow2(n: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _row_split(len_ptr, b, NSPLIT, WINDOW: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _row_split(len_ptr, b, NSPLIT, WINDOW: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_T: tl.constexpr,
+                   SHORT_KEYS: tl.constexpr = 0, SHORT_SPLITS: tl.constexpr = 8):
         """Row b's keys (L: its length, lo: its first visible key) and the keys per split-K program: the
         lo..L keys spread over NSPLIT programs, at least MIN_KEYS each (short rows use fewer programs),
-        whole key tiles. Depends on the row alone, so a row's result does not depend on the other rows
-        of the step (batch invariance)."""
+        whole key tiles. SHORT_KEYS > 0: a row too short for SHORT_SPLITS programs of MIN_KEYS keys gets
+        about SHORT_SPLITS programs of at least SHORT_KEYS keys instead (a short row alone on the GPU
+        waits on one program's chain of key tiles otherwise). Depends on the row alone, so a row's result
+        does not depend on the other rows of the step (batch invariance)."""
         L = tl.load(len_ptr + b)
         lo = 0
         if WINDOW > 0:
             lo = tl.maximum(L - WINDOW, 0)
-        per = tl.maximum(tl.cdiv(tl.cdiv(L - lo, NSPLIT), BLOCK_T) * BLOCK_T, MIN_KEYS)
+        fewest = MIN_KEYS
+        if SHORT_KEYS > 0:
+            fewest = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(L - lo, SHORT_SPLITS), BLOCK_T) * BLOCK_T, SHORT_KEYS),
+                                MIN_KEYS)
+        per = tl.maximum(tl.cdiv(tl.cdiv(L - lo, NSPLIT), BLOCK_T) * BLOCK_T, fewest)
         return L, lo, per
 
     @triton.jit
@@ -70,12 +79,13 @@ if triton is not None:
                        scale, H, HKV, MAXB, RBK, RBV, NSPLIT, NSEG, WINDOW: tl.constexpr, SEG: tl.constexpr,
                        G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BS: tl.constexpr, BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr,
-                       CODEC_K: tl.constexpr, CODEC_V: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
+                       CODEC_K: tl.constexpr, CODEC_V: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False,
+                       SHORT_KEYS: tl.constexpr = 0):
         pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
-        L, lo, per = _row_split(len_ptr, b, NSPLIT, WINDOW, MIN_KEYS, BLOCK_T)
+        L, lo, per = _row_split(len_ptr, b, NSPLIT, WINDOW, MIN_KEYS, BLOCK_T, SHORT_KEYS)
         s0 = lo + sp * per
         if s0 < L:          # unused splits write nothing: _combine_kernel reads only the used ones
             s1 = tl.minimum(L, s0 + per)
@@ -117,13 +127,13 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(acc_ptr, ml_ptr, len_ptr, out_ptr, gate_ptr, H, NSPLIT, stride_gb, stride_gh,
                         WINDOW: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, MIN_KEYS: tl.constexpr,
-                        GATE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        GATE: tl.constexpr = False, PDL: tl.constexpr = False, SHORT_KEYS: tl.constexpr = 0):
         """One query head of one row: its used splits' partial (max, sum, acc) merged in split order; GATE:
         times sigmoid(gate[b, head]) (Qwen3.5's gated attention), stored in out's dtype."""
         pdl_enter(PDL)
         b = tl.program_id(0)
         qh = tl.program_id(1)
-        L, lo, per = _row_split(len_ptr, b, NSPLIT, WINDOW, MIN_KEYS, BLOCK_T)
+        L, lo, per = _row_split(len_ptr, b, NSPLIT, WINDOW, MIN_KEYS, BLOCK_T, SHORT_KEYS)
         used = tl.cdiv(L - lo, per)
         dv = tl.arange(0, DV)
         m = -float("inf")
@@ -273,7 +283,12 @@ DECODE_CONFIG = dict(block_t=16, num_warps=4, num_stages=1, min_keys=64, max_spl
 # CUDA graphs: one row at 23K 67.7 -> 43.6 us, four at 23K 165.7 -> 126.2, one at 128K 306 -> 151.5;
 # .ci/gpu/sweep_attn.py, docs/PERFORMANCE.md twelfth session). The coded types decode bytes per value and
 # are slower with these settings (twice as slow for turbo4), so they keep DECODE_CONFIG.
-FLOAT_DECODE_CONFIG = dict(DECODE_CONFIG, block_t=64, num_warps=8, num_stages=2, min_keys=256)
+# A row under 8 * 256 keys gets about 8 programs of at least 64 keys (short_keys; H200, 27B shape, in CUDA
+# graphs, us a layer: one row at 512 keys 17.1 -> 8.8, four 17.4 -> 10.1, 1-row step at bench decode's
+# depth 0 7.79 -> 7.67 ms; a fixed 64 for every row lost at 16 rows of 2-4K keys, 46.8 -> 60.9; .ci/gpu/
+# sweep_attn.py --short, docs/PERFORMANCE.md twenty-eighth session). HIVEJET_ATTN_SHORT_KEYS=0: as before.
+FLOAT_DECODE_CONFIG = dict(DECODE_CONFIG, block_t=64, num_warps=8, num_stages=2, min_keys=256,
+                           short_keys=int(os.environ.get("HIVEJET_ATTN_SHORT_KEYS", "64")))
 
 
 def decode_config(codec_k: KVCodec, codec_v: KVCodec) -> dict:
@@ -289,7 +304,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            window: int = 0, gate: torch.Tensor | None = None, n_split: int | None = None,
                            block_t: int | None = None, seg_bias: torch.Tensor | None = None, seg_len: int = 0,
                            precision: str = "ieee", min_keys: int | None = None,
-                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                           out_dtype: torch.dtype | None = None, short_keys: int | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, at position seq_lens[b] - 1, its K/V already written);
     block_tables int [B, max_blocks] (-1: dropped); seq_lens int [B]; seg_bias [B, H, n_seg] and
     seg_len: the key centers' score correction (SequenceKV.score_bias). n_split: the most split-K
@@ -306,6 +321,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = decode_config(codec_k, codec_v)
     block_t = block_t or cfg["block_t"]
     min_keys = -(-(min_keys or cfg["min_keys"]) // block_t) * block_t
+    short_keys = cfg.get("short_keys", 0) if short_keys is None else short_keys
+    short_keys = -(-short_keys // block_t) * block_t if 0 < short_keys < min_keys else 0
     if n_split is None:
         longest = int(seq_lens.max()) if B else 0
         n_split = max(1, min(16, -(-longest // 512)))      # about 512+ keys per program
@@ -323,11 +340,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q_st, k_cache, v_cache, bt, lens, codec_k.codebook(q.device), codec_v.codebook(q.device), acc, ml, sb,
             float(scale), H, hkv, bt.shape[1], k_cache.shape[3], v_cache.shape[3], n_split, nseg, WINDOW=int(window),
             SEG=seg, G=G, G_PAD=max(16, _next_pow2(G)), DK=dk, DV=dv, BS=bs, BLOCK_T=block_t, MIN_KEYS=min_keys,
-            CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision,
+            CODEC_K=codec_k.codec_id, CODEC_V=codec_v.codec_id, DOT=precision, SHORT_KEYS=short_keys,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
         g = _last_contig(gate) if fuse else out_st      # (a tensor the kernel does not read without the gate)
         _combine_kernel[(B, H)](acc, ml, lens, out_st, g, H, n_split, g.stride(0), g.stride(1), WINDOW=int(window),
-                                DV=dv, BLOCK_T=block_t, MIN_KEYS=min_keys, GATE=fuse, **pdl)
+                                DV=dv, BLOCK_T=block_t, MIN_KEYS=min_keys, GATE=fuse, SHORT_KEYS=short_keys, **pdl)
     if fuse:
         return out_st
     out = _finish(out_st, codec_v, head_dim_v, gate)

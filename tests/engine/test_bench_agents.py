@@ -13,6 +13,9 @@ def test_bench_agents_runs_every_scenario(tmp_path, capsys):
                        duration=1.0)
     r = res["results"]["HiveJet"]
     assert [d["agents"] for d in r["decode"]] == [1, 2] and all(d["total"] > 0 for d in r["decode"])
+    for d in r["decode"]:   # where the wall time beyond decoding went
+        assert 0 < d["ttft_s"]["min"] <= d["ttft_s"]["median"] <= d["ttft_s"]["max"] < d["wall_s"]
+        assert 0 <= d["end_spread_s"] < d["wall_s"]
     assert len(r["long_context"]["per_agent"]) == 4 and len(r["follow_up_ttft"]) == 4
     assert r["during_prefill"]["intruder_ttft"] > 0 and r["paused_agents"]["total"] > 0
     assert all(x > 0 for x in r["during_prefill"]["before"])   # the long prompt waits until the three decode

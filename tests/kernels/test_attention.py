@@ -86,7 +86,7 @@ def _close(a, b, tol=2e-4):
 
 
 triton = pytest.importorskip("triton")
-from kernels.attention.paged import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from kernels.attention.paged import _row_split, paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=_ids)
@@ -220,6 +220,41 @@ def test_decode_splits_depend_on_the_row_alone():
     _close(both[1], plain_attention(q[1], c.K[1], c.V[1], 299, 0.1))
 
 
+@triton.jit
+def _split_probe(len_ptr, out_ptr, NSPLIT, MIN_KEYS: triton.language.constexpr,
+                 BLOCK_T: triton.language.constexpr, SHORT_KEYS: triton.language.constexpr):
+    b = triton.language.program_id(0)
+    L, lo, per = _row_split(len_ptr, b, NSPLIT, 0, MIN_KEYS, BLOCK_T, SHORT_KEYS)
+    triton.language.store(out_ptr + b, per)
+
+
+@pytest.mark.parametrize("short", [64, 0])
+def test_short_rows_get_about_eight_split_programs(short):
+    """The float caches' split (64 programs at most, 256 keys each at least, tiles of 64): a row under
+    8 * 256 keys is cut into about 8 programs of at least 64 keys (short_keys), longer rows as before;
+    short_keys 0 is the old split. Keys per program by row length:"""
+    lens = torch.tensor([1, 128, 512, 1000, 1024, 2048, 4096, 23000], dtype=torch.int32)
+    per = torch.zeros(len(lens), dtype=torch.int32)
+    _split_probe[(len(lens),)](lens, per, 64, MIN_KEYS=256, BLOCK_T=64, SHORT_KEYS=short)
+    want = [64, 64, 64, 128, 128, 256, 256, 384] if short else [256] * 7 + [384]
+    assert per.tolist() == want
+
+
+def test_short_splits_depend_on_the_row_alone():
+    """Short rows split into more programs (short_keys) are still right and still bit-identical alone or
+    beside other rows."""
+    H, hkv, d = 4, 2, 64
+    c = Cache("f16", "f16", 16, hkv, d, [40, 300, 130], seed=11)
+    q = torch.randn(3, H, d, generator=torch.Generator().manual_seed(5))
+    kw = dict(n_split=8, block_t=16, min_keys=128, short_keys=16)
+    both = paged_decode_attention(q, c.k, c.v, c.tables, torch.tensor([40, 300, 130]), c.ck, c.cv, 0.1, d, **kw)
+    for b, n in enumerate([40, 300, 130]):
+        alone = paged_decode_attention(q[b:b + 1], c.k, c.v, c.tables[b:b + 1], torch.tensor([n]), c.ck, c.cv,
+                                       0.1, d, **kw)
+        assert torch.equal(both[b], alone[0])
+        _close(both[b], plain_attention(q[b], c.K[b], c.V[b], n - 1, 0.1))
+
+
 @pytest.mark.parametrize("precision", ["tf32", "f16"])
 def test_decode_precision_option(precision):
     """The decode kernel's tensor-core dots (what the runner uses on CUDA) stay within fp16 rounding of
@@ -302,7 +337,8 @@ ptrs = {"q_ptr": "*fp32", "k_ptr": "*u8", "v_ptr": "*u8", "bt_ptr": "*i32", "len
         "cbk_ptr": "*fp32", "cbv_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "sb_ptr": "*fp32"}
 cfg = paged.decode_config(f16, f16)
 const = dict(WINDOW=0, SEG=0, G=6, G_PAD=16, DK=256, DV=256, BS=16, BLOCK_T=cfg["block_t"],
-             MIN_KEYS=cfg["min_keys"], CODEC_K=f16.codec_id, CODEC_V=f16.codec_id, DOT="f16")
+             MIN_KEYS=cfg["min_keys"], CODEC_K=f16.codec_id, CODEC_V=f16.codec_id, DOT="f16",
+             SHORT_KEYS=cfg["short_keys"])
 sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in fn.arg_names}
 # what the launcher specializes: pointers and row sizes divisible by 16
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n in ("RBK", "RBV")}

@@ -59,9 +59,10 @@ out += small(_gated_kernel, dict(OP=0, BLOCK=1024))
 out += small(_conv_kernel, dict(K=4, KP=4, DP=128), fp=("eps", "scale"))
 out += small(_delta_kernel, dict(DP=128, BV=32, RAW_GATES=True))
 out += small(_decode_kernel, dict(WINDOW=0, SEG=0, G=4, G_PAD=16, DK=256, DV=256, BS=16, BLOCK_T=64, MIN_KEYS=256,
-                                  CODEC_K=1, CODEC_V=1, DOT="f16"), fp=("scale",),
+                                  CODEC_K=1, CODEC_V=1, DOT="f16", SHORT_KEYS=64), fp=("scale",),
              types=dict(q_ptr="*fp16", k_ptr="*u8", v_ptr="*u8"))
-out += small(_combine_kernel, dict(WINDOW=0, DV=256, BLOCK_T=64, MIN_KEYS=256, GATE=True), types=dict(out_ptr="*fp16"))
+out += small(_combine_kernel, dict(WINDOW=0, DV=256, BLOCK_T=64, MIN_KEYS=256, GATE=True, SHORT_KEYS=64),
+             types=dict(out_ptr="*fp16"))
 out += small(_write_kv_kernel, dict(K_ELEMS=1024, V_ELEMS=1024, BLOCK=1024),
              types=dict(kc_ptr="*fp16", vc_ptr="*fp16", rows_ptr="*i64"))
 out += small(_norm_rope_write_kernel, dict(NORM=True, HAS_W=True, ROPE_DIM=64, NEOX=True, BLOCK_H=8, BLOCK_D=256),
