@@ -17,6 +17,8 @@
 #          (HIVEJET_ATTN_SHORT_KEYS=0) and with it again, and the 1-row step's kernels (step_timeline.py).
 #   run 4: the final code: bench decode with llama-bench in the same run (carry .bench-bin), then the runner's
 #          overlapped-step GPU tests and the attention's split tests (run 3's 200 s ran out before the first).
+#   run 6: sweep_attn.py --short on the final code: short_keys 64 (the default) against none (0) and 128, on
+#          more cases (1-16 rows of 128 to 4096 keys).
 #   run 5: issue #6's agents on the final code: HiveJet scenarios 1 and 2, llama-server scenario 1 (carry
 #          .bench-srv; both llama.cpp tars together pass a call's 64 MiB).
 source .ci/gpu/env.sh
@@ -71,4 +73,7 @@ if [ "$1" = 5 ]; then
     tar xJf .bench-srv/llama-server-*.tar.xz -C /tmp
     timeout 200 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --llamacpp /tmp --servers llama.cpp --scenarios 1 \
         --json "$OUT/agents_llamacpp.json" 2>&1 | grep -v Warn | tail -10
+fi
+if [ "$1" = 6 ]; then
+    timeout 200 python3 -u .ci/gpu/sweep_attn.py 100 --short 2>&1 | grep -E "^top|^\{|skip"
 fi

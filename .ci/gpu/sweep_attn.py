@@ -28,7 +28,8 @@ BUDGET = float(args[0]) if args else 200
 H, HKV, D, BS = 24, 4, 256, 16
 CASES = [(1, 23000), (4, 23000), (1, 131072), (1, 4096), (16, 4096)]
 if SHORT:
-    CASES = [(1, 128), (1, 512), (4, 512), (16, 512), (1, 2048), (16, 2048), (1, 4096), (16, 4096), (1, 23000)]
+    CASES = [(1, 128), (1, 512), (4, 512), (16, 512), (1, 1024), (4, 1024), (16, 1024), (1, 2048), (8, 2048),
+             (16, 2048), (1, 4096), (16, 4096), (1, 23000)]
 CODED = ("q8_0", "turbo4", "turbo3_tcq")
 
 
@@ -90,9 +91,11 @@ results["f16"].append(dict(setting=FLOAT_BASE, us=base_us))
 print(json.dumps(results["f16"][-1]), flush=True)
 grid = [dict(block_t=bt, num_warps=nw, num_stages=ns, min_keys=mk)
         for bt, nw, ns, mk in itertools.product((16, 32, 64), (4, 8), (1, 2, 3), (64, 256)) if mk >= bt]
-if SHORT:   # fewer keys per split-K program (more programs on a short row), around the float rows' settings
-    grid = [dict(block_t=bt, num_warps=nw, num_stages=2, min_keys=mk)
-            for bt, nw, mk in itertools.product((32, 64), (4, 8), (32, 64, 128, 256)) if mk >= bt]
+if SHORT:   # the short rows' split (short_keys; 0: none), then fewer keys per program for every row, around the
+    # float rows' settings (the twenty-eighth session's run 2, before short_keys)
+    grid = [dict(short_keys=sk) for sk in (0, 128)] + [
+        dict(block_t=bt, num_warps=nw, num_stages=2, min_keys=mk, short_keys=0)
+        for bt, nw, mk in itertools.product((32, 64), (4, 8), (32, 64, 128, 256)) if mk >= bt]
 for s in grid:
     if time.time() > t_end - 60:
         break
