@@ -75,5 +75,5 @@ if [ "$1" = 5 ]; then
         --json "$OUT/agents_llamacpp.json" 2>&1 | grep -v Warn | tail -10
 fi
 if [ "$1" = 6 ]; then
-    timeout 200 python3 -u .ci/gpu/sweep_attn.py 100 --short 2>&1 | grep -E "^top|^\{|skip"
+    timeout 220 python3 -u .ci/gpu/sweep_attn.py 150 --short 2>&1 | grep -E "^top|^\{|skip"
 fi
