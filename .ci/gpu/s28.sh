@@ -1,5 +1,6 @@
 #!/bin/bash
-# Prepared in the twenty-seventh session (2026-12-04; carry .whl), not run: no device time was left.
+# The twenty-eighth session's calls (2026-12-04; carry .whl, run 4 also .bench-bin, run 5 .bench-srv), each on the
+# working tree of the moment; run 1 was prepared in the twenty-seventh session. docs/PERFORMANCE.md has the results.
 #   run 1: decode steps of more than 16 rows (wide_decode_rows, kernels/quant/packed.py) with more warps. Compiled for
 #          sm_90 here (.ci/gpu/sass_stats.py --block-m), 64-row blocks of x on 128-row Q4_K / Q6_K tiles take 255
 #          registers and spill ~740 bytes at 4 warps, 243-245 registers at 8; 32-row blocks at 8 warps take 128, 64-row
