@@ -39,16 +39,17 @@ gpu_tests() {
     grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.txt" | tail -12
 }
 
-# `bench agents` with one server into $OUT/agents_SERVER.json: `agents hivejet|llama.cpp SECONDS`
-# (llama.cpp: llama-server unpacked from the carried .bench-srv/ into /tmp first).
+# `bench agents` with one server into $OUT/agents_SERVER.json: `agents hivejet|llama.cpp SECONDS [SCENARIO ...]`
+# (llama.cpp: llama-server unpacked from the carried .bench-srv/ into /tmp first; no scenarios: all five).
 agents() {
     m27_wait
     local extra=(--device cuda)
     if [ "$1" = llama.cpp ]; then
         tar xJf .bench-srv/llama-server-*.tar.xz -C /tmp && extra=(--llamacpp /tmp)
     fi
+    [ $# -gt 2 ] && extra+=(--scenarios "${@:3}")
     timeout "$2" python3 -u -m app.cli bench agents -m /tmp/m27.gguf "${extra[@]}" --servers "$1" \
-        --json "$OUT/agents_${1/./}.json" 2>&1 | grep -v Warn | tail -12
+        --json "$OUT/agents_${1/./}.json" 2>&1 | grep -v Warn | tail -14
 }
 
 # The synthetic 27B's decode step at 1 / 4 / 16 rows into $OUT/decode27b_LABEL.json, with the given environment

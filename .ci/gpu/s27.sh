@@ -63,12 +63,8 @@ if [ "$1" = 3 ]; then
         2>&1 | grep -v Warn | tail -16
 fi
 if [ "$1" = 4 ]; then
-    m27_wait
-    timeout 300 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --device cuda --servers hivejet --scenarios 1 2 \
-        --json "$OUT/agents_hivejet.json" 2>&1 | grep -v Warn | tail -14
-    tar xJf .bench-srv/llama-server-*.tar.xz -C /tmp
-    timeout 200 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --llamacpp /tmp --servers llama.cpp --scenarios 1 \
-        --json "$OUT/agents_llamacpp.json" 2>&1 | grep -v Warn | tail -10
+    agents hivejet 300 1 2
+    agents llama.cpp 200 1
 fi
 if [ "$1" = 5 ]; then
     TESTS_SECONDS=250 tests_into gpu_tests_5.txt tests/kernels/test_packed.py tests/engine/test_runner.py \

@@ -20,6 +20,11 @@
 #          overlapped-step GPU tests and the attention's split tests (run 3's 200 s ran out before the first).
 #   run 6: sweep_attn.py --short on the final code: short_keys 64 (the default) against none (0) and 128, on
 #          more cases (1-16 rows of 128 to 4096 keys).
+#   run 7 (prepared, not run: no GPU was lent for it): the delta rule of small prompt chunks in one launch
+#          (kernels/gdn/rows.py, off until measured: HIVEJET_GDN_ROWS_KERNEL=1): its GPU tests and the qwen35
+#          runner's against the CPU with it on, then prefill_profile.py 32 256 (a 32-token prompt's 64-row pass)
+#          with it and without, then bench agents scenario 1 with it. If the tests pass and the pass is faster,
+#          make it the default (ROWS_KERNEL_ON).
 #   run 5: issue #6's agents on the final code: HiveJet scenarios 1 and 2, llama-server scenario 1 (carry
 #          .bench-srv; both llama.cpp tars together pass a call's 64 MiB).
 source .ci/gpu/env.sh
@@ -68,13 +73,23 @@ if [ "$1" = 4 ]; then
         -k "overlapped_steps_give or short or split"
 fi
 if [ "$1" = 5 ]; then
-    m27_wait
-    timeout 300 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --device cuda --servers hivejet --scenarios 1 2 \
-        --json "$OUT/agents_hivejet.json" 2>&1 | grep -v Warn | tail -14
-    tar xJf .bench-srv/llama-server-*.tar.xz -C /tmp
-    timeout 200 python3 -u -m app.cli bench agents -m /tmp/m27.gguf --llamacpp /tmp --servers llama.cpp --scenarios 1 \
-        --json "$OUT/agents_llamacpp.json" 2>&1 | grep -v Warn | tail -10
+    agents hivejet 300 1 2
+    agents llama.cpp 200 1
 fi
 if [ "$1" = 6 ]; then
     timeout 220 python3 -u .ci/gpu/sweep_attn.py 150 --short 2>&1 | grep -E "^top|^\{|skip"
+fi
+if [ "$1" = 7 ]; then
+    m27_start
+    HIVEJET_GDN_ROWS_KERNEL=1 TESTS_SECONDS=150 tests_into gpu_tests_7.txt tests/kernels/test_gdn_rows.py \
+        tests/engine/test_runner.py tests/engine/test_runner_prefill.py \
+        -k "rows_kernel or (greedy_equals_cpu and qwen35) or (every_cache_type and qwen35) or captured"
+    m27_wait
+    for run in "on:HIVEJET_GDN_ROWS_KERNEL=1" "off:"; do
+        echo "${run%%:*}"
+        mkdir -p "$OUT/${run%%:*}"
+        env ${run#*:} OUT="$OUT/${run%%:*}" timeout 50 python3 -u .ci/gpu/prefill_profile.py /tmp/m27.gguf 32 256 2>&1 \
+            | grep -E "^depth|delta_rows|trsm"
+    done
+    HIVEJET_GDN_ROWS_KERNEL=1 agents hivejet 90 1
 fi

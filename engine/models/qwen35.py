@@ -29,6 +29,7 @@ from engine.models.common import (Batch, DecoderModel, HeadPrep, Rope, SeqChunk,
                                   head_rms_norm_silu, rms_norm)
 from kernels.gdn import gdn_gates
 from kernels.gdn.chunk import chunk_scan
+from kernels.gdn.rows import delta_rule_rows, rows_kernel_applies
 from kernels.quant import dequantize_rows
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
@@ -370,7 +371,12 @@ class Qwen35Model(DecoderModel):
         if Hv != Hk:  # tiled V-head order: V head j uses K head j % Hk (ggml_repeat)
             q = q.repeat(1, Hv // Hk, 1)
             k = k.repeat(1, Hv // Hk, 1)
-        rule = delta_rule_recurrent if m == 1 else delta_rule_chunked
+        if m == 1:
+            rule = delta_rule_recurrent
+        elif rows_kernel_applies(q):   # a small prompt chunk on the GPU: one launch (kernels/gdn/rows.py)
+            rule = delta_rule_rows
+        else:
+            rule = delta_rule_chunked
         o, S = rule(q, k, v, g, beta, S)
         window = xin[-(K - 1):].clone() if keep is None else xin.index_select(0, keep)
         if wide:

@@ -59,6 +59,38 @@ def runner_greedy(runner: Runner, prompts: list[list[int]], n_new: int, chunk: i
     return toks, logits
 
 
+def test_prompt_chunks_through_the_rows_kernel(tiny, monkeypatch):
+    """qwen35's short prompt chunks through the one-launch delta rule (kernels/gdn/rows.py: the GPU's, made to
+    take CPU tensors here, so it runs in Triton's interpreter) give the chunked form's tokens and logits."""
+    import engine.models.qwen35 as q35
+    calls = []
+
+    def rows(*a, **kw):
+        calls.append(a[0].shape[0])
+        return q35.delta_rule_rows.__wrapped__(*a, **kw)
+    rows.__wrapped__ = q35.delta_rule_rows
+    model = open_model(tiny("qwen35"))
+    try:
+        V = model.spec.vocab_size
+        prompts = [prompt(21, 1, V), prompt(13, 2, V)]
+        out = {}
+        for on in (False, True):
+            if on:
+                monkeypatch.setattr(q35, "rows_kernel_applies", lambda q: 1 < q.shape[0] <= 64)
+                monkeypatch.setattr(q35, "delta_rule_rows", rows)
+            runner = Runner(model, device="cpu", n_slots=3, max_ctx=64, cache_type="f32")
+            out[on] = runner_greedy(runner, prompts, 6)
+        assert sorted(set(calls)) == [5, 13, 16]   # (the prompts' chunks of 16 and their tails; decode rows do not)
+        assert out[True][0] == out[False][0]
+        # (the kernel's float32 against the CPU's float64 chunked form: ulp-level differences in the delta rule,
+        # which the CPU's 8-bit activation rounding can turn into one rounding step, as in the next test)
+        for la, lb in zip(out[True][1], out[False][1]):
+            for a, b in zip(la, lb):
+                assert torch.allclose(a, b, atol=2e-3 * b.abs().max().item()), (a - b).abs().max()
+    finally:
+        model.close()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_runner_matches_model_forward(tiny, arch):
     model = open_model(tiny(arch))

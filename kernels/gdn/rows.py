@@ -1,0 +1,90 @@
+"""The gated delta rule over a short run of one sequence's tokens in one Triton launch (a small prompt chunk
+on the GPU: a short request, a follow-up's new tokens; engine/runner.py chunk_rows).
+
+The chunkwise-parallel form (engine/models/qwen35.py: delta_rule_chunked) is what long chunks need, but on a
+64-row chunk it is ~80 small torch and cuBLAS kernels a layer (triangular solves, batched products, masks,
+cumulative sums): about 8 of a small chunk's 31 ms on the H200 for the 27B (docs/PERFORMANCE.md, twentieth
+session). Here one program per (v-head, block of BV v-columns) keeps its [D, BV] slice of the state in
+registers and walks the tokens in order, as the decode kernel (recurrent.py: _delta_kernel) does for one:
+
+    S <- S exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t D^-1/2
+
+q, k [T, H, D] (L2-normed, V heads in the tiled order, q not yet scaled), v [T, H, D], g (log decay) and
+beta [T, H], S [H, D, D] float32. Rows with g = 0 and beta = 0 (a padded chunk's padding) leave S as it is.
+The result is the recurrence's in float32 (`delta_rule_recurrent`), not the chunked form's rounding.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from kernels._interpreter_compat import apply as _fix_interpreter
+    _fix_interpreter()
+except ImportError:   # CPU-only installs keep the torch forms
+    triton = None
+
+# the most tokens one launch takes (longer runs keep the chunked form: its work grows with T / 64, this
+# kernel's latency with T). Off until measured on the GPU (HIVEJET_GDN_ROWS_KERNEL=1 turns it on;
+# .ci/gpu/s28.sh 7 is the measurement: no GPU was lent when it was written). Compiled for sm_90 here: 112
+# registers at BV 16 and 4 warps (198 at BV 32), no spills.
+ROWS_KERNEL_MAX = 64
+ROWS_KERNEL_ON = os.environ.get("HIVEJET_GDN_ROWS_KERNEL", "0") == "1"
+
+
+if triton is not None:
+    @triton.jit
+    def _delta_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, s_out_ptr, T, H, D, scale,
+                           DP: tl.constexpr, BV: tl.constexpr):
+        h = tl.program_id(0)
+        vb = tl.program_id(1)
+        dk = tl.arange(0, DP)
+        dv = vb * BV + tl.arange(0, BV)
+        mk, mv = dk < D, dv < D
+        ms = mk[:, None] & mv[None, :]
+        st = (h * D).to(tl.int64) * D + dk[:, None] * D + dv[None, :]
+        s = tl.load(s_ptr + st, mask=ms, other=0.0)                                 # [DP, BV] float32
+        for t in range(0, T):
+            row = (t * H + h).to(tl.int64) * D
+            q = tl.load(q_ptr + row + dk, mask=mk, other=0.0).to(tl.float32) * scale
+            k = tl.load(k_ptr + row + dk, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row + dv, mask=mv, other=0.0).to(tl.float32)
+            gg = tl.load(g_ptr + t * H + h).to(tl.float32)
+            bb = tl.load(beta_ptr + t * H + h).to(tl.float32)
+            s = s * tl.exp(gg)
+            delta = (v - tl.sum(s * k[:, None], axis=0)) * bb
+            s = s + k[:, None] * delta[None, :]
+            tl.store(o_ptr + row + dv, tl.sum(s * q[:, None], axis=0), mask=mv)
+        tl.store(s_out_ptr + st, s, mask=ms)
+
+
+def rows_kernel_applies(q: torch.Tensor) -> bool:
+    """Whether the model takes `delta_rule_rows` for this run of tokens: Triton on a CUDA tensor, 2 to
+    ROWS_KERNEL_MAX tokens, the switch on."""
+    return triton is not None and ROWS_KERNEL_ON and q.is_cuda and 1 < q.shape[0] <= ROWS_KERNEL_MAX
+
+
+def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, block_v: int = 16, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module doc's recurrence in one launch: o [T, H, D] float32 and the new state [H, D, D] float32
+    (a new tensor; `state` is read only). Runs wherever Triton does (the CPU through its interpreter)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    T, H, D = q.shape
+    if k.shape != (T, H, D) or v.shape != (T, H, D) or g.shape != (T, H) or beta.shape != (T, H) \
+            or state.shape != (H, D, D):
+        raise ValueError(f"delta_rule_rows: q, k, v [T, H, D], g and beta [T, H], state [H, D, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(g.shape)}, "
+                         f"{tuple(beta.shape)}, {tuple(state.shape)}")
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    s_in = state.float().contiguous()
+    o = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+    s_out = torch.empty_like(s_in)
+    DP = triton.next_power_of_2(D)
+    BV = min(triton.next_power_of_2(block_v), DP)
+    _delta_rows_kernel[(H, triton.cdiv(D, BV))](q, k, v, g, beta, s_in, o, s_out, T, H, D, float(D ** -0.5),
+                                               DP=DP, BV=BV, num_warps=num_warps)
+    return o, s_out
