@@ -159,6 +159,15 @@ if HAVE_TRITON:
         return tl.where(x > 20.0, x, lp)
 
     @triton.jit
+    def _delta_step(s, q, k, v, gg, bb):
+        """One token through a [D, BV] slice of a head's state s (float32): decay by exp(gg), the delta rule
+        with beta bb, and the token's output columns S^T q (q already scaled). Returns (s, o)."""
+        s = s * tl.exp(gg)
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * bb
+        s = s + k[:, None] * delta[None, :]
+        return s, tl.sum(s * q[:, None], axis=0)
+
+    @triton.jit
     def _delta_kernel(x_ptr, s_ptr, slot_ptr, g_ptr, beta_ptr, o_ptr, dt_ptr, a_ptr, C, HK, HV, D,
                       stride_g, stride_beta, DP: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr,
                       PDL: tl.constexpr = False):
@@ -185,11 +194,7 @@ if HAVE_TRITON:
                 bb = 1.0 / (1.0 + tl.exp(-bb))
             sp = s_ptr + (slot * HV + h) * D * D + dk[:, None] * D + dv[None, :]
             ms = mk[:, None] & mv[None, :]
-            s = tl.load(sp, mask=ms, other=0.0) * tl.exp(gg)                           # [DP, BV]
-            kv_mem = tl.sum(s * k[:, None], axis=0)                                     # [BV]
-            delta = (v - kv_mem) * bb
-            s = s + k[:, None] * delta[None, :]
-            o = tl.sum(s * q[:, None], axis=0)
+            s, o = _delta_step(tl.load(sp, mask=ms, other=0.0), q, k, v, gg, bb)      # [DP, BV], [BV]
             tl.store(sp, s, mask=ms)
             tl.store(o_ptr + orow + dv, o, mask=mv)
         else:

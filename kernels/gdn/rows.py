@@ -5,7 +5,7 @@ The chunkwise-parallel form (engine/models/qwen35.py: delta_rule_chunked) is wha
 64-row chunk it is ~80 small torch and cuBLAS kernels a layer (triangular solves, batched products, masks,
 cumulative sums): about 8 of a small chunk's 31 ms on the H200 for the 27B (docs/PERFORMANCE.md, twentieth
 session). Here one program per (v-head, block of BV v-columns) keeps its [D, BV] slice of the state in
-registers and walks the tokens in order, as the decode kernel (recurrent.py: _delta_kernel) does for one:
+registers and walks the tokens in order, each through the decode kernel's step (recurrent.py: _delta_step):
 
     S <- S exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t D^-1/2
 
@@ -23,6 +23,7 @@ try:
     import triton
     import triton.language as tl
     from kernels._interpreter_compat import apply as _fix_interpreter
+    from kernels.gdn.recurrent import _delta_step
     _fix_interpreter()
 except ImportError:   # CPU-only installs keep the torch forms
     triton = None
@@ -54,10 +55,8 @@ if triton is not None:
             v = tl.load(v_ptr + row + dv, mask=mv, other=0.0).to(tl.float32)
             gg = tl.load(g_ptr + t * H + h).to(tl.float32)
             bb = tl.load(beta_ptr + t * H + h).to(tl.float32)
-            s = s * tl.exp(gg)
-            delta = (v - tl.sum(s * k[:, None], axis=0)) * bb
-            s = s + k[:, None] * delta[None, :]
-            tl.store(o_ptr + row + dv, tl.sum(s * q[:, None], axis=0), mask=mv)
+            s, o = _delta_step(s, q, k, v, gg, bb)
+            tl.store(o_ptr + row + dv, o, mask=mv)
         tl.store(s_out_ptr + st, s, mask=ms)
 
 

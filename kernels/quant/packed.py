@@ -1305,8 +1305,9 @@ DECODE_BLOCK_M = int(os.environ.get("HIVEJET_DECODE_BLOCK_M", "64"))
 if DECODE_BLOCK_M < 16 or DECODE_BLOCK_M & (DECODE_BLOCK_M - 1):
     raise ValueError(f"HIVEJET_DECODE_BLOCK_M={DECODE_BLOCK_M}: a power of two, at least 16")
 # the warps of those wider blocks (0: the weight's decode warps). Compiled for sm_90, 64-row blocks on 128-row tiles
-# take 255 registers and spill at 4 warps, 243-245 at 8 (.ci/gpu/sass_stats.py --block-m); whether 8 keeps each
-# row's bits and is faster is not measured yet (.ci/gpu/s28.sh 1): off until then. HIVEJET_DECODE_WIDE_WARPS=8 tries it
+# take 255 registers and spill at 4 warps, 243-245 at 8 (.ci/gpu/sass_stats.py --block-m); on the H200 8 warps kept
+# each row's bits but made 32- and 64-row steps ~30 % slower (docs/PERFORMANCE.md, twenty-eighth session), so the
+# default stays 0. HIVEJET_DECODE_WIDE_WARPS=8 tries it again (another GPU)
 DECODE_WIDE_WARPS = int(os.environ.get("HIVEJET_DECODE_WIDE_WARPS", "0"))
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
 # HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
