@@ -42,6 +42,7 @@ import collections
 import contextlib
 import gc
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -57,6 +58,7 @@ from engine.runner_keyprep import KeyPrep, KeyPrepMixin
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.gdn import gdn_decode, gdn_gates
+from kernels.gdn.rows import ROWS_KERNEL_ON, pieces_kernel_applies
 from kernels.kvcodec import cache_type_name, get_codec
 from kernels.quant import packed
 
@@ -64,6 +66,13 @@ if TYPE_CHECKING:
     from engine.runner_prefill import PrefillGraph
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
+# agents read the weights once, not once each). Off until measured on the GPU (HIVEJET_PROMPT_PIECES=1 turns
+# it on; there it also needs HIVEJET_GDN_ROWS_KERNEL=1 for qwen35): written when no GPU was lent.
+PROMPT_PIECES_ON = os.environ.get("HIVEJET_PROMPT_PIECES", "0") == "1"
+# the most rows such a pass has (its matmuls cost about one small chunk's per 64 rows, the rest of the pass is
+# paid once: longer passes gain little more, and each size is a graph of its own)
+PIECE_PASS_ROWS = 256
 
 
 class DecodeGraph(NamedTuple):
@@ -193,6 +202,7 @@ class SlotBatch:
     chunks = ()
     valid: torch.Tensor | None = None   # a padded prompt chunk (engine/runner_prefill.py): 1 real row, 0 padding
     keep: torch.Tensor | None = None    # and the rows that make its new conv window (qwen35)
+    pieces = None                       # and its pieces' layout (runner_prefill.PromptPieces)
 
     def __init__(self, runner: "Runner", positions: torch.Tensor, slots: torch.Tensor, decode: bool,
                  slot: int = -1, start: int = 0):
@@ -348,6 +358,11 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # (engine/runner_prefill.py); default: with the decode graphs
         self.padded_prefill = self.graphs_enabled if padded_prefill is None else padded_prefill
         self._prefill_graphs: dict[int, PrefillGraph] = {}   # chunk size -> its graphs
+        # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): on
+        # with HIVEJET_PROMPT_PIECES=1 and, on a GPU, the pieces' delta-rule kernel (kernels/gdn/rows.py)
+        self.prompt_pieces = n_slots if self.padded_prefill and PROMPT_PIECES_ON and (
+            not self.conv_state or self.device.type != "cuda" or ROWS_KERNEL_ON) else 1
+        self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on
         # and the digests of that prefix at each multiple of it (exact_length), and the position its
         # recurrent states are at (-1: not known); recurrent-state checkpoints (enable_checkpoints)
@@ -427,9 +442,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def close(self) -> None:
         """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
         buffers) and hand it back to the driver; the runner is unusable after this."""
-        for d in (self._graphs, self._prefill_graphs, self._graph_waves, self._graph_replay, self._replay_bufs,
-                  self._replay_inputs, self._snapshots, self.k, self.v, self.kprep, self.conv_state, self.ssm_state,
-                  self._ckpt_conv, self._ckpt_ssm):
+        for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_waves, self._graph_replay,
+                  self._replay_bufs, self._replay_inputs, self._snapshots, self.k, self.v, self.kprep,
+                  self.conv_state, self.ssm_state, self._ckpt_conv, self._ckpt_ssm):
             d.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -721,10 +736,14 @@ class Runner(AttentionMixin, KeyPrepMixin):
                 act = (b.waves[w] >= 0).view((-1,) + (1,) * (ow.dim() - 1))
                 o = ow if o is None else torch.where(act, ow, o)
             return o
-        # a prompt chunk of one slot, its state read and written through a device index (so a captured
-        # chunk serves every slot; a slot starting at 0 was reset to zeros); padding rows: decay 1, no update
+        # a padded pass: padding rows decay 1 and update nothing
         if b.valid is not None:
             g, beta = g * b.valid[:, None], beta * b.valid[:, None]
+        if b.pieces is not None and (not qkv.is_cuda or pieces_kernel_applies(qkv) and b.pieces.max_pieces > 1):
+            # one or several slots' pieces, each through its own window and state (engine/runner_prefill.py)
+            return model.delta_net_pieces(L, qkv, g, beta, cs, S, b.pieces)
+        # a prompt chunk of one slot, its state read and written through a device index (so a captured
+        # chunk serves every slot; a slot starting at 0 was reset to zeros)
         idx = b.slots[:1]
         state = (cs.index_select(0, idx)[0], S.index_select(0, idx)[0])
         o, (c_new, S_new) = model.delta_net_rows(L, qkv, g, beta, state, keep=b.keep)
@@ -864,7 +883,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
             flag = PREFILL_ROWS.set(rows)      # prompt rows: the prefill matmul, padded to `rows` rows
             try:
                 if self.padded_prefill:
-                    x = self._prefill_graph(rows).run(tokens[lo:hi], start + lo, slot)
+                    x = self._prefill_graph(rows).run([(slot, tokens[lo:hi], start + lo)])[0]
                 else:
                     pos = torch.arange(start + lo, start + hi, device=self.device)
                     b = SlotBatch(self, pos, torch.full((hi - lo,), slot, dtype=torch.long, device=self.device),
@@ -891,18 +910,111 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def _prefill_graph(self, chunk: int) -> PrefillGraph:
         from engine.runner_prefill import PrefillGraph   # (it builds on SlotBatch, from this module)
         g = self._prefill_graphs.get(chunk)
-        if g is None:
-            g = self._prefill_graphs[chunk] = PrefillGraph(self, chunk, capture=self.graphs_enabled)
+        if g is None:   # (small chunks' passes hold several slots' pieces when prompt_pieces is on)
+            many = self.prompt_pieces if packed.small_prompt_rows(chunk) else 1
+            g = self._prefill_graphs[chunk] = PrefillGraph(self, chunk, capture=self.graphs_enabled,
+                                                           max_pieces=max(1, many))
         return g
+
+    def _pass_graph(self, rows: int) -> PrefillGraph:
+        """The padded pass of `rows` rows that holds several slots' small pieces (more rows than a small
+        prompt chunk: kept apart from the chunk graphs, whose matmuls take the prefill product)."""
+        if rows <= packed.SMALL_PROMPT_ROWS:
+            return self._prefill_graph(rows)
+        from engine.runner_prefill import PrefillGraph
+        g = self._pass_graphs.get(rows)
+        if g is None:
+            g = self._pass_graphs[rows] = PrefillGraph(self, rows, capture=self.graphs_enabled,
+                                                       max_pieces=self.prompt_pieces)
+        return g
+
+    def piece_passes(self, lengths: list[int], chunk: int) -> list[list[int]]:
+        """How prefill_pieces groups pieces of these lengths (indexes): the small ones (at most
+        SMALL_PROMPT_ROWS tokens, chunks longer than that) in order, as many to a pass as fit PIECE_PASS_ROWS
+        rows at PIECE_ALIGN and prompt_pieces; every other piece alone (all of them alone when the pieces are
+        off)."""
+        from engine.runner_prefill import PIECE_ALIGN
+        small = packed.SMALL_PROMPT_ROWS
+        on = self.prompt_pieces > 1 and 0 < small < chunk
+        passes, alone, rows = [], [], 0
+        for i, n in enumerate(lengths):
+            if not (on and 0 < n <= small):
+                alone.append([i])
+                continue
+            if passes and rows + n <= PIECE_PASS_ROWS and len(passes[-1]) < self.prompt_pieces:
+                passes[-1].append(i)
+            else:
+                passes.append([i])
+                rows = 0
+            rows += -(-n // PIECE_ALIGN) * PIECE_ALIGN
+        return passes + alone
+
+    @torch.inference_mode()
+    def prefill_pieces(self, pieces: list[tuple[int, list[int], int]], chunk: int = 512) -> torch.Tensor:
+        """Several slots' prompt pieces (slot, tokens, start; one per slot): each piece's last row's logits
+        [len(pieces), vocab], the bits prefill(slot, tokens, start, chunk) gives it. Short pieces inside one
+        chunk (not across a multiple of `chunk`) go through padded passes of several slots (piece_passes;
+        prompt_pieces on): the weights are read once for all of them. The blocks of every piece are taken
+        first (PoolFullError before anything is written)."""
+        pieces = [(sl, torch.as_tensor(t, dtype=torch.long), st) for sl, t, st in pieces]
+        if len({sl for sl, _, _ in pieces}) != len(pieces):
+            raise ValueError("prefill_pieces: one piece per slot")
+        need = 0
+        for sl, t, st in pieces:
+            self._check_slot(sl)
+            if not 0 < len(t) or st + len(t) > self.max_ctx:
+                raise ValueError(f"a piece of {len(t)} tokens at {st} for the runner's context of {self.max_ctx}")
+            need += self.blocks_needed(sl, st, st + len(t)) - (self.held_alone(sl) if st == 0 else 0)
+        self._check_free(need)
+        out: list = [None] * len(pieces)
+        for g in self.piece_passes([len(t) for _, t, _ in pieces], chunk):
+            part = [pieces[i] for i in g]
+            if len(part) > 1 and not any(st // chunk != (st + len(t) - 1) // chunk for _, t, st in part):
+                for i, lg in zip(g, self._piece_pass(part, chunk)):
+                    out[i] = lg
+            else:
+                for i, (sl, t, st) in zip(g, part):
+                    out[i] = self.prefill(sl, t, start=st, chunk=chunk)
+        return torch.cat(out)
+
+    def _piece_pass(self, pieces: list[tuple[int, torch.Tensor, int]], chunk: int) -> list[torch.Tensor]:
+        """One padded pass of several slots' pieces (piece_passes made them fit): the last rows' logits."""
+        from engine.runner_prefill import PIECE_ALIGN
+        lives = {}
+        for sl, t, st in pieces:
+            if st == 0:
+                self.reset(sl)
+            self.reserve(sl, st + len(t), st)
+            lives[sl] = self._live[sl]
+            self._rewrite(sl, st)
+            self._live[sl] = -1                    # (not known should the pass fail)
+        self.sync_tables()
+        aligned = sum(-(-len(t) // PIECE_ALIGN) * PIECE_ALIGN for _, t, _ in pieces)
+        rows = max(packed.SMALL_PROMPT_ROWS, 1 << (aligned - 1).bit_length())
+        flag = PREFILL_ROWS.set(packed.SMALL_PROMPT_ROWS)   # every row through the small chunk's matmul settings
+        try:
+            xs = self._pass_graph(rows).run(pieces)
+        finally:
+            PREFILL_ROWS.reset(flag)
+        for sl, t, st in pieces:
+            self._grid_step(sl, st, st + len(t), t, chunk, lives[sl])
+        last = torch.cat([x[-1:] for x in xs])
+        if not last.is_cuda:   # (the CPU's matmul: a row's result depends on its place in a 16-row block)
+            return [self._head(r[None]) for r in last]
+        return list(self._head(last).split(1))
 
     @torch.inference_mode()
     def capture_prefill(self, chunk: int = 512) -> None:
         """Run and capture the padded prompt chunks of `chunk` tokens and of a small prompt chunk's rows
-        (chunk_rows) now (on a free slot, released after), so that no request pays for compiling and
-        capturing them; skipped when the pool is too small."""
+        (chunk_rows), and with prompt_pieces the wider passes of several slots' pieces, now (on free slots,
+        released after), so that no request pays for compiling and capturing them; skipped when the pool is
+        too small."""
         sizes = [r for r in sorted({chunk, chunk_rows(1, chunk)}, reverse=True) if r not in self._prefill_graphs]
+        small = packed.SMALL_PROMPT_ROWS
+        passes = [small << i for i in range(1, 8) if self.prompt_pieces > 1 and 0 < small < chunk
+                  and small << i <= PIECE_PASS_ROWS and small << i not in self._pass_graphs]
         free = [s for s in range(self.n_slots) if not self._blocks[s]]
-        if not self.padded_prefill or not sizes or not free or chunk > self.max_ctx \
+        if not self.padded_prefill or not (sizes or passes) or not free or chunk > self.max_ctx \
                 or self.blocks_needed(free[0], 0, chunk) > self.pool.n_free:
             return
         n_ckpt, self.n_checkpoints = self.n_checkpoints, 0     # (no checkpoint of the dummy prompt)
@@ -910,6 +1022,19 @@ class Runner(AttentionMixin, KeyPrepMixin):
             with capture_guard():
                 for rows in sizes:
                     self.prefill(free[0], [0] * rows, chunk=chunk)
+                self.reset(free[0])
+                # the passes of several slots' pieces (prefill_pieces): k pieces of a small chunk's rows fill
+                # the pass of `rows` rows past its half
+                for rows in passes:
+                    k = rows // small // 2 + 1
+                    if k > min(len(free), self.prompt_pieces) \
+                            or k * self.blocks_needed(free[0], 0, small) > self.pool.n_free:
+                        break
+                    try:
+                        self.prefill_pieces([(free[i], [0] * small, 0) for i in range(k)], chunk=chunk)
+                    finally:
+                        for i in range(k):
+                            self.reset(free[i])
         finally:
             self.n_checkpoints = n_ckpt
             self.reset(free[0])

@@ -14,6 +14,15 @@ kept is the last real rows'. The slot's recurrent state is read and written thro
 graph serves every slot). The first chunk of a size runs this padded path eagerly (compiling and warming
 everything), then it is captured; replays run the same kernels on the same shapes, so the first chunk's
 result is the replays' bit for bit. Capture failing leaves the padded path eager (a warning), nothing else.
+
+A small pass (at most SMALL_PROMPT_ROWS rows per piece: a short request, a follow-up's new tokens) may hold
+several slots' pieces at once (Runner.prefill_pieces, when `prompt_pieces` is on): the pieces lie one after
+another at multiples of PIECE_ALIGN rows, each with its own positions and slot; attention runs per piece
+between the segments; the recurrent layers take each piece's conv window and state through fixed-size device
+buffers (PromptPieces: a captured pass serves every layout) and the delta rule for all pieces in one launch
+(kernels/gdn/rows.py: delta_rule_pieces). Its matmuls run every row through the small chunk's packed kernel
+settings in blocks of SMALL_PROMPT_ROWS rows, where a row's result does not depend on the rows beside it: each
+piece gets the bits its own pass gives it.
 """
 from __future__ import annotations
 
@@ -30,11 +39,58 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class _Inputs:
-    """A chunk size's static device inputs: tokens, positions, every row's slot, which rows are real,
-    and the conv-window rows to keep."""
+PIECE_ALIGN = 16   # pieces start at multiples of this many rows (the CPU's matmuls: a row's result depends
+                   # on its place in a 16-row block; the GPU's do not)
 
-    def __init__(self, runner: Runner, chunk: int):
+
+class PromptPieces:
+    """The layout of a pass's pieces as fixed-size device buffers (qwen35's delta_net_pieces reads them):
+    each piece's slot (unused pieces repeat piece 0: they write what it writes), row boundaries `cu` (a piece
+    owns its alignment padding; the last real piece the pass's tail), and for the conv: `gather` lays out
+    [window; rows] of every piece one after another (indexes into [the pieces' windows; the pass's rows]),
+    `sel` picks each row's conv window from that, `keep` each piece's new window. `bounds`: (slot, first
+    row, end of the real rows) per piece, on the CPU only (its eager loop; a captured pass must not read
+    the host's layout)."""
+
+    def __init__(self, runner: Runner, rows: int, max_pieces: int):
+        dev = runner.device
+        self.k = runner.spec.ssm_d_conv - 1 if runner.conv_state else 0
+        self.rows, self.max_pieces = rows, max_pieces
+        self.slots = torch.zeros(max_pieces, dtype=torch.long, device=dev)
+        self.cu = torch.zeros(max_pieces + 1, dtype=torch.int32, device=dev)
+        self.gather = torch.zeros(max_pieces * self.k + rows, dtype=torch.long, device=dev)
+        self.sel = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.keep = torch.zeros(max_pieces, self.k, dtype=torch.long, device=dev)
+        self.bounds: list[tuple[int, int, int]] | None = None
+
+    def fill(self, layout: list[tuple[int, int, int]]) -> None:
+        """layout: (slot, first row, real rows) per piece, in row order from row 0."""
+        P, k, N = self.max_pieces, self.k, self.rows
+        ends = [lo for _, lo, _ in layout[1:]] + [N]
+        slots = [sl for sl, _, _ in layout] + [layout[0][0]] * (P - len(layout))
+        cu = [0] + ends + [N] * (P - len(layout))
+        gather, sel, keep = [], torch.zeros(N, dtype=torch.long), []
+        for p in range(P):
+            lo, hi = cu[p], cu[p + 1]
+            gather += list(range(p * k, (p + 1) * k)) + list(range(P * k + lo, P * k + hi))
+            sel[lo:hi] = torch.arange(lo, hi) + p * k
+            if p < len(layout):
+                end = layout[p][1] + layout[p][2]   # the piece's last real row + 1
+                keep.append(list(range(p * k + end, p * k + end + k)))
+            else:
+                keep.append(keep[0])
+        for dst, src in ((self.slots, torch.tensor(slots)), (self.cu, torch.tensor(cu, dtype=torch.int32)),
+                         (self.gather, torch.tensor(gather, dtype=torch.long)), (self.sel, sel),
+                         (self.keep, torch.tensor(keep, dtype=torch.long).view(P, k))):
+            dst.copy_(src, non_blocking=True)
+        self.bounds = [(sl, lo, lo + n) for sl, lo, n in layout] if self.slots.device.type == "cpu" else None
+
+
+class _Inputs:
+    """A pass's static device inputs: tokens, positions, every row's slot, which rows are real, the conv-window
+    rows to keep (one piece), and the pieces' layout (PromptPieces)."""
+
+    def __init__(self, runner: Runner, chunk: int, max_pieces: int = 1):
         dev = runner.device
         self.chunk = chunk
         self.tokens = torch.zeros(chunk, dtype=torch.long, device=dev)
@@ -43,41 +99,59 @@ class _Inputs:
         self.valid = torch.zeros(chunk, dtype=torch.float32, device=dev)
         k = runner.spec.ssm_d_conv - 1 if runner.conv_state else 0
         self.keep = torch.zeros(k, dtype=torch.long, device=dev)
+        self.pieces = PromptPieces(runner, chunk, max_pieces)
+        self.layout: list[tuple[int, int, int]] = []   # (slot, first row, real rows) per piece
 
-    def fill(self, tokens: torch.Tensor, start: int, slot: int) -> None:
-        """One chunk's rows (n <= chunk), the rest padding (copies queued on the stream, no host sync)."""
-        n, c = len(tokens), self.chunk
-        pos = torch.arange(start, start + c)
-        pos[n:] = start + n - 1
-        valid = torch.zeros(c)
-        valid[:n] = 1.0
+    def fill(self, pieces: list[tuple[int, torch.Tensor, int]]) -> None:
+        """The pieces' rows (slot, tokens, start) at multiples of PIECE_ALIGN, padding between and after them:
+        token 0 at the piece's last position, in its slot (copies queued on the stream, no host sync)."""
+        c = self.chunk
         tok = torch.zeros(c, dtype=torch.long)
-        tok[:n] = tokens.cpu()
-        for dst, src in ((self.tokens, tok), (self.positions, pos), (self.valid, valid),
-                         (self.keep, torch.arange(n, n + len(self.keep)))):
+        pos = torch.zeros(c, dtype=torch.long)
+        slots = torch.zeros(c, dtype=torch.long)
+        valid = torch.zeros(c)
+        layout, lo = [], 0
+        for i, (slot, tokens, start) in enumerate(pieces):
+            n = len(tokens)
+            hi = c if i == len(pieces) - 1 else lo + -(-n // PIECE_ALIGN) * PIECE_ALIGN
+            if lo + n > c:
+                raise ValueError(f"pieces of {[len(t) for _, t, _ in pieces]} tokens do not fit a pass of {c} rows")
+            tok[lo:lo + n] = tokens.cpu()
+            pos[lo:hi] = start + n - 1
+            pos[lo:lo + n] = torch.arange(start, start + n)
+            slots[lo:hi] = slot
+            valid[lo:lo + n] = 1.0
+            layout.append((slot, lo, n))
+            lo = hi
+        n0 = layout[0][2]
+        for dst, src in ((self.tokens, tok), (self.positions, pos), (self.valid, valid), (self.slots, slots),
+                         (self.keep, torch.arange(n0, n0 + len(self.keep)))):
             dst.copy_(src, non_blocking=True)
-        self.slots.fill_(slot)
+        self.pieces.fill(layout)
+        self.layout = layout
 
 
 class PaddedBatch(SlotBatch):
-    """The model's batch in a padded prompt chunk: the static inputs, and attention handed to the
-    PrefillGraph (a split point); the runner's delta rule masks the padding rows (valid, keep)."""
+    """The model's batch in a padded pass: the static inputs, and attention handed to the PrefillGraph (a
+    split point); the runner's delta rule masks the padding rows (valid, and keep or the pieces' layout)."""
 
     def __init__(self, graph: "PrefillGraph"):
         inp = graph.inp
         super().__init__(graph.runner, inp.positions, inp.slots, decode=False)
-        self.graph, self.valid, self.keep = graph, inp.valid, inp.keep
+        self.graph, self.valid, self.keep, self.pieces = graph, inp.valid, inp.keep, inp.pieces
 
     def attend(self, il, q, k, v, scale, window):
         return self.graph.split(il, q, k, v, scale, window)
 
 
 class PrefillGraph:
-    """One chunk size's padded prompt chunk: run eagerly the first time, then as captured segments."""
+    """One size's padded pass: run eagerly the first time, then as captured segments. max_pieces: how many
+    slots' pieces a pass may hold (1: one slot's chunk)."""
 
-    def __init__(self, runner: Runner, chunk: int, capture: bool):
+    def __init__(self, runner: Runner, chunk: int, capture: bool, max_pieces: int = 1):
         self.runner, self.chunk, self.capture_ok = runner, chunk, capture
-        self.inp = _Inputs(runner, chunk)
+        self.max_pieces = max_pieces
+        self.inp = _Inputs(runner, chunk, max_pieces)
         self.segments: list[torch.cuda.CUDAGraph] = []
         self.splits: list[tuple] = []       # per attention layer: (il, scale, window)
         self.qkv: dict[int, tuple] = {}     # attention layer -> its static q, k, v (a view of shared buffers)
@@ -86,19 +160,20 @@ class PrefillGraph:
         self.features: torch.Tensor | None = None   # and their states at the model's capture_layers
         self._capturing: torch.cuda.CUDAGraph | None = None
         self._shared: dict[tuple, torch.Tensor] = {}   # (role, shape, dtype) -> a q, k or v buffer
-        self._real = None                   # the running chunk's SlotBatch (eager attention)
-        self._n = 0                         # and its real rows
+        self._real: list[tuple[SlotBatch, int, int]] = []   # the running pass's pieces: (batch, first row, end)
 
-    def run(self, tokens: torch.Tensor, start: int, slot: int) -> torch.Tensor:
-        """The chunk's hidden rows [n, n_embd] (a view of a static buffer when replayed: use it before the
-        next chunk)."""
-        n = len(tokens)
-        if not 0 < n <= self.chunk:
-            raise ValueError(f"a chunk of {n} tokens for graphs of {self.chunk}")
+    def run(self, pieces: list[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Each piece's (slot, tokens, start) hidden rows [n, n_embd] (views of a static buffer when replayed:
+        use them before the next pass)."""
+        n = sum(len(t) for _, t, _ in pieces)
+        if not pieces or len(pieces) > self.max_pieces or not all(len(t) for _, t, _ in pieces) or n > self.chunk:
+            raise ValueError(f"pieces of {[len(t) for _, t, _ in pieces]} tokens for a pass of {self.chunk} rows "
+                             f"and at most {self.max_pieces} pieces")
         r, inp = self.runner, self.inp
-        inp.fill(tokens, start, slot)
-        self._real = SlotBatch(r, inp.positions[:n], inp.slots[:n], decode=False, slot=slot, start=start)
-        self._n = n
+        inp.fill(pieces)
+        self._real = [(SlotBatch(r, inp.positions[lo:lo + m], inp.slots[lo:lo + m], decode=False, slot=slot,
+                                 start=start), lo, lo + m)
+                      for (slot, _, start), (_, lo, m) in zip(pieces, inp.layout)]
         try:
             if self.segments:
                 for i, g in enumerate(self.segments):
@@ -106,15 +181,16 @@ class PrefillGraph:
                     if i < len(self.splits):
                         self._attend(*self.splits[i])
                 r._step_features = self.features
-                return self.x[:n]
-            x = r._hidden(inp.tokens, PaddedBatch(self))
-            feats = r._step_features
-            if self.capture_ok:
-                self._capture()
-            r._step_features = feats   # (this chunk's, not the capture's buffer: nothing ran in it yet)
-            return x[:n]
+                x = self.x
+            else:
+                x = r._hidden(inp.tokens, PaddedBatch(self))
+                feats = r._step_features
+                if self.capture_ok:
+                    self._capture()
+                r._step_features = feats   # (this pass's, not the capture's buffer: nothing ran in it yet)
+            return [x[lo:hi] for _, lo, hi in self._real]
         finally:
-            self._real = None
+            self._real = []
 
     # ----- the split points -----
     def split(self, il, q, k, v, scale, window):
@@ -133,9 +209,11 @@ class PrefillGraph:
         return self.out[:q.shape[0]]
 
     def _attend(self, il, scale, window) -> None:
+        """Each piece's rows over its own slot (eagerly: the keys grow with the slot's depth)."""
         q, k, v = self.qkv[il]
-        n = self._n
-        self.out[:n].copy_(self.runner._attend(self._real, il, q[:n], k[:n], v[:n], scale, window))
+        self.out.zero_()   # (padding rows: the same zeros in every pass, whatever ran before)
+        for b, lo, hi in self._real:
+            self.out[lo:hi].copy_(self.runner._attend(b, il, q[lo:hi], k[lo:hi], v[lo:hi], scale, window))
 
     def _buffers(self, il, q, k, v) -> tuple:
         """Layer il's static q, k, v: views of buffers all attention layers share (they run one after

@@ -406,9 +406,19 @@ class RunnerScheduler:
         verified = [(s, 1 + len(s.drafts), len(s.drafts)) for s in dec]   # (rows, drafts: before verifying)
         rows = len(dec) + sum(len(s.drafts) for s in dec)
         firsts, first_lg = [], []
-        for s, lo, hi in chunks:
-            out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc,
-                            hidden=s.mtp is not None or s.dflash is not None)
+        # chunks whose sequences need no hidden rows (no model drafter) may share padded passes with other
+        # slots' (Runner.prefill_pieces: short pieces, prompt_pieces on)
+        plain = [i for i, (s, _, _) in enumerate(chunks) if s.mtp is None and s.dflash is None]
+        shared = {}
+        if r.prompt_pieces > 1 and len(plain) > 1:
+            lgs = r.prefill_pieces([(chunks[i][0].slot, chunks[i][0].tokens[chunks[i][1]:chunks[i][2]],
+                                     chunks[i][1]) for i in plain], chunk=pc)
+            shared = {i: lgs[j:j + 1] for j, i in enumerate(plain)}
+        for i, (s, lo, hi) in enumerate(chunks):
+            out = shared.get(i)
+            if out is None:
+                out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc,
+                                hidden=s.mtp is not None or s.dflash is not None)
             if s.mtp is not None:
                 mtp_rows.append((s, lo, r.hidden))
             if s.dflash is not None:

@@ -29,7 +29,7 @@ from engine.models.common import (Batch, DecoderModel, HeadPrep, Rope, SeqChunk,
                                   head_rms_norm_silu, rms_norm)
 from kernels.gdn import gdn_gates
 from kernels.gdn.chunk import chunk_scan
-from kernels.gdn.rows import delta_rule_rows, rows_kernel_applies
+from kernels.gdn.rows import delta_rule_pieces, delta_rule_rows, pieces_kernel_applies, rows_kernel_applies
 from kernels.quant import dequantize_rows
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
@@ -349,9 +349,8 @@ class Qwen35Model(DecoderModel):
         (conv window [K-1, conv_dim], S [Hv, D, D]; None: zeros). Returns o [m, Hv, D] and the new state.
         keep: the rows of [conv window; qkv] that make the new window (default the last K-1; a padded
         prompt chunk, engine/runner_prefill.py, keeps those ending at its last real row)."""
-        s = self.spec
         m = qkv.shape[0]
-        Hk, Hv, D, K = self.n_k_heads, self.n_v_heads, self.d_state, s.ssm_d_conv
+        Hv, D, K = self.n_v_heads, self.d_state, self.spec.ssm_d_conv
         if state is None:
             conv_state = qkv.new_zeros((K - 1, self.conv_dim))
             S = qkv.new_zeros((Hv, D, D))
@@ -364,24 +363,69 @@ class Qwen35Model(DecoderModel):
         if wide:
             qkv, conv_state, S, g, beta, conv_w = (t.double() for t in (qkv, conv_state, S, g, beta, conv_w))
         xin = torch.cat([conv_state, qkv], dim=0)                            # [K-1+m, conv_dim]
-        conv = F.silu((xin.unfold(0, K, 1) * conv_w).sum(-1))               # [m, conv_dim]
+        q, k, v = self._conv_heads(xin, conv_w, m)
+        o, S = self._rule(q)(q, k, v, g, beta, S)
+        window = xin[-(K - 1):].clone() if keep is None else xin.index_select(0, keep)
+        if wide:
+            o, window, S = o.float(), window.float(), S.float()
+        return o, (window, S)
+
+    def _conv_heads(self, xin: torch.Tensor, conv_w: torch.Tensor, m: int,
+                    sel: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (L2-normed, in the V heads' tiled order) and v [m, Hv, D] from the conv over xin (rows with
+        their windows before them); sel: the windows to keep (default: the last m)."""
+        s = self.spec
+        Hk, Hv, D, K = self.n_k_heads, self.n_v_heads, self.d_state, s.ssm_d_conv
+        conv = F.silu((xin.unfold(0, K, 1) * conv_w).sum(-1))               # [windows, conv_dim]
+        conv = conv.index_select(0, sel) if sel is not None else conv[-m:]
         q = l2_norm(conv[:, :self.key_dim].reshape(m, Hk, D), s.rms_eps)
         k = l2_norm(conv[:, self.key_dim:2 * self.key_dim].reshape(m, Hk, D), s.rms_eps)
         v = conv[:, 2 * self.key_dim:].reshape(m, Hv, D)
         if Hv != Hk:  # tiled V-head order: V head j uses K head j % Hk (ggml_repeat)
             q = q.repeat(1, Hv // Hk, 1)
             k = k.repeat(1, Hv // Hk, 1)
-        if m == 1:
-            rule = delta_rule_recurrent
-        elif rows_kernel_applies(q):   # a small prompt chunk on the GPU: one launch (kernels/gdn/rows.py)
-            rule = delta_rule_rows
-        else:
-            rule = delta_rule_chunked
-        o, S = rule(q, k, v, g, beta, S)
-        window = xin[-(K - 1):].clone() if keep is None else xin.index_select(0, keep)
+        return q, k, v
+
+    @staticmethod
+    def _rule(q: torch.Tensor):
+        """The delta rule's form for a run of q.shape[0] tokens of one sequence."""
+        if q.shape[0] == 1:
+            return delta_rule_recurrent
+        if rows_kernel_applies(q):   # a small prompt chunk on the GPU: one launch (kernels/gdn/rows.py)
+            return delta_rule_rows
+        return delta_rule_chunked
+
+    def delta_net_pieces(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         conv_states: torch.Tensor, S: torch.Tensor, pieces) -> torch.Tensor:
+        """A padded pass's rows, several slots' pieces (engine/runner_prefill.py: PromptPieces), through the
+        conv and the delta rule: each piece from its slot's conv window and state in conv_states [n_slots,
+        K-1, conv_dim] and S [n_slots, Hv, D, D], which it updates in place. g and beta are 0 on padding
+        rows. Returns o [rows, Hv, D]. The GPU: the windows gathered and the delta rule in one launch for
+        all pieces (delta_rule_pieces), from the layout's device buffers alone (a captured pass serves every
+        layout). The CPU: each piece's real rows as delta_net_rows runs them (float64; pieces.bounds)."""
+        n = qkv.shape[0]
+        Hv, D, K = self.n_v_heads, self.d_state, self.spec.ssm_d_conv
+        kernel = pieces_kernel_applies(qkv)
+        if not kernel and pieces.bounds is None:
+            raise ValueError("delta_net_pieces: a captured pass needs the pieces kernel (HIVEJET_GDN_ROWS_KERNEL=1)")
+        conv_w = L["conv"]
+        wins = conv_states.index_select(0, pieces.slots)                      # [P, K-1, conv_dim]
+        wide = not kernel and qkv.dtype == torch.float32
         if wide:
-            o, window, S = o.float(), window.float(), S.float()
-        return o, (window, S)
+            qkv, wins, g, beta, conv_w = (t.double() for t in (qkv, wins, g, beta, conv_w))
+        xin = torch.cat([wins.reshape(-1, wins.shape[-1]), qkv]).index_select(0, pieces.gather)
+        q, k, v = self._conv_heads(xin, conv_w, n, pieces.sel)
+        if kernel:
+            o = delta_rule_pieces(q, k, v, g, beta, S, pieces.slots, pieces.cu)
+        else:
+            o = q.new_zeros(n, Hv, D)
+            for slot, lo, hi in pieces.bounds:
+                St = S[slot].double() if wide else S[slot]
+                o[lo:hi], St = self._rule(q[lo:hi])(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], St)
+                S[slot].copy_(St)
+        new = xin.index_select(0, pieces.keep.flatten()).view(-1, K - 1, xin.shape[-1])
+        conv_states.index_copy_(0, pieces.slots, new.to(conv_states.dtype))
+        return o.float()
 
     # ------------------------------------------------------------------------------------------
     # MTP (NextN) block

@@ -12,6 +12,11 @@ registers and walks the tokens in order, each through the decode kernel's step (
 q, k [T, H, D] (L2-normed, V heads in the tiled order, q not yet scaled), v [T, H, D], g (log decay) and
 beta [T, H], S [H, D, D] float32. Rows with g = 0 and beta = 0 (a padded chunk's padding) leave S as it is.
 The result is the recurrence's in float32 (`delta_rule_recurrent`), not the chunked form's rounding.
+
+`delta_rule_pieces` is the same launch over several sequences' runs laid one after another (a padded prompt
+pass that holds several slots' pieces, engine/runner_prefill.py): one more program axis for the piece, each
+piece's state read from and written back to its slot in place, the layout read from device buffers (so a
+captured pass serves every layout). `delta_rule_rows` is its one-piece case.
 """
 from __future__ import annotations
 
@@ -38,26 +43,33 @@ ROWS_KERNEL_ON = os.environ.get("HIVEJET_GDN_ROWS_KERNEL", "0") == "1"
 
 if triton is not None:
     @triton.jit
-    def _delta_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, s_out_ptr, T, H, D, scale,
-                           DP: tl.constexpr, BV: tl.constexpr):
-        h = tl.program_id(0)
-        vb = tl.program_id(1)
-        dk = tl.arange(0, DP)
-        dv = vb * BV + tl.arange(0, BV)
-        mk, mv = dk < D, dv < D
-        ms = mk[:, None] & mv[None, :]
-        st = (h * D).to(tl.int64) * D + dk[:, None] * D + dv[None, :]
-        s = tl.load(s_ptr + st, mask=ms, other=0.0)                                 # [DP, BV] float32
-        for t in range(0, T):
-            row = (t * H + h).to(tl.int64) * D
-            q = tl.load(q_ptr + row + dk, mask=mk, other=0.0).to(tl.float32) * scale
-            k = tl.load(k_ptr + row + dk, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + row + dv, mask=mv, other=0.0).to(tl.float32)
-            gg = tl.load(g_ptr + t * H + h).to(tl.float32)
-            bb = tl.load(beta_ptr + t * H + h).to(tl.float32)
-            s, o = _delta_step(s, q, k, v, gg, bb)
-            tl.store(o_ptr + row + dv, o, mask=mv)
-        tl.store(s_out_ptr + st, s, mask=ms)
+    def _delta_pieces_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, slot_ptr, cu_ptr, o_ptr, H, D, scale,
+                             DP: tl.constexpr, BV: tl.constexpr):
+        # program (piece p, v-head h, block vb): rows cu[p] .. cu[p + 1] of the run, from and back into the
+        # state of slot slots[p] (in place); a piece with no rows (a pass's unused piece) touches nothing
+        p = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        lo = tl.load(cu_ptr + p)
+        hi = tl.load(cu_ptr + p + 1)
+        if hi > lo:
+            slot = tl.load(slot_ptr + p).to(tl.int64)
+            dk = tl.arange(0, DP)
+            dv = vb * BV + tl.arange(0, BV)
+            mk, mv = dk < D, dv < D
+            ms = mk[:, None] & mv[None, :]
+            st = (slot * H + h) * D * D + dk[:, None] * D + dv[None, :]
+            s = tl.load(s_ptr + st, mask=ms, other=0.0)                             # [DP, BV] float32
+            for t in range(lo, hi):
+                row = (t * H + h).to(tl.int64) * D
+                q = tl.load(q_ptr + row + dk, mask=mk, other=0.0).to(tl.float32) * scale
+                k = tl.load(k_ptr + row + dk, mask=mk, other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + row + dv, mask=mv, other=0.0).to(tl.float32)
+                gg = tl.load(g_ptr + t * H + h).to(tl.float32)
+                bb = tl.load(beta_ptr + t * H + h).to(tl.float32)
+                s, o = _delta_step(s, q, k, v, gg, bb)
+                tl.store(o_ptr + row + dv, o, mask=mv)
+            tl.store(s_ptr + st, s, mask=ms)
 
 
 def rows_kernel_applies(q: torch.Tensor) -> bool:
@@ -66,24 +78,51 @@ def rows_kernel_applies(q: torch.Tensor) -> bool:
     return triton is not None and ROWS_KERNEL_ON and q.is_cuda and 1 < q.shape[0] <= ROWS_KERNEL_MAX
 
 
+def pieces_kernel_applies(x: torch.Tensor) -> bool:
+    """Whether a padded prompt pass takes `delta_rule_pieces` (engine/models/qwen35.py: delta_net_pieces):
+    Triton on a CUDA tensor, the switch on. Passes that hold several slots' pieces need it."""
+    return triton is not None and ROWS_KERNEL_ON and x.is_cuda
+
+
 def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, block_v: int = 16, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The module doc's recurrence in one launch: o [T, H, D] float32 and the new state [H, D, D] float32
     (a new tensor; `state` is read only). Runs wherever Triton does (the CPU through its interpreter)."""
+    T, H, D = q.shape
+    if state.shape != (H, D, D):
+        raise ValueError(f"delta_rule_rows: state [H, D, D] = {(H, D, D)}; got {tuple(state.shape)}")
+    s = state.float().clone()[None]
+    dev = q.device
+    o = delta_rule_pieces(q, k, v, g, beta, s, torch.zeros(1, dtype=torch.long, device=dev),
+                          torch.tensor([0, T], dtype=torch.int32, device=dev), block_v, num_warps)
+    return o, s[0]
+
+
+def delta_rule_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      states: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, block_v: int = 16,
+                      num_warps: int = 4) -> torch.Tensor:
+    """Several sequences' runs in one launch (a prompt pass holding several slots' small pieces,
+    engine/runner_prefill.py): piece p is rows cu[p] .. cu[p + 1] of q, k, v, g, beta [T, H, ...] and runs
+    from the state of slot slots[p] in `states` [n_slots, H, D, D] (float32, contiguous), which it updates in
+    place. Pieces with no rows change nothing (a pass's unused pieces: slots and cu are fixed-size device
+    buffers, so a captured pass serves every layout). Returns o [T, H, D] float32; rows in no piece are
+    left unwritten. Each piece gets the bits it gets in a launch of its own."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     T, H, D = q.shape
+    P = slots.shape[0]
     if k.shape != (T, H, D) or v.shape != (T, H, D) or g.shape != (T, H) or beta.shape != (T, H) \
-            or state.shape != (H, D, D):
-        raise ValueError(f"delta_rule_rows: q, k, v [T, H, D], g and beta [T, H], state [H, D, D]; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(g.shape)}, "
-                         f"{tuple(beta.shape)}, {tuple(state.shape)}")
+            or states.dim() != 4 or states.shape[1:] != (H, D, D) or cu.shape != (P + 1,):
+        raise ValueError(f"delta_rule_pieces: q, k, v [T, H, D], g and beta [T, H], states [n, H, D, D], "
+                         f"cu [P + 1] for P slots; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
+                         f"{tuple(g.shape)}, {tuple(beta.shape)}, {tuple(states.shape)}, {tuple(cu.shape)}, "
+                         f"{P} slots")
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError("delta_rule_pieces: the states are updated in place: float32 and contiguous")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    s_in = state.float().contiguous()
     o = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
-    s_out = torch.empty_like(s_in)
     DP = triton.next_power_of_2(D)
     BV = min(triton.next_power_of_2(block_v), DP)
-    _delta_rows_kernel[(H, triton.cdiv(D, BV))](q, k, v, g, beta, s_in, o, s_out, T, H, D, float(D ** -0.5),
-                                               DP=DP, BV=BV, num_warps=num_warps)
-    return o, s_out
+    _delta_pieces_kernel[(P, H, triton.cdiv(D, BV))](q, k, v, g, beta, states, slots, cu.to(torch.int32), o, H, D,
+                                                     float(D ** -0.5), DP=DP, BV=BV, num_warps=num_warps)
+    return o

@@ -494,3 +494,53 @@ def test_recurrent_conversation_ended_by_a_stop_string_parks_its_last_token(tmp_
         assert res[True][1][4][2] == len(follow) - 3 and res[False][1][4][2] == len(follow) - 4
     finally:
         cold.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "llama"])
+def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
+    """Several requests' short prompts in one padded pass of several slots (Runner.prefill_pieces, the
+    scheduler's chunks; HIVEJET_PROMPT_PIECES): the tokens and logprobs each request gets without it, and a
+    pass did hold several of them. (On the CPU the padded passes are asked for here; the first step waits
+    until every request is in, so that later steps have several arrivals to group.)"""
+    import threading
+
+    import engine.runner as runner_mod
+    from engine.engine import Engine as Eng
+    from engine.runner import Runner
+    from engine.synth import write_synthetic
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic(path, arch, "tiny", seed=29)
+    prompts = [[1 + (13 * i + 7 * j + i * j) % 400 for j in range(n)] for i, n in enumerate((20, 33, 47, 64, 9))]
+    init, step, pass_ = Runner.__init__, Eng._runner_step, Runner._piece_pass
+    passes, go = [], threading.Event()
+
+    def padded_init(self, *a, **kw):
+        kw["padded_prefill"] = True
+        init(self, *a, **kw)
+
+    def held_step(self, prev):
+        go.wait(30)
+        return step(self, prev)
+
+    def counted_pass(self, pieces, chunk):
+        passes.append(len(pieces))
+        return pass_(self, pieces, chunk)
+    monkeypatch.setattr(Runner, "__init__", padded_init)
+    monkeypatch.setattr(Eng, "_runner_step", held_step)
+    monkeypatch.setattr(Runner, "_piece_pass", counted_pass)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", on)
+        go.clear()
+        eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=5, prefill_chunk=128, static_slots=True))
+        try:
+            assert eng.runner.prompt_pieces == (5 if on else 1)
+            hs = [eng.submit(Request(prompt_ids=p, sampling=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                          ignore_eos=True, logprobs=2)))
+                  for p in prompts]
+            go.set()
+            out[on] = [_outcome(h) for h in hs]
+        finally:
+            eng.shutdown()
+    assert out[True] == out[False]
+    assert passes and max(passes) >= 2, passes

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.models.qwen35 import delta_rule_chunked, delta_rule_recurrent, l2_norm  # noqa: E402
-from kernels.gdn.rows import ROWS_KERNEL_MAX, delta_rule_rows, rows_kernel_applies  # noqa: E402
+from kernels.gdn.rows import ROWS_KERNEL_MAX, delta_rule_pieces, delta_rule_rows, rows_kernel_applies  # noqa: E402
 
 
 def _inputs(T, H, D, seed, device="cpu"):
@@ -43,6 +43,35 @@ def test_padding_rows_leave_the_state_alone():
     gl[4:], beta[4:] = 0.0, 0.0
     o_p, S_p = delta_rule_rows(q, k, v, gl, beta, S0)
     assert torch.equal(S_p, S) and torch.equal(o_p[:4], o)
+
+
+def test_pieces_kernel_runs_each_slot_as_alone():
+    """Several slots' runs in one launch (a prompt pass of several sequences): each piece's outputs and its
+    slot's new state are what the piece gets alone, bit for bit, padding rows at a piece's end (log decay 0,
+    beta 0: a pass's alignment) included; unused pieces (no rows) and slots in no piece stay as they were."""
+    H, D = 2, 16
+    q, k, v, gl, beta, _ = _inputs(26, H, D, seed=9)
+    gl[7:16], beta[7:16] = 0.0, 0.0                         # piece 0's padding rows
+    states = torch.randn(5, H, D, D, generator=torch.Generator().manual_seed(1)) * 0.1
+    before = states.clone()
+    slots = torch.tensor([3, 0, 4, 3, 3])                    # the last two pieces unused
+    cu = torch.tensor([0, 16, 17, 26, 26, 26], dtype=torch.int32)
+    o = delta_rule_pieces(q, k, v, gl, beta, states, slots, cu)
+    for i, slot in enumerate((3, 0, 4)):
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        real = 7 if i == 0 else hi - lo
+        o1, s1 = delta_rule_rows(q[lo:lo + real], k[lo:lo + real], v[lo:lo + real], gl[lo:lo + real],
+                                 beta[lo:lo + real], before[slot])
+        assert torch.equal(o[lo:lo + real], o1)
+        assert torch.equal(states[slot], s1)
+        ref = delta_rule_recurrent(*[t[lo:hi].double() for t in (q, k, v, gl, beta)], before[slot].double())
+        torch.testing.assert_close(states[slot], ref[1].float(), rtol=1e-5, atol=1e-5)
+    for slot in (1, 2):
+        assert torch.equal(states[slot], before[slot])
+    with pytest.raises(ValueError):
+        delta_rule_pieces(q, k, v, gl, beta, states.double(), slots, cu)
+    with pytest.raises(ValueError):
+        delta_rule_pieces(q, k, v, gl, beta, states, slots, cu[:-1])
 
 
 def test_rows_kernel_takes_short_runs_on_cuda_only(monkeypatch):
