@@ -931,17 +931,18 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def piece_passes(self, lengths: list[int], chunk: int) -> list[list[int]]:
         """How prefill_pieces groups pieces of these lengths (indexes): the small ones (at most
         SMALL_PROMPT_ROWS tokens, chunks longer than that) in order, as many to a pass as fit PIECE_PASS_ROWS
-        rows at PIECE_ALIGN and prompt_pieces; every other piece alone (all of them alone when the pieces are
+        rows (and the chunk's) at PIECE_ALIGN and prompt_pieces; every other piece alone (all of them alone when the pieces are
         off)."""
         from engine.runner_prefill import PIECE_ALIGN
         small = packed.SMALL_PROMPT_ROWS
         on = self.prompt_pieces > 1 and 0 < small < chunk
+        top = min(PIECE_PASS_ROWS, chunk)   # (the step's workspace is planned for a chunk's rows)
         passes, alone, rows = [], [], 0
         for i, n in enumerate(lengths):
             if not (on and 0 < n <= small):
                 alone.append([i])
                 continue
-            if passes and rows + n <= PIECE_PASS_ROWS and len(passes[-1]) < self.prompt_pieces:
+            if passes and rows + n <= top and len(passes[-1]) < self.prompt_pieces:
                 passes[-1].append(i)
             else:
                 passes.append([i])
@@ -1012,7 +1013,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         sizes = [r for r in sorted({chunk, chunk_rows(1, chunk)}, reverse=True) if r not in self._prefill_graphs]
         small = packed.SMALL_PROMPT_ROWS
         passes = [small << i for i in range(1, 8) if self.prompt_pieces > 1 and 0 < small < chunk
-                  and small << i <= PIECE_PASS_ROWS and small << i not in self._pass_graphs]
+                  and small << i <= min(PIECE_PASS_ROWS, chunk) and small << i not in self._pass_graphs]
         free = [s for s in range(self.n_slots) if not self._blocks[s]]
         if not self.padded_prefill or not (sizes or passes) or not free or chunk > self.max_ctx \
                 or self.blocks_needed(free[0], 0, chunk) > self.pool.n_free:

@@ -95,9 +95,9 @@ def test_wider_pass_and_the_pieces_kernel(tiny, pieces_on, monkeypatch):
                 monkeypatch.setattr(runner_mod, "pieces_kernel_applies", lambda x: True)
             r = _runner(model, "f32")
             if mode == "kernel-apart":
-                lg = torch.cat([r.prefill(sl, t, start=st, chunk=CHUNK) for sl, t, st in pieces])
+                lg = torch.cat([r.prefill(sl, t, start=st, chunk=256) for sl, t, st in pieces])
             else:
-                lg = r.prefill_pieces(pieces, chunk=CHUNK)
+                lg = r.prefill_pieces(pieces, chunk=256)
                 assert set(r._pass_graphs) == {256}
             dec = r.decode([0, 1, 2, 3], [1, 2, 3, 4], [len(t) for _, t, _ in pieces])
             out[mode] = [lg, dec] + _states(r)
@@ -114,11 +114,14 @@ def test_piece_passes_grouping(tiny, pieces_on, monkeypatch):
     try:
         r = _runner(model, n_slots=8)
         # 64-token pieces: four to a 256-row pass; a 65-token piece is not a small one: alone
-        assert r.piece_passes([64, 64, 64, 64, 64, 65, 1], CHUNK) == [[0, 1, 2, 3], [4, 6], [5]]
+        assert r.piece_passes([64, 64, 64, 64, 64, 65, 1], 512) == [[0, 1, 2, 3], [4, 6], [5]]
+        assert r.piece_passes([64, 64, 64, 13], CHUNK) == [[0, 1], [2, 3]]   # (no pass longer than a chunk)
         assert r.piece_passes([13, 13, 13], 64) == [[0], [1], [2]]   # (chunks of 64: small chunks already)
         # the engine's start runs every pass size once (captured on a GPU), on free slots it hands back
         r.capture_prefill(CHUNK)
-        assert set(r._prefill_graphs) == {64, CHUNK} and set(r._pass_graphs) == {128, 256}
+        assert set(r._prefill_graphs) == {64, CHUNK} and set(r._pass_graphs) == {128}
+        r.capture_prefill(256)
+        assert set(r._prefill_graphs) == {64, CHUNK, 256} and set(r._pass_graphs) == {128, 256}
         assert r.pool.n_free == r.n_blocks and not any(r._blocks)
         r.prompt_pieces = 2
         assert r.piece_passes([1, 1, 1], CHUNK) == [[0, 1], [2]]
