@@ -363,6 +363,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.prompt_pieces = n_slots if self.padded_prefill and PROMPT_PIECES_ON and (
             not self.conv_state or self.device.type != "cuda" or ROWS_KERNEL_ON) else 1
         self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces
+        self.shared_passes = 0                               # passes that held several slots' pieces
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on
         # and the digests of that prefix at each multiple of it (exact_length), and the position its
         # recurrent states are at (-1: not known); recurrent-state checkpoints (enable_checkpoints)
@@ -999,6 +1000,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
             PREFILL_ROWS.reset(flag)
         for sl, t, st in pieces:
             self._grid_step(sl, st, st + len(t), t, chunk, lives[sl])
+        self.shared_passes += 1
         last = torch.cat([x[-1:] for x in xs])
         if not last.is_cuda:   # (the CPU's matmul: a row's result depends on its place in a 16-row block)
             return [self._head(r[None]) for r in last]

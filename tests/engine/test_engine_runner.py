@@ -540,6 +540,7 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
                   for p in prompts]
             go.set()
             out[on] = [_outcome(h) for h in hs]
+            assert (eng.stats()["totals"].get("shared_prompt_passes", 0) > 0) == on
         finally:
             eng.shutdown()
     assert out[True] == out[False]
