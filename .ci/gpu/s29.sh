@@ -17,9 +17,9 @@ OUT=$(realpath "$OUT")
 m27_start
 ON="HIVEJET_PROMPT_PIECES=1 HIVEJET_GDN_ROWS_KERNEL=1"
 if [ "$1" = 1 ]; then
-    env $ON TESTS_SECONDS=170 tests_into gpu_tests_1.txt tests/kernels/test_gdn_rows.py \
+    (export $ON TESTS_SECONDS=170; tests_into gpu_tests_1.txt tests/kernels/test_gdn_rows.py \
         tests/engine/test_runner_pieces.py tests/engine/test_runner_prefill.py tests/engine/test_runner.py \
-        -k "rows_kernel or pieces or captured or (greedy_equals_cpu and qwen35) or (every_cache_type and qwen35)"
+        -k "rows_kernel or pieces or captured or (greedy_equals_cpu and qwen35) or (every_cache_type and qwen35)")
     m27_wait
     for run in "both:$ON" "rows:HIVEJET_GDN_ROWS_KERNEL=1" "off:"; do
         echo "${run%%:*}"
@@ -29,7 +29,8 @@ if [ "$1" = 1 ]; then
     done
 fi
 if [ "$1" = 2 ]; then
-    env $ON agents hivejet 200 1
+    m27_wait
+    (export $ON; agents hivejet 200 1)      # (shell functions: the switches exported in a subshell)
     mv "$OUT/agents_hivejet.json" "$OUT/agents_hivejet_pieces.json"
-    HIVEJET_GDN_ROWS_KERNEL=1 agents hivejet 200 1
+    (export HIVEJET_GDN_ROWS_KERNEL=1; agents hivejet 200 1)
 fi
