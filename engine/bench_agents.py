@@ -300,9 +300,11 @@ def print_agents(res: dict) -> None:
         return all(key in r for r in runs)
     if ran("decode"):
         for i, d in enumerate(runs[0]["decode"]):
-            cells = [f"{r['decode'][i]['total']:.1f} total, {r['decode'][i]['per_agent']:.1f}/agent"
-                     + (f", last first token {r['decode'][i]['ttft_s']['max']:.2f} s" if "ttft_s" in r["decode"][i] else "")
-                     for r in runs]
+            cells = []
+            for r in runs:
+                di = r["decode"][i]
+                cells.append(f"{di['total']:.1f} total, {di['per_agent']:.1f}/agent"
+                             + (f", last first token {di['ttft_s']['max']:.2f} s" if "ttft_s" in di else ""))
             print(f"1. {d['agents']:2d} agents decode: " + " | ".join(cells))
     if ran("long_context"):
         print("2. 4 agents at long context, tok/s each: " + " | ".join(

@@ -58,7 +58,7 @@ from engine.runner_keyprep import KeyPrep, KeyPrepMixin
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.gdn import gdn_decode, gdn_gates
-from kernels.gdn.rows import ROWS_KERNEL_ON, pieces_kernel_applies
+from kernels.gdn.rows import ROWS_KERNEL_ON
 from kernels.kvcodec import cache_type_name, get_codec
 from kernels.quant import packed
 
@@ -740,7 +740,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # a padded pass: padding rows decay 1 and update nothing
         if b.valid is not None:
             g, beta = g * b.valid[:, None], beta * b.valid[:, None]
-        if b.pieces is not None and (not qkv.is_cuda or pieces_kernel_applies(qkv) and b.pieces.max_pieces > 1):
+        if b.pieces is not None:
             # one or several slots' pieces, each through its own window and state (engine/runner_prefill.py)
             return model.delta_net_pieces(L, qkv, g, beta, cs, S, b.pieces)
         # a prompt chunk of one slot, its state read and written through a device index (so a captured
@@ -875,11 +875,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         outs, normed, feats = [], [], []
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            self.reserve(slot, start + hi, start + lo)
+            live = self._begin_piece(slot, start + lo, start + hi)
             self.sync_tables()
-            live = self._live[slot]
-            self._rewrite(slot, start + lo)
-            self._live[slot] = -1                  # (not known should the chunk fail)
             rows = chunk_rows(hi - lo, chunk)
             flag = PREFILL_ROWS.set(rows)      # prompt rows: the prefill matmul, padded to `rows` rows
             try:
@@ -908,33 +905,40 @@ class Runner(AttentionMixin, KeyPrepMixin):
             self.features = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
         return torch.cat(outs)
 
+    def _begin_piece(self, slot: int, lo: int, hi: int) -> int:
+        """Before a slot's prompt rows [lo, hi) run: their blocks taken, the exact prefix cut at lo, the
+        states' position unknown until the rows are in (_grid_step). Returns where the states were."""
+        self.reserve(slot, hi, lo)
+        live = self._live[slot]
+        self._rewrite(slot, lo)
+        self._live[slot] = -1                  # (not known should the pass fail)
+        return live
+
     def _prefill_graph(self, chunk: int) -> PrefillGraph:
-        from engine.runner_prefill import PrefillGraph   # (it builds on SlotBatch, from this module)
-        g = self._prefill_graphs.get(chunk)
-        if g is None:   # (small chunks' passes hold several slots' pieces when prompt_pieces is on)
-            many = self.prompt_pieces if packed.small_prompt_rows(chunk) else 1
-            g = self._prefill_graphs[chunk] = PrefillGraph(self, chunk, capture=self.graphs_enabled,
-                                                           max_pieces=max(1, many))
-        return g
+        """The padded chunk of `chunk` rows (small ones hold several slots' pieces when prompt_pieces is on)."""
+        many = self.prompt_pieces if packed.small_prompt_rows(chunk) else 1
+        return self._graph_of(self._prefill_graphs, chunk, many)
 
     def _pass_graph(self, rows: int) -> PrefillGraph:
         """The padded pass of `rows` rows that holds several slots' small pieces (more rows than a small
         prompt chunk: kept apart from the chunk graphs, whose matmuls take the prefill product)."""
         if rows <= packed.SMALL_PROMPT_ROWS:
             return self._prefill_graph(rows)
-        from engine.runner_prefill import PrefillGraph
-        g = self._pass_graphs.get(rows)
+        return self._graph_of(self._pass_graphs, rows, self.prompt_pieces)
+
+    def _graph_of(self, graphs: dict, rows: int, max_pieces: int) -> PrefillGraph:
+        from engine.runner_prefill import PrefillGraph   # (it builds on SlotBatch, from this module)
+        g = graphs.get(rows)
         if g is None:
-            g = self._pass_graphs[rows] = PrefillGraph(self, rows, capture=self.graphs_enabled,
-                                                       max_pieces=self.prompt_pieces)
+            g = graphs[rows] = PrefillGraph(self, rows, capture=self.graphs_enabled, max_pieces=max_pieces)
         return g
 
     def piece_passes(self, lengths: list[int], chunk: int) -> list[list[int]]:
         """How prefill_pieces groups pieces of these lengths (indexes): the small ones (at most
         SMALL_PROMPT_ROWS tokens, chunks longer than that) in order, as many to a pass as fit PIECE_PASS_ROWS
-        rows (and the chunk's) at PIECE_ALIGN and prompt_pieces; every other piece alone (all of them alone when the pieces are
-        off)."""
-        from engine.runner_prefill import PIECE_ALIGN
+        rows (and the chunk's) at PIECE_ALIGN and prompt_pieces; every other piece alone (all of them alone
+        when the pieces are off)."""
+        from engine.runner_prefill import piece_rows
         small = packed.SMALL_PROMPT_ROWS
         on = self.prompt_pieces > 1 and 0 < small < chunk
         top = min(PIECE_PASS_ROWS, chunk)   # (the step's workspace is planned for a chunk's rows)
@@ -948,7 +952,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
             else:
                 passes.append([i])
                 rows = 0
-            rows += -(-n // PIECE_ALIGN) * PIECE_ALIGN
+            rows += piece_rows(n)
         return passes + alone
 
     @torch.inference_mode()
@@ -981,17 +985,14 @@ class Runner(AttentionMixin, KeyPrepMixin):
 
     def _piece_pass(self, pieces: list[tuple[int, torch.Tensor, int]], chunk: int) -> list[torch.Tensor]:
         """One padded pass of several slots' pieces (piece_passes made them fit): the last rows' logits."""
-        from engine.runner_prefill import PIECE_ALIGN
+        from engine.runner_prefill import piece_rows
         lives = {}
         for sl, t, st in pieces:
             if st == 0:
                 self.reset(sl)
-            self.reserve(sl, st + len(t), st)
-            lives[sl] = self._live[sl]
-            self._rewrite(sl, st)
-            self._live[sl] = -1                    # (not known should the pass fail)
+            lives[sl] = self._begin_piece(sl, st, st + len(t))
         self.sync_tables()
-        aligned = sum(-(-len(t) // PIECE_ALIGN) * PIECE_ALIGN for _, t, _ in pieces)
+        aligned = sum(piece_rows(len(t)) for _, t, _ in pieces)
         rows = max(packed.SMALL_PROMPT_ROWS, 1 << (aligned - 1).bit_length())
         flag = PREFILL_ROWS.set(packed.SMALL_PROMPT_ROWS)   # every row through the small chunk's matmul settings
         try:

@@ -43,6 +43,11 @@ PIECE_ALIGN = 16   # pieces start at multiples of this many rows (the CPU's matm
                    # on its place in a 16-row block; the GPU's do not)
 
 
+def piece_rows(n: int) -> int:
+    """The rows a piece of n tokens takes in a pass: n up to the next multiple of PIECE_ALIGN."""
+    return -(-n // PIECE_ALIGN) * PIECE_ALIGN
+
+
 class PromptPieces:
     """The layout of a pass's pieces as fixed-size device buffers (qwen35's delta_net_pieces reads them):
     each piece's slot (unused pieces repeat piece 0: they write what it writes), row boundaries `cu` (a piece
@@ -50,7 +55,7 @@ class PromptPieces:
     [window; rows] of every piece one after another (indexes into [the pieces' windows; the pass's rows]),
     `sel` picks each row's conv window from that, `keep` each piece's new window. `bounds`: (slot, first
     row, end of the real rows) per piece, on the CPU only (its eager loop; a captured pass must not read
-    the host's layout)."""
+    the host's layout). Made for passes that may hold several pieces, and on the CPU for every pass."""
 
     def __init__(self, runner: Runner, rows: int, max_pieces: int):
         dev = runner.device
@@ -99,7 +104,10 @@ class _Inputs:
         self.valid = torch.zeros(chunk, dtype=torch.float32, device=dev)
         k = runner.spec.ssm_d_conv - 1 if runner.conv_state else 0
         self.keep = torch.zeros(k, dtype=torch.long, device=dev)
-        self.pieces = PromptPieces(runner, chunk, max_pieces)
+        # the layout's buffers where something reads them: the CPU's delta rule, passes of several pieces (a
+        # GPU pass of one slot reads the state through `slots`, not through a layout remade every chunk)
+        many = max_pieces > 1 or runner.device.type == "cpu"
+        self.pieces = PromptPieces(runner, chunk, max_pieces) if many else None
         self.layout: list[tuple[int, int, int]] = []   # (slot, first row, real rows) per piece
 
     def fill(self, pieces: list[tuple[int, torch.Tensor, int]]) -> None:
@@ -113,7 +121,7 @@ class _Inputs:
         layout, lo = [], 0
         for i, (slot, tokens, start) in enumerate(pieces):
             n = len(tokens)
-            hi = c if i == len(pieces) - 1 else lo + -(-n // PIECE_ALIGN) * PIECE_ALIGN
+            hi = c if i == len(pieces) - 1 else lo + piece_rows(n)
             if lo + n > c:
                 raise ValueError(f"pieces of {[len(t) for _, t, _ in pieces]} tokens do not fit a pass of {c} rows")
             tok[lo:lo + n] = tokens.cpu()
@@ -127,7 +135,8 @@ class _Inputs:
         for dst, src in ((self.tokens, tok), (self.positions, pos), (self.valid, valid), (self.slots, slots),
                          (self.keep, torch.arange(n0, n0 + len(self.keep)))):
             dst.copy_(src, non_blocking=True)
-        self.pieces.fill(layout)
+        if self.pieces is not None:
+            self.pieces.fill(layout)
         self.layout = layout
 
 
@@ -211,7 +220,8 @@ class PrefillGraph:
     def _attend(self, il, scale, window) -> None:
         """Each piece's rows over its own slot (eagerly: the keys grow with the slot's depth)."""
         q, k, v = self.qkv[il]
-        self.out.zero_()   # (padding rows: the same zeros in every pass, whatever ran before)
+        if not self.out.is_cuda:   # (the CPU: padding rows share 16-row matmul blocks with real rows, so they
+            self.out.zero_()      # hold the same zeros in every pass, whatever ran before)
         for b, lo, hi in self._real:
             self.out[lo:hi].copy_(self.runner._attend(b, il, q[lo:hi], k[lo:hi], v[lo:hi], scale, window))
 

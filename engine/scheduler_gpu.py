@@ -412,8 +412,8 @@ class RunnerScheduler:
         shared = {}
         if r.prompt_pieces > 1 and len(plain) > 1:
             before = r.shared_passes
-            lgs = r.prefill_pieces([(chunks[i][0].slot, chunks[i][0].tokens[chunks[i][1]:chunks[i][2]],
-                                     chunks[i][1]) for i in plain], chunk=pc)
+            lgs = r.prefill_pieces([(s.slot, s.tokens[lo:hi], lo) for s, lo, hi in (chunks[i] for i in plain)],
+                                   chunk=pc)
             shared = {i: lgs[j:j + 1] for j, i in enumerate(plain)}
             self._totals["shared_prompt_passes"] += r.shared_passes - before
         for i, (s, lo, hi) in enumerate(chunks):

@@ -5,7 +5,8 @@ the GPU), over copies of the cache that together exceed the L2, as the runner la
 sequences at depth 23,000, one at 131,072, one and sixteen at 4,096. Then the best settings for the float
 rows again on the coded cache types, against the settings those use now. K/V are random bytes kept small (no
 NaNs); the speed does not depend on them. Prints one JSON line per setting (us per case) and writes
-$OUT/sweep_attn.json. --short: contexts of 128 to 4,096 keys (and 23,000 for comparison), the float rows only, into $OUT/sweep_attn_short.json.
+$OUT/sweep_attn.json. --short: contexts of 128 to 4,096 keys (and 23,000 for comparison), the float rows only,
+into $OUT/sweep_attn_short.json.
     python3 -u .ci/gpu/sweep_attn.py [seconds] [--short]"""
 import itertools
 import json
@@ -132,5 +133,5 @@ for name in (() if SHORT else CODED):
     paged.DECODE_CONFIG.update(BASE)
     del d2
     torch.cuda.empty_cache()
-json.dump(results, open(os.path.join(os.environ.get("OUT", "/tmp"), "sweep_attn_short.json" if SHORT else "sweep_attn.json"),
-                        "w"), indent=1)
+name = "sweep_attn_short.json" if SHORT else "sweep_attn.json"
+json.dump(results, open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w"), indent=1)

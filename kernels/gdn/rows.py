@@ -16,7 +16,7 @@ The result is the recurrence's in float32 (`delta_rule_recurrent`), not the chun
 `delta_rule_pieces` is the same launch over several sequences' runs laid one after another (a padded prompt
 pass that holds several slots' pieces, engine/runner_prefill.py): one more program axis for the piece, each
 piece's state read from and written back to its slot in place, the layout read from device buffers (so a
-captured pass serves every layout). `delta_rule_rows` is its one-piece case.
+captured pass serves every layout). `delta_rule_rows` is its one-piece case (scalars, no layout buffers).
 """
 from __future__ import annotations
 
@@ -35,25 +35,30 @@ except ImportError:   # CPU-only installs keep the torch forms
 
 # the most tokens one launch takes (longer runs keep the chunked form: its work grows with T / 64, this
 # kernel's latency with T). Off until measured on the GPU (HIVEJET_GDN_ROWS_KERNEL=1 turns it on;
-# .ci/gpu/s28.sh 7 is the measurement: no GPU was lent when it was written). Compiled for sm_90 here: 112
-# registers at BV 16 and 4 warps (198 at BV 32), no spills.
+# .ci/gpu/s29.sh is the measurement: no GPU was lent when it was written). Compiled for sm_90 here at BV 16
+# and 4 warps: 95 registers for one run, 114 for pieces, no spills.
 ROWS_KERNEL_MAX = 64
 ROWS_KERNEL_ON = os.environ.get("HIVEJET_GDN_ROWS_KERNEL", "0") == "1"
 
 
 if triton is not None:
     @triton.jit
-    def _delta_pieces_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, slot_ptr, cu_ptr, o_ptr, H, D, scale,
-                             DP: tl.constexpr, BV: tl.constexpr):
-        # program (piece p, v-head h, block vb): rows cu[p] .. cu[p + 1] of the run, from and back into the
-        # state of slot slots[p] (in place); a piece with no rows (a pass's unused piece) touches nothing
+    def _delta_pieces_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, s_out_ptr, slot_ptr, cu_ptr, o_ptr, T, H,
+                             D, scale, DP: tl.constexpr, BV: tl.constexpr, PIECES: tl.constexpr):
+        # program (piece p, v-head h, block vb): rows cu[p] .. cu[p + 1] of the run, from the state of slot
+        # slots[p] into s_out (the same buffer: in place); a piece with no rows (a pass's unused piece) touches
+        # nothing. Not PIECES: one piece, rows 0 .. T, state 0 (no layout buffers to make per call)
         p = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
-        lo = tl.load(cu_ptr + p)
-        hi = tl.load(cu_ptr + p + 1)
-        if hi > lo:
+        lo = 0
+        hi = T
+        slot = 0
+        if PIECES:
+            lo = tl.load(cu_ptr + p)
+            hi = tl.load(cu_ptr + p + 1)
             slot = tl.load(slot_ptr + p).to(tl.int64)
+        if hi > lo:
             dk = tl.arange(0, DP)
             dv = vb * BV + tl.arange(0, BV)
             mk, mv = dk < D, dv < D
@@ -69,7 +74,7 @@ if triton is not None:
                 bb = tl.load(beta_ptr + t * H + h).to(tl.float32)
                 s, o = _delta_step(s, q, k, v, gg, bb)
                 tl.store(o_ptr + row + dv, o, mask=mv)
-            tl.store(s_ptr + st, s, mask=ms)
+            tl.store(s_out_ptr + st, s, mask=ms)
 
 
 def rows_kernel_applies(q: torch.Tensor) -> bool:
@@ -91,11 +96,9 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     T, H, D = q.shape
     if state.shape != (H, D, D):
         raise ValueError(f"delta_rule_rows: state [H, D, D] = {(H, D, D)}; got {tuple(state.shape)}")
-    s = state.float().clone()[None]
-    dev = q.device
-    o = delta_rule_pieces(q, k, v, g, beta, s, torch.zeros(1, dtype=torch.long, device=dev),
-                          torch.tensor([0, T], dtype=torch.int32, device=dev), block_v, num_warps)
-    return o, s[0]
+    s_in = state.float().contiguous()
+    s_out = torch.empty_like(s_in)
+    return _launch(q, k, v, g, beta, s_in, s_out, None, None, block_v, num_warps), s_out
 
 
 def delta_rule_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -107,22 +110,29 @@ def delta_rule_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     place. Pieces with no rows change nothing (a pass's unused pieces: slots and cu are fixed-size device
     buffers, so a captured pass serves every layout). Returns o [T, H, D] float32; rows in no piece are
     left unwritten. Each piece gets the bits it gets in a launch of its own."""
+    H, D = q.shape[1:]
+    if states.dim() != 4 or states.shape[1:] != (H, D, D) or cu.shape != (slots.shape[0] + 1,):
+        raise ValueError(f"delta_rule_pieces: states [n, H, D, D] = [n, {H}, {D}, {D}] and cu [P + 1] for P slots; "
+                         f"got {tuple(states.shape)}, {tuple(cu.shape)}, {slots.shape[0]} slots")
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError("delta_rule_pieces: the states are updated in place: float32 and contiguous")
+    return _launch(q, k, v, g, beta, states, states, slots, cu.to(torch.int32), block_v, num_warps)
+
+
+def _launch(q, k, v, g, beta, s_in, s_out, slots, cu, block_v, num_warps) -> torch.Tensor:
+    """The kernel over one run (slots None: state s_in [H, D, D] into s_out) or over pieces."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     T, H, D = q.shape
-    P = slots.shape[0]
-    if k.shape != (T, H, D) or v.shape != (T, H, D) or g.shape != (T, H) or beta.shape != (T, H) \
-            or states.dim() != 4 or states.shape[1:] != (H, D, D) or cu.shape != (P + 1,):
-        raise ValueError(f"delta_rule_pieces: q, k, v [T, H, D], g and beta [T, H], states [n, H, D, D], "
-                         f"cu [P + 1] for P slots; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
-                         f"{tuple(g.shape)}, {tuple(beta.shape)}, {tuple(states.shape)}, {tuple(cu.shape)}, "
-                         f"{P} slots")
-    if states.dtype != torch.float32 or not states.is_contiguous():
-        raise ValueError("delta_rule_pieces: the states are updated in place: float32 and contiguous")
+    if k.shape != (T, H, D) or v.shape != (T, H, D) or g.shape != (T, H) or beta.shape != (T, H):
+        raise ValueError(f"the delta rule's rows: q, k, v [T, H, D], g and beta [T, H]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(g.shape)}, {tuple(beta.shape)}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
     DP = triton.next_power_of_2(D)
     BV = min(triton.next_power_of_2(block_v), DP)
-    _delta_pieces_kernel[(P, H, triton.cdiv(D, BV))](q, k, v, g, beta, states, slots, cu.to(torch.int32), o, H, D,
-                                                     float(D ** -0.5), DP=DP, BV=BV, num_warps=num_warps)
+    pieces = slots is not None
+    _delta_pieces_kernel[(slots.shape[0] if pieces else 1, H, triton.cdiv(D, BV))](
+        q, k, v, g, beta, s_in, s_out, slots if pieces else s_in, cu if pieces else s_in, o, T, H, D,
+        float(D ** -0.5), DP=DP, BV=BV, PIECES=pieces, num_warps=num_warps)
     return o

@@ -92,7 +92,6 @@ def test_wider_pass_and_the_pieces_kernel(tiny, pieces_on, monkeypatch):
         for mode in ("loop", "kernel-together", "kernel-apart"):
             if mode.startswith("kernel"):
                 monkeypatch.setattr(q35, "pieces_kernel_applies", lambda x: True)
-                monkeypatch.setattr(runner_mod, "pieces_kernel_applies", lambda x: True)
             r = _runner(model, "f32")
             if mode == "kernel-apart":
                 lg = torch.cat([r.prefill(sl, t, start=st, chunk=256) for sl, t, st in pieces])
