@@ -1,0 +1,39 @@
+#!/bin/bash
+# The thirtieth session's calls (2026-12-05): s29.sh's measurements regrouped so that the first call alone
+# decides whether the prompt pieces go on by default (device machines were scarce: each refused start cost
+# ~90 s of the session's device time). Carry .whl.
+#   run 1: the GPU tests of the pieces and the rows kernel with both switches on; pieces_timing.py with both
+#          on; bench agents scenario 1 with both on.
+#   run 2: run 1's pieces_timing said "same bits False" even for one prompt (prefill_pieces then calls
+#          prefill itself): prefill_repeat.py asks whether a prompt's prefill gives the same bits every time
+#          (graphs; the padded pass eagerly, each layer's output recorded to show where a difference starts;
+#          unpadded), by default, with both switches, and with PDL off; then bench agents scenario 1 by default
+#          (the same-session baseline).
+source .ci/gpu/env.sh
+OUT=$(realpath "$OUT")
+m27_start
+ON="HIVEJET_PROMPT_PIECES=1 HIVEJET_GDN_ROWS_KERNEL=1"
+timing() {   # timing LABEL [VAR=VALUE ...]
+    local label=$1; shift
+    echo "$label"; mkdir -p "$OUT/$label"
+    env "$@" OUT="$OUT/$label" timeout 100 python3 -u .ci/gpu/pieces_timing.py /tmp/m27.gguf 32 512 \
+        2>&1 | grep -v Warn | tail -7
+}
+if [ "$1" = 1 ]; then
+    (export $ON TESTS_SECONDS=140; tests_into gpu_tests_1.txt tests/kernels/test_gdn_rows.py \
+        tests/engine/test_runner_pieces.py tests/engine/test_runner_prefill.py tests/engine/test_runner.py \
+        -k "rows_kernel or pieces or captured or (greedy_equals_cpu and qwen35) or (every_cache_type and qwen35)")
+    m27_wait
+    timing both $ON
+    (export $ON; agents hivejet 200 1)      # (shell functions: the switches exported in a subshell)
+    mv "$OUT/agents_hivejet.json" "$OUT/agents_hivejet_pieces.json"
+fi
+if [ "$1" = 2 ]; then
+    m27_wait
+    for run in "off:" "both:$ON" "nopdl:HIVEJET_PDL=0"; do
+        echo "${run%%:*}"; mkdir -p "$OUT/repeat_${run%%:*}"
+        env ${run#*:} OUT="$OUT/repeat_${run%%:*}" timeout 140 python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf 32 \
+            2>&1 | grep -v Warn | tr -d " \n" | sed "s/},/},\n/g"; echo
+    done
+    agents hivejet 200 1
+fi
