@@ -148,6 +148,8 @@ class PackedWeight:
     offset: int = 0
     tma: tuple | None = field(default=None, init=False, repr=False, compare=False)   # _descriptors' result
     counts: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # _arrival_counts
+    # counts outgrown by a launch of more m-blocks: CUDA graphs captured before still use them (kept alive)
+    old_counts: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def codes(self) -> int:
@@ -1101,12 +1103,17 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
 
 def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
     """p's int32 arrival counts, one per (m-block, row band), all 0 between launches; grown to m_blocks
-    on demand (never while a CUDA graph is being captured: None then, and the caller sums separately)."""
+    on demand (never while a CUDA graph is being captured: None then, and the caller sums separately).
+    Outgrown counts stay alive in p.old_counts: a graph captured before holds their address, and were they
+    freed, its replays would count in memory another tensor owns (an eager step of more rows, e.g. a Q8_0
+    model's 16-row blocks past 64 rows, grows them after the decode graphs were captured)."""
     bands = p.n_pad // p.tile_n
     c = p.counts
     if c is None or c.numel() < m_blocks * bands:
         if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if c is not None:
+            p.old_counts.append(c)
         c = p.counts = torch.zeros(max(m_blocks, 4) * bands, dtype=torch.int32, device=p.device)
     return c
 

@@ -663,6 +663,8 @@ def test_split_sums_in_the_kernel(qtype):
             assert torch.equal(packed_matmul(x, p, split_k=split, add=a, sum_here=False), a + apart)
         assert torch.equal(packed_matmul(x, p, split_k=1, add=a), a + packed_matmul(x, p, split_k=1))
     assert p.counts.numel() >= 5 * 3      # 80 rows: 5 m-blocks of 16, 3 row bands
+    # the first buffer (4 m-blocks) was outgrown: kept alive, at 0, for graphs captured with its address
+    assert [c.numel() for c in p.old_counts] == [4 * 3] and int(p.old_counts[0].abs().sum()) == 0
     _check(here, x, p)
     with pytest.raises(ValueError, match="add must be"):
         packed_matmul(x, p, add=a[:, :-1])
