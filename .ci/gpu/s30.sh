@@ -9,6 +9,9 @@
 #          (graphs; the padded pass eagerly, each layer's output recorded to show where a difference starts;
 #          unpadded), by default, with both switches, and with PDL off; then bench agents scenario 1 by default
 #          (the same-session baseline).
+#   run 3: run 2 found it with PDL on (the default) and not with HIVEJET_PDL=0, from the first FFN on: which part
+#          of PDL's use (the weights' L2 prefetch before the wait, the trigger's place, split-K sums in the
+#          kernel, the gated sums) brings it; the records now include each rms_norm, gated sum and matmul.
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -36,4 +39,13 @@ if [ "$1" = 2 ]; then
             2>&1 | grep -v Warn | tr -d " \n" | sed "s/},/},\n/g"; echo
     done
     agents hivejet 200 1
+fi
+if [ "$1" = 3 ]; then
+    m27_wait
+    for run in "pdl:" "prefetch0:HIVEJET_PREFETCH_TILES=0" "trigger_start:HIVEJET_PDL_TRIGGER=start" \
+               "sumhere0:HIVEJET_SPLIT_SUM_HERE=0" "gated0:HIVEJET_GATED_SUMS=0"; do
+        echo "${run%%:*}"; mkdir -p "$OUT/repeat_${run%%:*}"
+        env ${run#*:} OUT="$OUT/repeat_${run%%:*}" timeout 100 python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf 32 \
+            2>&1 | grep -v Warn | tr -d " \n" | sed "s/},/},\n/g" | grep -E "again|first_diff"; echo
+    done
 fi

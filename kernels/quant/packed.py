@@ -1283,7 +1283,7 @@ TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swa
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
 # split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):
 # the same bits either way
-SPLIT_SUM_HERE = True
+SPLIT_SUM_HERE = os.environ.get("HIVEJET_SPLIT_SUM_HERE", "1") != "0"
 # with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
 # for the previous kernel (0: none; 2, 4 and 8 made the 27B's step 0.13-0.76 ms longer, twenty-fourth session:
 # the prefetches slow the predecessor's last programs, which the wait is for)
