@@ -15,7 +15,11 @@ Rules that keep it correct:
   everything before it, so the usual stream order holds transitively (torch's kernels, launched
   without PDL, wait for full completion as always);
 - PDL is on only for CUDA devices of compute capability 9.0+ (the instructions do not exist before),
-  never under Triton's interpreter, and not with HIVEJET_PDL=0 (to measure one against the other).
+  never under Triton's interpreter, and **only with HIVEJET_PDL=1**: off by default since the thirtieth
+  session, which found a 27B prompt's prefill on the H200 not the same bits twice with it on (logits up to
+  0.06 apart, every path, eager ones too) and the same bits every time with it off (docs/PERFORMANCE.md).
+  The race behind it was not found; until it is, reproducibility (batch invariance, #6) wins over the
+  ~7.5 % of a decode step PDL saved (twenty-fourth session).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ try:
 except ImportError:          # a Triton without grid dependency control (before 3.4): PDL stays off
     HAVE_GDC = False
 
-ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "1") != "0" \
+ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "0") == "1" \
     and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 

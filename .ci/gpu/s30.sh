@@ -11,7 +11,8 @@
 #          (the same-session baseline).
 #   run 3: run 2 found it with PDL on (the default) and not with HIVEJET_PDL=0, from the first FFN on: which part
 #          of PDL's use (the weights' L2 prefetch before the wait, the trigger's place, split-K sums in the
-#          kernel, the gated sums) brings it; the records now include each rms_norm, gated sum and matmul.
+#          kernel, the gated sums) brings it; the records now include each rms_norm, gated sum and matmul. Then
+#          bench decode with HIVEJET_PDL=0.
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -48,4 +49,5 @@ if [ "$1" = 3 ]; then
         env ${run#*:} OUT="$OUT/repeat_${run%%:*}" timeout 100 python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf 32 \
             2>&1 | grep -v Warn | tr -d " \n" | sed "s/},/},\n/g" | grep -E "again|first_diff"; echo
     done
+    bench nopdl HIVEJET_PDL=0      # (what reproducible prefills cost the decode step, should PDL go off)
 fi
