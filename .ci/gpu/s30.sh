@@ -23,6 +23,14 @@ timing() {   # timing LABEL [VAR=VALUE ...]
     env "$@" OUT="$OUT/$label" timeout 100 python3 -u .ci/gpu/pieces_timing.py /tmp/m27.gguf 32 512 \
         2>&1 | grep -v Warn | tail -7
 }
+repeat() {   # repeat SECONDS LABEL:VAR=VALUE ...: prefill_repeat.py once per setting, its JSON one result a line
+    local seconds=$1; shift
+    for run in "$@"; do
+        echo "${run%%:*}"; mkdir -p "$OUT/repeat_${run%%:*}"
+        env ${run#*:} OUT="$OUT/repeat_${run%%:*}" timeout "$seconds" python3 -u .ci/gpu/prefill_repeat.py \
+            /tmp/m27.gguf 32 2>&1 | grep -v Warn | tr -d " \n" | sed "s/},/},\n/g"; echo
+    done
+}
 if [ "$1" = 1 ]; then
     (export $ON TESTS_SECONDS=140; tests_into gpu_tests_1.txt tests/kernels/test_gdn_rows.py \
         tests/engine/test_runner_pieces.py tests/engine/test_runner_prefill.py tests/engine/test_runner.py \
@@ -34,20 +42,15 @@ if [ "$1" = 1 ]; then
 fi
 if [ "$1" = 2 ]; then
     m27_wait
-    for run in "off:" "both:$ON" "nopdl:HIVEJET_PDL=0"; do
-        echo "${run%%:*}"; mkdir -p "$OUT/repeat_${run%%:*}"
-        env ${run#*:} OUT="$OUT/repeat_${run%%:*}" timeout 140 python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf 32 \
-            2>&1 | grep -v Warn | tr -d " \n" | sed "s/},/},\n/g"; echo
-    done
+    repeat 140 "off:HIVEJET_PDL=1" "both:HIVEJET_PDL=1 $ON" "nopdl:HIVEJET_PDL=0"   # (as run then: PDL on)
     agents hivejet 200 1
 fi
 if [ "$1" = 3 ]; then
     m27_wait
-    for run in "pdl:" "prefetch0:HIVEJET_PREFETCH_TILES=0" "trigger_start:HIVEJET_PDL_TRIGGER=start" \
-               "sumhere0:HIVEJET_SPLIT_SUM_HERE=0" "gated0:HIVEJET_GATED_SUMS=0"; do
-        echo "${run%%:*}"; mkdir -p "$OUT/repeat_${run%%:*}"
-        env ${run#*:} OUT="$OUT/repeat_${run%%:*}" timeout 100 python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf 32 \
-            2>&1 | grep -v Warn | tr -d " \n" | sed "s/},/},\n/g" | grep -E "again|first_diff"; echo
-    done
-    bench nopdl HIVEJET_PDL=0      # (what reproducible prefills cost the decode step, should PDL go off)
+    # (PDL is off by default since run 2: each setting turns it on)
+    repeat 100 "pdl:HIVEJET_PDL=1" "prefetch0:HIVEJET_PDL=1 HIVEJET_PREFETCH_TILES=0" \
+        "trigger_start:HIVEJET_PDL=1 HIVEJET_PDL_TRIGGER=start" "sumhere0:HIVEJET_PDL=1 HIVEJET_SPLIT_SUM_HERE=0" \
+        "gated0:HIVEJET_PDL=1 HIVEJET_GATED_SUMS=0" | grep -E "^[a-z_0-9]+$|again|first_diff"
+    bench nopdl                    # (the default now: what reproducible prefills cost the decode step)
+    bench pdl HIVEJET_PDL=1
 fi

@@ -1114,7 +1114,9 @@ def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
             return None
         if c is not None:
             p.old_counts.append(c)
-        c = p.counts = torch.zeros(max(m_blocks, 4) * bands, dtype=torch.int32, device=p.device)
+        # (to a power of two of m-blocks: few regrowths, so few buffers kept)
+        c = p.counts = torch.zeros(max(1 << (m_blocks - 1).bit_length(), 4) * bands, dtype=torch.int32,
+                                   device=p.device)
     return c
 
 
@@ -1282,7 +1284,7 @@ _CONFIGS: dict = {}
 TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
 # split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):
-# the same bits either way
+# the same bits either way (HIVEJET_SPLIT_SUM_HERE=0: the second kernel, to tell the two apart on the GPU)
 SPLIT_SUM_HERE = os.environ.get("HIVEJET_SPLIT_SUM_HERE", "1") != "0"
 # with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
 # for the previous kernel (0: none; 2, 4 and 8 made the 27B's step 0.13-0.76 ms longer, twenty-fourth session:
