@@ -381,7 +381,9 @@ def test_rows_of_one_step_each_match_cpu_path(tiny, short_segments, arch, kt, vt
         for i, p in enumerate(prompts):
             want, want_logits, _ = cpu_path_greedy(model, p, 43, kt, vt)
             assert toks[i] == want
-            assert_close_logits(logits[i], want_logits, 2e-3)
+            # (3e-3: the centers move with the CPU's float kernels, above; an AVX-512 + AMX machine gave
+            # 2.02e-3 on gemma3 turbo2; a missing or wrong center is ~0.3)
+            assert_close_logits(logits[i], want_logits, 3e-3)
         # the next step: slot 1's row is at position 80, the first of segment 2, whose center this very
         # step makes; alone and among the others (state restored in between) it gives the same logits
         pos = [45 + 43, 37 + 43, 30 + 43]
