@@ -109,11 +109,9 @@ def _default_kv_memory() -> int:
 
 
 def resolve_auto_device(config: EngineConfig) -> str:
-    """device="auto": the GPU path when torch sees a CUDA GPU and the configuration is one it serves
-    (no vision projector; every KV cache type, K and V alike or not), else the CPU."""
-    if not torch.cuda.is_available() or config.mmproj:
-        return "cpu"
-    return "cuda"
+    """device="auto": the GPU path when torch sees a CUDA GPU (it serves every configuration: every KV
+    cache type, K and V alike or not, images), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _has_image_parts(messages) -> bool:
@@ -211,6 +209,17 @@ class _Sequence:
         """sha256 of each image's decoded pixels, in prompt order (with the image token spans in
         `vision.spans`): what a prefix cache must key on besides the token ids."""
         return self.vision.hashes if self.vision is not None else []
+
+    def prefix_keys(self, n: int | None = None) -> list[int]:
+        """The first n tokens (all: None) as a prefix cache compares them: the token ids, each image token
+        replaced by a key of its image's content and its place in the image (VisionPrompt.prefix_keys)."""
+        toks = self.tokens if n is None else self.tokens[:n]
+        return toks if self.vision is None else self.vision.prefix_keys(toks)
+
+    def chunk_keys(self, lo: int, hi: int) -> list[int]:
+        """prefix_keys of the tokens [lo, hi) alone."""
+        toks = self.tokens[lo:hi]
+        return toks if self.vision is None else self.vision.prefix_keys(toks, lo)
 
     @property
     def n_generated(self) -> int:
@@ -361,8 +370,6 @@ class Engine(RunnerScheduler, SpeculationMixin):
         ids, vision = self._tokenize(req)
         if not ids:
             raise EngineError("the prompt is empty")
-        if vision is not None and self.runner is not None:
-            raise EngineError("image input runs on the CPU path only for now (start the engine with device='cpu')")
         r = self.runner
         if r is not None and len(ids) >= r.max_ctx < (self.config.ctx_size or self.spec.context_length):
             raise KVPoolTooSmallError(len(ids), r.max_ctx)   # the pool, not the context, is the limit
@@ -639,12 +646,15 @@ class Engine(RunnerScheduler, SpeculationMixin):
 
     def _reuse_prefix(self, s: _Sequence) -> None:
         """Start s from the longest prefix of its prompt that a resident or running sequence holds."""
-        if self._resident.budget <= 0 or s.vision is not None or s.n_prompt < 2 * ROW_BLOCK:
+        if self._resident.budget <= 0 or s.n_prompt < 2 * ROW_BLOCK:
             return
-        running = [Entry(r.tokens[:r.n_computed], r.kv, r.checkpoints) for r in self._running
-                   if r.vision is None and r.kv is not None]
-        n, entry, _ = self._resident.best(s.tokens[:s.n_prompt], bool(self.spec.recurrent_layers), running)
-        if entry is None:
+        # (images compared by content: _Sequence.prefix_keys)
+        running = [Entry(r.prefix_keys(r.n_computed), r.kv, r.checkpoints) for r in self._running if r.kv is not None]
+        n, entry, _ = self._resident.best(s.prefix_keys(s.n_prompt), bool(self.spec.recurrent_layers), running)
+        if entry is not None and s.vision is not None:
+            n = s.vision.safe_start(n)        # (an image attended both ways is read whole)
+            n -= n % ROW_BLOCK
+        if entry is None or n <= 0:
             return
         old = s.kv
         s.kv = entry.kv.fork()
@@ -756,7 +766,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
         recurrent = bool(self.spec.recurrent_layers) and self._resident.budget > 0
         for (s, c), lg in zip(plan, logits):
             s.n_computed = c.start + len(c.tokens)   # with drafts: set again by _verify_drafts
-            if recurrent and s.vision is None and s.n_computed <= s.n_prompt:
+            if recurrent and s.n_computed <= s.n_prompt:
                 add_checkpoint(s.checkpoints, s.kv)   # a later request can resume here
             if s.n_computed == s.n_prompt and s.n_generated == 0:
                 self._totals["prompt_tokens"] += s.n_prompt
@@ -834,10 +844,10 @@ class Engine(RunnerScheduler, SpeculationMixin):
         if s.drafter is not None:
             self._ngram_pool.add(s.tokens)   # other conversations can draft from this one
         if s.kv is not None:
-            if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
+            if reason != "error" and self._resident.budget > 0 and s.n_computed > 0:
                 if self.spec.recurrent_layers:
                     add_checkpoint(s.checkpoints, s.kv)
-                self._resident.add(s.id, Entry(s.tokens[:s.n_computed], s.kv, s.checkpoints))
+                self._resident.add(s.id, Entry(s.prefix_keys(s.n_computed), s.kv, s.checkpoints))
             else:
                 s.kv.release()
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
@@ -845,8 +855,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
         if getattr(s, "slot", None) is not None:
             if self._ahead is not None and s.id in self._ahead.decode:
                 self._discard_ahead_row(s)
-            if reason != "error" and s.vision is None and self._resident.budget > 0 and s.n_computed > 0:
-                self._parked[s.slot] = s.tokens[:s.n_computed]   # resident (its blocks kept) until evicted
+            if reason != "error" and self._resident.budget > 0 and s.n_computed > 0:
+                # resident (its blocks kept) until evicted; images by content (prefix_keys)
+                self._parked[s.slot] = s.prefix_keys(s.n_computed)
                 self._park_drafters(s)
                 parked = True
             else:

@@ -194,6 +194,22 @@ class PrefixMatch:
     state: object = None
 
 
+@dataclass
+class PromptInputs:
+    """What a prompt chunk with images gives the model besides its token ids (engine/vision/prompt.py's
+    VisionPrompt.chunk_inputs, for the rows of one prefill call): RoPE positions [n] or [n, 3] (M-RoPE; None:
+    start..start+n), (row indices, float rows [k, n_embd]) replacing those rows' token embeddings, spans
+    [lo, hi) of positions attended both ways, and the slot's rope delta (the generated tokens' RoPE position
+    minus their index: M-RoPE models after images, Runner(rope_offsets=True)); keys: the rows' ids as the
+    prefix grid hashes them (images by content: VisionPrompt.prefix_keys; None: the slot leaves the grid)."""
+
+    positions: torch.Tensor | None = None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    bidirectional: list[tuple[int, int]] | None = None
+    rope_delta: int = 0
+    keys: list[int] | None = None
+
+
 class SlotBatch:
     """Stands in for engine.models.common.Batch in a runner step: rows live in runner slots.
     decode: row r is slot slots[r]'s next token at positions[r]. prefill: all rows are one slot's
@@ -203,6 +219,12 @@ class SlotBatch:
     valid: torch.Tensor | None = None   # a padded prompt chunk (engine/runner_prefill.py): 1 real row, 0 padding
     keep: torch.Tensor | None = None    # and the rows that make its new conv window (qwen35)
     pieces = None                       # and its pieces' layout (runner_prefill.PromptPieces)
+    # a prompt chunk with images (PromptInputs): RoPE positions where they are not `positions` (M-RoPE; decode
+    # rows of a slot after images: positions + its rope delta), rows taking image embeddings, and position
+    # spans attended both ways (Gemma 3)
+    rope_positions: torch.Tensor | None = None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    bidirectional: list[tuple[int, int]] | None = None
 
     def __init__(self, runner: "Runner", positions: torch.Tensor, slots: torch.Tensor, decode: bool,
                  slot: int = -1, start: int = 0):
@@ -261,13 +283,16 @@ class Runner(AttentionMixin, KeyPrepMixin):
     triton: use the Triton kernels (default: on CUDA; on the CPU they run in Triton's interpreter, which
     is how tests check them without a GPU).
     n_blocks: the shared KV pool's size in blocks of `block_size` tokens (default: n_slots * max_ctx
-    tokens); max_ctx: the most positions one slot may reach (at most the pool)."""
+    tokens); max_ctx: the most positions one slot may reach (at most the pool).
+    rope_offsets: each slot's decode rows take RoPE position = position + the slot's rope delta (set by a
+    prefill with PromptInputs: an M-RoPE model's tokens after images run behind their indices); off, the
+    decode step is the text-only one."""
 
     def __init__(self, model: DecoderModel, device: str | torch.device = "cuda", n_slots: int = 16,
                  max_ctx: int = 4096, cache_type: str | None = None, block_size: int = 16,
                  graphs: bool | None = None, n_split: int | None = None, *, cache_type_k: str | None = None,
                  cache_type_v: str | None = None, prefill_dot: str = "tf32", triton: bool | None = None,
-                 n_blocks: int | None = None, padded_prefill: bool | None = None):
+                 n_blocks: int | None = None, padded_prefill: bool | None = None, rope_offsets: bool = False):
         kt = cache_type_name(cache_type_k or cache_type or "f16")
         vt = cache_type_name(cache_type_v or cache_type or "f16")
         self.model, self.spec = model, model.spec
@@ -329,6 +354,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # when one of its rows is in a segment without one (_decode_centers costs a pass over SEGMENT
         # stored keys per row and layer: ~3 ms of a 27B step at 23K on the H200)
         self._ncent = [0] * total_slots
+        # per slot (and the scratch slot, 0), what its decode rows add to their positions for RoPE
+        self.rope_delta = torch.zeros(total_slots, dtype=torch.long, device=dev) if rope_offsets else None
         # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
         # recurrent states untouched, kernels/gdn)
         self.conv_state, self.ssm_state = {}, {}
@@ -455,6 +482,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.truncate(slot, 0)
         self._grid[slot] = (0, [b""])
         self._live[slot] = -1
+        if self.rope_delta is not None:
+            self.rope_delta[slot] = 0
 
     def truncate(self, slot: int, n: int) -> None:
         """Keep only the blocks slot's first n positions need (a follow-up that diverges at n)."""
@@ -758,6 +787,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
         drafter's context) go to `_step_features` (inside a capture: the graph's buffer)."""
         m = self.model
         x = m.embed(tokens)
+        if b.embeds is not None:   # image rows: the encoder's embeddings (not scaled, as embed_batch does)
+            rows, vals = b.embeds
+            x[rows.to(x.device)] = vals.to(device=x.device, dtype=x.dtype)
         m.prepare(b)
         taken = {}
         for il in range(self.spec.n_layer):
@@ -779,6 +811,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         capture: the graph's buffer, kept with it)."""
         b = SlotBatch(self, positions, slots, decode=True)
         b.waves, b.centers = waves, centers
+        if self.rope_delta is not None:
+            b.rope_positions = positions + self.rope_delta.index_select(0, slots)
         self._step_hidden = h = self._normed(self._hidden(tokens, b))
         return self.model.lm_head(h)
 
@@ -858,15 +892,22 @@ class Runner(AttentionMixin, KeyPrepMixin):
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False,
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, inputs: PromptInputs | None = None) -> torch.Tensor:
         """Feed one slot's tokens at positions start.. in chunks; returns the last row's logits [1, vocab]
         (all rows' with all_logits). start == 0 starts the slot over (reset). Takes the blocks the
         positions need first (PoolFullError when the pool cannot give them, before anything is written).
         hidden: every row's output-normed hidden state [n, n_embd] goes to `self.hidden` (the MTP block's
-        input, engine/spec/mtp.py), its states at the model's capture_layers to `self.features` (DFlash)."""
+        input, engine/spec/mtp.py), its states at the model's capture_layers to `self.features` (DFlash).
+        inputs: the tokens hold images (PromptInputs for all of them): they run eagerly as one chunk (an
+        image attended both ways is never cut; M-RoPE positions are not start..); the prefix grid hashes
+        inputs.keys instead of the token ids (image placeholders do not say what the rows hold), or without
+        keys the slot leaves the grid."""
         self._check_slot(slot)
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         n = len(tokens)
+        if inputs is not None:
+            self._check_inputs(inputs, n)
+            chunk = max(chunk, n)
         if start + n > self.max_ctx:
             raise ValueError(f"{start + n} tokens do not fit the runner's context of {self.max_ctx}")
         self._check_free(self.blocks_needed(slot, start, start + n) - (self.held_alone(slot) if start == 0 else 0))
@@ -878,14 +919,18 @@ class Runner(AttentionMixin, KeyPrepMixin):
             live = self._begin_piece(slot, start + lo, start + hi)
             self.sync_tables()
             rows = chunk_rows(hi - lo, chunk)
+            if inputs is None and self.rope_delta is not None:
+                self.rope_delta[slot] = 0       # (text after a parked conversation with images: plain positions)
             flag = PREFILL_ROWS.set(rows)      # prompt rows: the prefill matmul, padded to `rows` rows
             try:
-                if self.padded_prefill:
+                if self.padded_prefill and inputs is None:
                     x = self._prefill_graph(rows).run([(slot, tokens[lo:hi], start + lo)])[0]
                 else:
                     pos = torch.arange(start + lo, start + hi, device=self.device)
                     b = SlotBatch(self, pos, torch.full((hi - lo,), slot, dtype=torch.long, device=self.device),
                                   decode=False, slot=slot, start=start + lo)
+                    if inputs is not None:
+                        self._with_inputs(b, inputs, slot)
                     x = self._hidden(tokens[lo:hi].to(self.device), b)
                 if all_logits:
                     outs.append(self._head(x))
@@ -895,7 +940,12 @@ class Runner(AttentionMixin, KeyPrepMixin):
                         feats.append(self._step_features[:hi - lo].clone())
             finally:
                 PREFILL_ROWS.reset(flag)
-            self._grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live)
+            if inputs is None:
+                self._grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live)
+            elif inputs.keys is not None:
+                self._grid_step(slot, start + lo, start + hi, torch.as_tensor(inputs.keys[lo:hi]), chunk, live)
+            else:
+                self._off_grid(slot, start + hi)
             if hi == n and not all_logits:
                 # the last row only, with the decode rows' matmul: the prefill matmul would first make an
                 # fp16 copy of the whole output matrix (2.5 GB for a 248K vocabulary)
@@ -904,6 +954,35 @@ class Runner(AttentionMixin, KeyPrepMixin):
             self.hidden = normed[0] if len(normed) == 1 else torch.cat(normed)
             self.features = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
         return torch.cat(outs)
+
+    def _check_inputs(self, inputs: PromptInputs, n: int) -> None:
+        p, e = inputs.positions, inputs.embeds
+        if p is not None and (p.shape[0] != n or p.dim() not in (1, 2)):
+            raise ValueError(f"{n} tokens with RoPE positions of shape {tuple(p.shape)}")
+        if e is not None and (e[0].shape[0] != e[1].shape[0] or e[1].shape[-1] != self.spec.n_embd
+                              or (e[0].numel() and not 0 <= int(e[0].min()) <= int(e[0].max()) < n)):
+            raise ValueError(f"image embeddings {tuple(e[1].shape)} at rows outside the {n} tokens or not "
+                             f"{self.spec.n_embd} wide")
+        if inputs.rope_delta and self.rope_delta is None:
+            raise ValueError("a rope delta needs a runner made with rope_offsets=True")
+        if inputs.keys is not None and len(inputs.keys) != n:
+            raise ValueError(f"{len(inputs.keys)} prefix keys for {n} tokens")
+
+    def _with_inputs(self, b: SlotBatch, inputs: PromptInputs, slot: int) -> None:
+        """b (one chunk of slot's prompt) takes inputs' positions, image rows and two-way spans."""
+        if inputs.positions is not None:
+            b.rope_positions = inputs.positions.to(self.device)
+        b.embeds = inputs.embeds
+        b.bidirectional = inputs.bidirectional
+        if self.rope_delta is not None:
+            self.rope_delta[slot] = inputs.rope_delta
+
+    def _off_grid(self, slot: int, hi: int) -> None:
+        """After rows prefilled with images and no keys: the slot offers no prefix to other slots (image
+        placeholder ids do not say what its rows hold) and saves no checkpoints; its states are at hi."""
+        self._grid[slot] = (0, [b""])
+        self._ckpt_last.pop(slot, None)
+        self._live[slot] = hi
 
     def _begin_piece(self, slot: int, lo: int, hi: int) -> int:
         """Before a slot's prompt rows [lo, hi) run: their blocks taken, the exact prefix cut at lo, the

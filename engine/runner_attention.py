@@ -98,6 +98,8 @@ class AttentionMixin:
             return ref_paged_decode(q, kc, vc, b.tables(), b.lengths(), ck, cv, scale, s.head_dim_v, window,
                                     seg_bias=bias, seg_len=seg_len)
         bt = self.block_table[b.slot]
+        if b.bidirectional:
+            return self._prefill_two_way(b, il, q_orig, kp, scale, window)
         if q.is_cuda and ck.name in ("f16", "bf16") and cv.name == ck.name:
             return self._prefill_sdpa(b, kc, vc, q, scale, window)
         if self.decoded_prefill and not window and "f32" not in (ck.name, cv.name):   # (f32: full precision)
@@ -133,6 +135,29 @@ class AttentionMixin:
         out = F.scaled_dot_product_attention(
             q.to(dt).transpose(0, 1)[None], K.repeat_interleave(G, 1).transpose(0, 1)[None],
             V.repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1).float()
+
+    def _prefill_two_way(self, b: SlotBatch, il, q, kp: KeyPrep | None, scale, window):
+        """A prompt chunk holding spans attended both ways (Gemma 3's image tokens, b.bidirectional): the
+        slot's keys and values decoded (original domain, any cache type; q as the model made it) and one
+        masked attention, causal and windowed as usual but for pairs of positions inside one span
+        (kernels/attention/ref.py's causal_attention mask). Rare (an image's chunk), so not fused."""
+        s, T = self.spec, q.shape[0]
+        end = b.start + T
+        pos = torch.arange(end, device=q.device)
+        K = self._stored_keys(kp, self.k[il], b.slot, pos)
+        V = self._read_rows(self.v[il], self.codec_v, s.head_dim_v, b.slot, pos)
+        qpos, kpos = pos[b.start:, None], pos[None, :]
+        see = kpos <= qpos
+        if window:
+            see &= qpos - kpos < window
+        for lo, hi in b.bidirectional:
+            see |= (qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi)
+        dt = torch.float16 if q.is_cuda and "f32" not in (self.codec_k.name, self.codec_v.name) else torch.float32
+        G = s.n_head // s.n_head_kv
+        out = F.scaled_dot_product_attention(
+            q.to(dt).transpose(0, 1)[None], K.to(dt).repeat_interleave(G, 1).transpose(0, 1)[None],
+            V.to(dt).repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=see, scale=scale)
         return out[0].transpose(0, 1).float()
 
     def _prefill_decoded(self, b: SlotBatch, kc, vc, q, scale, kp: KeyPrep | None):

@@ -115,7 +115,7 @@ class RunnerScheduler:
                 free, _ = torch.cuda.mem_get_info(dev)
                 if c.prefill_chunk == 0:   # (automatic: the CPU and a given pool size were settled by Engine)
                     c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(free))
-                budget = free - max(int(0.1 * free), self._step_workspace(want))
+                budget = free - max(int(0.1 * free), self._step_workspace(want)) - self._vision_workspace()
                 pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
                 if pool < 256:
                     raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
@@ -124,7 +124,7 @@ class RunnerScheduler:
                 pool = c.max_seqs * want
             blocks = max(1, pool // RUNNER_BLOCK)
             self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, n_blocks=blocks, block_size=RUNNER_BLOCK,
-                                 max_ctx=min(want, blocks * RUNNER_BLOCK), **types)
+                                 max_ctx=min(want, blocks * RUNNER_BLOCK), rope_offsets=self._mrope_images(), **types)
             if self._dflash is not None and self._dflash.device != dev:   # (ctx_pool_tokens: no fit above)
                 self._dflash.to_device(dev)
             if one_ckpt:
@@ -156,6 +156,29 @@ class RunnerScheduler:
         self._parked: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # slot -> its tokens
         self._inflight: _RunnerStep | None = None   # the last step, its device-chosen ids not yet read (overlap)
         self._ahead: _RunnerStep | None = None      # the step whose decode rows run ahead of the host's tokens
+
+    def _mrope_images(self) -> bool:
+        """Whether prompts may hold images whose M-RoPE positions run behind the token indices (Qwen): the
+        runner's decode rows then add each slot's rope delta (Runner rope_offsets)."""
+        return self.vision is not None and self._image_format.mrope
+
+    def _vision_workspace(self) -> int:
+        """What encoding the largest image takes on the GPU (engine/vision/mmproj.py mmproj_info; its
+        weights are on the GPU already, counted in the free memory): kept out of the KV pool."""
+        if self.vision is None or self.vision.device.type != "cuda":
+            return 0
+        from engine.vision import mmproj_info
+        return int(mmproj_info(self.vision.path)["workspace_bytes"]) + self.EMBED_CACHE_BYTES   # (and the
+        # embeddings kept for re-sent images, on the GPU with the encoder)
+
+    def _prompt_inputs(self, s: _Sequence, lo: int, hi: int):
+        """The runner's PromptInputs for s's rows [lo, hi) when its prompt holds images, else None."""
+        vp = s.vision
+        if vp is None:
+            return None
+        from engine.runner import PromptInputs
+        pos, emb, bidir = vp.chunk_inputs(lo, hi)
+        return PromptInputs(pos, emb, bidir, vp.pos_delta if vp.positions is not None else 0, s.chunk_keys(lo, hi))
 
     def _runner_spec_kinds(self) -> set[str]:
         """The drafters the GPU path runs: all of them (n-gram, MTP, DFlash), their drafts verified as extra
@@ -235,7 +258,8 @@ class RunnerScheduler:
 
     def _take_slot(self, s: _Sequence) -> None:
         """GPU path: a finished conversation stays parked in its slot (KV blocks and recurrent states in
-        place); a request whose prompt continues one takes that slot over and computes only the rest.
+        place); a request whose prompt continues one (its images compared by content: prefix_keys) takes
+        that slot over and computes only the rest.
         Else the longest prefix another slot holds, running or parked (agents sharing a system prompt),
         is shared with the new slot (Runner.find_prefix / share_prefix: a multiple of prefill_chunk, its
         blocks referenced, recurrent states from a checkpoint), and only the rest is computed, with the
@@ -244,28 +268,33 @@ class RunnerScheduler:
         block's cache comes along: the parked conversation's own, or a fork of the donor's (_mtp_from)."""
         r, pc = self.runner, self.config.prefill_chunk
         best, n, whole = None, 0, False
-        prompt = s.tokens[:s.target]
-        if s.vision is None:
-            for slot, toks in self._parked.items():
-                lcp = common_prefix(toks, prompt)
-                if self.spec.recurrent_layers:   # the states are those after the parked tokens: all or nothing
-                    use = len(toks) if lcp >= len(toks) and len(toks) < s.target else 0
-                else:
-                    use = min(lcp, s.target - 1)
-                if use > n:
-                    best, n, whole = slot, use, lcp >= len(toks)
+        prompt = s.prefix_keys(s.target)      # (images by content: a follow-up of a conversation with images)
+        for slot, toks in self._parked.items():
+            lcp = common_prefix(toks, prompt)
+            if self.spec.recurrent_layers:   # the states are those after the parked tokens: all or nothing
+                use = len(toks) if lcp >= len(toks) and len(toks) < s.target else 0
+            else:
+                use = min(lcp, s.target - 1)
+                if s.vision is not None:
+                    use = s.vision.safe_start(use)   # (an image attended both ways is read whole)
+            if use > n:
+                best, n, whole = slot, use, lcp >= len(toks)
         match = None
-        if s.vision is None and self._resident.budget > 0:
-            donors = {q.slot: q.tokens[:q.n_computed] for q in self._running if q.slot is not None and q.vision is None}
+        if self._resident.budget > 0:
+            donors = {q.slot: q.prefix_keys(q.n_computed) for q in self._running if q.slot is not None}
             donors.update(self._parked)
             match = r.find_prefix(prompt, donors, pc)
+            if match is not None and s.vision is not None and not self.spec.recurrent_layers:
+                n_safe = s.vision.safe_start(match.n) // pc * pc   # (an image attended both ways is read whole)
+                match = dataclasses.replace(match, n=n_safe) if n_safe >= r.block_size else None
         # taking over a parked conversation the prompt does not continue loses that conversation: worth it
         # only for at least a block, and a chunk more than a copy would give
         if best is not None and not whole and (n < r.block_size or (match is not None and n - pc < match.n)):
             best, n = None, 0
         if match is not None and match.n > n:
-            s.mtp = self._mtp_from(s, match.src, match.n, take=False)
-            s.dflash = self._dflash_from(s, match.src, match.n, take=False)
+            if s.vision is None:   # (model drafters do not draft for prompts with images: _attach_drafters)
+                s.mtp = self._mtp_from(s, match.src, match.n, take=False)
+                s.dflash = self._dflash_from(s, match.src, match.n, take=False)
             if self._free_slots:
                 s.slot = self._free_slots.pop()
             else:   # the least recently parked slot other than the donor (the donor itself when it is the only one)
@@ -280,8 +309,9 @@ class RunnerScheduler:
             self._totals["shared_tokens"] += match.n
         elif best is not None:
             del self._parked[best]
-            s.mtp = self._mtp_from(s, best, n, take=True)
-            s.dflash = self._dflash_from(s, best, n, take=True)
+            if s.vision is None:   # (model drafters do not draft for prompts with images: _attach_drafters)
+                s.mtp = self._mtp_from(s, best, n, take=True)
+                s.dflash = self._dflash_from(s, best, n, take=True)
             self._drop_parked_drafters(best)
             s.slot = best
             r.truncate(best, n)                        # the blocks after the common part go back to the pool
@@ -380,6 +410,8 @@ class RunnerScheduler:
         self._clock.poll()    # (the steps the device has finished: prompt-chunk pacing)
         self._draft_s = 0.0   # (drafting time of this step: not the model's, for the adaptive draft lengths)
         r, pc = self.runner, self.config.prefill_chunk
+        if self.vision is not None:
+            self._encode_images()   # (the images of prompts still to be read; a failed one finishes its request)
         while True:
             plan = self._plan_runner(prev)
             if prev is not None and any(s.drafts for s in plan[0]):
@@ -408,7 +440,7 @@ class RunnerScheduler:
         firsts, first_lg = [], []
         # chunks whose sequences need no hidden rows (no model drafter) may share padded passes with other
         # slots' (Runner.prefill_pieces: short pieces, prompt_pieces on)
-        plain = [i for i, (s, _, _) in enumerate(chunks) if s.mtp is None and s.dflash is None]
+        plain = [i for i, (s, _, _) in enumerate(chunks) if s.mtp is None and s.dflash is None and s.vision is None]
         shared = {}
         if r.prompt_pieces > 1 and len(plain) > 1:
             before = r.shared_passes
@@ -420,7 +452,7 @@ class RunnerScheduler:
             out = shared.get(i)
             if out is None:
                 out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc,
-                                hidden=s.mtp is not None or s.dflash is not None)
+                                hidden=s.mtp is not None or s.dflash is not None, inputs=self._prompt_inputs(s, lo, hi))
             if s.mtp is not None:
                 mtp_rows.append((s, lo, r.hidden))
             if s.dflash is not None:
@@ -638,8 +670,11 @@ class RunnerScheduler:
             if s.n_computed < s.target:
                 lo = s.n_computed
                 hi = min((lo // pc + 1) * pc, s.target)   # chunks end at fixed positions after a reused prefix
-                if hi - lo > budget and rows:
-                    continue
+                if s.vision is not None:
+                    hi = s.vision.chunk_end(lo, hi)       # an image attended both ways is never cut
+                if hi - lo > budget and rows and (chunks or hi - lo <= pc):
+                    continue   # (a chunk longer than a step's room, a Gemma image read whole, still goes beside
+                    # the decode rows as the step's first chunk: else it waits for every other agent to finish)
                 if dec and lo > s.cached:
                     paced = self._pacer.allow() if paced is None else paced
                     if not paced:

@@ -31,15 +31,13 @@ from engine.types import FinishEvent, Request, Timings, TokenEvent, Usage
 
 def choose_device(kv_cache: str, mmproj: str | None) -> tuple[str, str | None, str]:
     """Where the app runs a model: the GPU when torch sees one and the GPU path serves the KV cache type
-    (speed first: a 27B model is not usable on a CPU), as text only since image input is on the CPU path
-    for now (the note says so); else the CPU with the vision projector. Returns (device, mmproj, note)."""
+    (speed first: a 27B model is not usable on a CPU), else the CPU; with the vision projector on either.
+    Returns (device, mmproj, note); the note is kept for a reason to tell the user (none today)."""
     import torch
 
     from kernels.kvcodec import CACHE_TYPES
     if torch.cuda.is_available() and kv_cache in CACHE_TYPES:
-        note = "image input is not on the GPU path yet, so this model runs on the GPU as text only" \
-            if mmproj else ""
-        return "cuda", None, note
+        return "cuda", mmproj, ""
     return "cpu", mmproj, ""
 
 

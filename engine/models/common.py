@@ -431,6 +431,7 @@ class Batch:
     offsets: list[int] = field(init=False)
     rope: dict = field(init=False, default_factory=dict)  # cos/sin tables, filled by the model's prepare()
     slots = None  # set by engine/runner.py's SlotBatch: rows live in the runner's static KV/state slots
+    rope_positions = None  # and (M-RoPE models) the RoPE positions where they are not `positions`
 
     def __post_init__(self):
         self.offsets = [0]

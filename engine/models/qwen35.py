@@ -281,7 +281,7 @@ class Qwen35Model(DecoderModel):
                 pos = [p[:, None].expand(-1, width) if p.ndim == 1 else p for p in pos]
             positions = torch.cat(pos)
         else:
-            positions = batch.positions
+            positions = batch.positions if batch.rope_positions is None else batch.rope_positions
         batch.rope["main"] = self.rope.cos_sin(positions)
 
     def layer(self, il: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -68,9 +68,12 @@ class SpeculationMixin:
         if "ngram" in self.spec_active:
             s.drafter = NgramDrafter(pool=self._ngram_pool)
             s.drafter.extend(s.tokens)
-        if s.mtp is None and s.cached == 0 and "mtp" in self.spec_active:   # (GPU path: _take_slot may
-            s.mtp = self._new_mtp_state()                                     # have given it a kept one)
-        if s.dflash is None and s.cached == 0 and self._dflash is not None:   # (GPU path: may be kept one)
+        # (the GPU path's model drafters follow a slot's plain positions: not for prompts with images,
+        # whose M-RoPE positions run behind; n-gram drafts still work there)
+        model_drafts = s.cached == 0 and (self.runner is None or s.vision is None)
+        if s.mtp is None and model_drafts and "mtp" in self.spec_active:   # (GPU path: _take_slot may
+            s.mtp = self._new_mtp_state()                                   # have given it a kept one)
+        if s.dflash is None and model_drafts and self._dflash is not None:  # (GPU path: may be kept one)
             s.dflash = self._dflash.new_state()
         k_max = self.config.spec_max_drafts
         s.adapt = {name: DraftLength(min(k_max, self._dflash.cfg.block_size - 1) if name == "dflash" else k_max)

@@ -17,6 +17,7 @@ The rows of image tokens take the encoder's embeddings instead of the token embe
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,30 @@ class VisionPrompt:
     def hashes(self) -> list[str]:
         return [s.sha256 for s in self.spans]
 
+    def prefix_keys(self, tokens: list[int], start: int = 0) -> list[int]:
+        """tokens (this prompt's from index `start` on, maybe with generated ones after) with each image
+        token replaced by a negative key made of its image's content hash, size and its index in the image:
+        two prompts' keys agree exactly as far as their token ids and images do (the placeholder ids alone
+        would make any two images of one size the same)."""
+        keys = list(tokens)
+        end = start + len(keys)
+        for s in self.spans:
+            lo, hi = max(s.start, start), min(s.end, end)
+            if lo < hi:
+                base = int.from_bytes(hashlib.sha256(f"{s.sha256}:{s.rows}x{s.cols}".encode()).digest()[:5], "big")
+                for i in range(lo, hi):
+                    keys[i - start] = -1 - ((base << 20) | (i - s.start))     # (< 2**20 tokens an image)
+        return keys
+
+    def safe_start(self, n: int) -> int:
+        """Where a reused prefix of n tokens must end instead so that the rest starts at no image's inside
+        when images are attended both ways (its tokens must be read in one chunk): that image's start."""
+        if self.bidirectional:
+            for s in self.spans:
+                if s.start < n < s.end:
+                    return s.start
+        return n
+
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prefill chunk [start, end) should end instead, so that no image with
         bidirectional attention is split: before the image if it starts inside the chunk, after it
@@ -159,8 +184,14 @@ class VisionPrompt:
 
     def chunk_inputs(self, start: int, end: int, device=None):
         """(positions [n, 3] or None, embeds (rows, values) or None, bidirectional spans or None)
-        for the prompt rows [start, end)."""
-        pos = self.positions[start:end] if self.positions is not None else None
+        for the rows [start, end): prompt rows, and past the prompt the generated tokens a sequence reads
+        again after a pre-emption."""
+        pos = None
+        if self.positions is not None:
+            pos = self.positions[start:end]
+            if end > self.n_prompt:
+                after = self.generated_positions(max(start, self.n_prompt), end)
+                pos = torch.cat([pos, after[:, None].expand(-1, pos.shape[1])])
         rows, vals, bidir = [], [], []
         for s, e in zip(self.spans, self.embeds):
             lo, hi = max(s.start, start), min(s.end, end)

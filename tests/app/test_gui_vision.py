@@ -118,17 +118,15 @@ def test_planner_cell_applies_kv_cache_type(win, qapp, smollm2_path):
 
 
 def test_device_choice_for_the_app(monkeypatch):
-    """GPU first when torch sees one and the GPU path serves the cache type (text only, said in the
-    note); the CPU with the projector otherwise."""
+    """GPU first when torch sees one and the GPU path serves the cache type, the CPU otherwise; the vision
+    projector goes with the model on either."""
     import torch
 
     from app.gui.controller import choose_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert choose_device("f16", "auto") == ("cpu", "auto", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    dev, proj, note = choose_device("q8_0", "auto")
-    assert (dev, proj) == ("cuda", None) and "GPU" in note
+    assert choose_device("q8_0", "auto") == ("cuda", "auto", "")
     assert choose_device("f16", None) == ("cuda", None, "")
-    dev, proj, note = choose_device("turbo3_tcq", "auto")                # every cache type runs on the GPU path
-    assert (dev, proj) == ("cuda", None) and "GPU" in note
+    assert choose_device("turbo3_tcq", "auto") == ("cuda", "auto", "")   # every cache type runs on the GPU path
     assert choose_device("no_such_type", "auto") == ("cpu", "auto", "")
