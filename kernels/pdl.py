@@ -41,6 +41,11 @@ except ImportError:          # a Triton without grid dependency control (before 
 
 ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "0") == "1" \
     and os.environ.get("TRITON_INTERPRET", "0") != "1"
+# the order of pdl_enter (kernels/pdl.py's small kernels): "trigger" lets the next kernel launch before this
+# one waits (the default since the sixteenth session: a chain of small kernels may all be launched, each
+# waiting on the one before), "wait" only after (at most one kernel ahead, the order CUTLASS-style kernels
+# use): a suspect of the thirtieth session's race, to be tried on the H200 (.ci/gpu/s30.sh 3)
+WAIT_FIRST = os.environ.get("HIVEJET_PDL_ENTER", "trigger") == "wait"
 
 
 @lru_cache(maxsize=None)
@@ -55,8 +60,9 @@ def pdl_on(t: torch.Tensor) -> bool:
 
 
 def pdl_args(t: torch.Tensor) -> dict:
-    """Launch keywords for a kernel with a `PDL: tl.constexpr` argument, for a launch on t's device."""
-    return dict(PDL=True, launch_pdl=True) if pdl_on(t) else {}
+    """Launch keywords for a kernel with a `PDL: tl.constexpr` argument, for a launch on t's device (PDL 1:
+    pdl_enter triggers, then waits; 2: waits, then triggers: WAIT_FIRST)."""
+    return dict(PDL=2 if WAIT_FIRST else 1, launch_pdl=True) if pdl_on(t) else {}
 
 
 if triton is not None:
@@ -74,9 +80,14 @@ if triton is not None:
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
-        """pdl_trigger, then pdl_wait: a kernel with nothing to do before its inputs are there."""
-        pdl_trigger(PDL)
-        pdl_wait(PDL)
+        """pdl_trigger, then pdl_wait (PDL 2: the other way round): a kernel with nothing to do before its
+        inputs are there."""
+        if PDL == 2:
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
+        else:
+            pdl_trigger(PDL)
+            pdl_wait(PDL)
 
     @triton.jit
     def prefetch_l2(ptr, nbytes):

@@ -10,9 +10,10 @@
 #          unpadded), by default, with both switches, and with PDL off; then bench agents scenario 1 by default
 #          (the same-session baseline).
 #   run 3: run 2 found it with PDL on (the default) and not with HIVEJET_PDL=0, from the first FFN on: which part
-#          of PDL's use (the weights' L2 prefetch before the wait, the trigger's place, split-K sums in the
-#          kernel, the gated sums) brings it; the records now include each rms_norm, gated sum and matmul. Then
-#          bench decode with HIVEJET_PDL=0.
+#          of PDL's use (the small kernels letting the next launch before they wait, the weights' L2 prefetch
+#          before the wait, the matmul trigger's place, split-K sums in the kernel, the gated sums) brings it;
+#          the records now include each rms_norm, gated sum and matmul. Then bench decode with PDL off and on.
+#          (First the thirty-first session's GPU tests: images on the GPU path, pdl_enter's orders.)
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -46,9 +47,16 @@ if [ "$1" = 2 ]; then
     agents hivejet 200 1
 fi
 if [ "$1" = 3 ]; then
+    # (while the model is written: the thirty-first session's GPU tests, images on the GPU path and
+    # pdl_enter's two orders)
+    TESTS_SECONDS=100 tests_into gpu_tests_3.txt tests/engine/test_vision_runner.py tests/kernels/test_pdl.py
+    # the Qwen3.5-27B vision tower (synthetic, F16) on a 1024x768 image (docs/VISION.md: not measured yet)
+    timeout 60 python3 -u -m engine.vision.bench --device cuda --size 1024x768 2>&1 | tail -3 | tee "$OUT/vision_bench.txt"
     m27_wait
-    # (PDL is off by default since run 2: each setting turns it on)
-    repeat 100 "pdl:HIVEJET_PDL=1" "prefetch0:HIVEJET_PDL=1 HIVEJET_PREFETCH_TILES=0" \
+    # (PDL is off by default since run 2: each setting turns it on; wait_first: pdl_enter waits before it
+    # lets the next kernel launch, so at most one kernel runs ahead)
+    repeat 100 "pdl:HIVEJET_PDL=1" "wait_first:HIVEJET_PDL=1 HIVEJET_PDL_ENTER=wait" \
+        "prefetch0:HIVEJET_PDL=1 HIVEJET_PREFETCH_TILES=0" \
         "trigger_start:HIVEJET_PDL=1 HIVEJET_PDL_TRIGGER=start" "sumhere0:HIVEJET_PDL=1 HIVEJET_SPLIT_SUM_HERE=0" \
         "gated0:HIVEJET_PDL=1 HIVEJET_GATED_SUMS=0" | grep -E "^[a-z_0-9]+$|again|first_diff"
     bench nopdl                    # (the default now: what reproducible prefills cost the decode step)

@@ -93,3 +93,30 @@ def test_kernels_launched_with_pdl_wait_before_touching_memory(qtype):
     assert n_prefetch == 3 and 0 <= last_prefetch < wait < first_mem
     # the next kernel may launch once the tiles are multiplied, not before (earlier, it slowed the matmul)
     assert last_mma < trigger < first_store
+
+
+_ENTER_SCRIPT = r"""
+import re, sys
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+try:
+    from kernels.fused import _gated_kernel
+except ImportError as e:
+    print(f"cannot compile for sm_90 here: {e}"); sys.exit(3)
+out = []
+for mode in (1, 2):
+    sig = {n: "constexpr" if n in ("OP", "BLOCK", "PDL") else "*fp32" if n.endswith("_ptr") else "i32"
+           for n in _gated_kernel.arg_names}
+    ptx = triton_compile(ASTSource(_gated_kernel, sig, dict(OP=0, BLOCK=1024, PDL=mode)),
+                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    out += [ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")]
+print(*out)
+"""
+
+
+def test_pdl_enter_orders():
+    """pdl_enter with PDL 1 lets the next kernel launch before it waits; with PDL 2 (HIVEJET_PDL_ENTER=wait)
+    only after its wait (at most one kernel launched ahead)."""
+    wait1, trig1, wait2, trig2 = sm90_figures(_ENTER_SCRIPT)
+    assert 0 <= trig1 < wait1 and 0 <= wait2 < trig2
