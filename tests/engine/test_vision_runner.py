@@ -203,3 +203,41 @@ def test_image_chunk_longer_than_a_step_runs_beside_decoding(files, tmp_path, mo
         assert fin.error is None and len(out) == 6
         assert eng.stats()["running"] == 1                   # the other one is still going
         busy.cancel()
+
+
+@pytest.mark.parametrize("model", ["qwen35", "gemma3"])
+def test_image_requests_preempted_under_a_tiny_pool(files, model):
+    """Four image requests in a pool of 10 blocks, too small for all of them: the newest running ones are
+    pre-empted mid-generation and read again later (prompt with its images and M-RoPE positions, then their
+    generated tokens, as prompt chunks); each gets what it gets alone (up to its first near tie), and the
+    pool is empty at the end."""
+    from engine.types import FinishEvent
+
+    def run(eng, i):
+        ids, gaps = [], []
+        for ev in eng.submit(Request(messages=chat(f"Image {i}: what is it?"), images=[png(48, 40, 10 + i)],
+                                     sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                             logprobs=2))):
+            if not isinstance(ev, FinishEvent):
+                ids += ev.ids
+                gaps += [lp.top[0][1] - lp.top[1][1] for lp in ev.logprobs]
+        return ids, gaps
+    cfg = {**SLOTS, "max_seqs": 4, "resident_tokens": 0}
+    with engine(files, model, **cfg) as eng:
+        solo = [run(eng, i) for i in range(4)]
+    with engine(files, model, **cfg, ctx_pool_tokens=160) as eng:
+        generated, preempt = [], eng._preempt
+
+        def record(s):
+            generated.append(s.n_generated)
+            preempt(s)
+        eng._preempt = record
+        hs = [eng.submit(Request(messages=chat(f"Image {i}: what is it?"), images=[png(48, 40, 10 + i)],
+                                 sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+              for i in range(4)]
+        for h, (want, gaps) in zip(hs, solo):
+            got = h.result()[1]
+            tie = next((i for i, g in enumerate(gaps) if g < 1e-3), len(want))
+            assert len(got) == len(want) and got[:tie] == want[:tie]
+        assert max(generated, default=0) > 0             # pre-empted mid-generation (at least once)
+        assert eng.stats()["kv_pool"]["used"] == 0
