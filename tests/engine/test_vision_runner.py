@@ -1,7 +1,9 @@
 """Image requests on the GPU path's scheduling (engine/runner.py's static slots, here on the CPU through
 EngineConfig(static_slots=True)): the tokens and log-probabilities of one pass by hand (M-RoPE positions and
 the rope delta of the decode rows after images for Qwen3.5, two-way image spans for Gemma 3), beside text
-requests in the same steps, never offered as a prefix, with compressed KV caches; and the runner's checks."""
+requests in the same steps, prefixes reused with images compared by content (follow-ups on both paths,
+agents sharing an image), compressed KV caches, pre-emption under a tiny pool, a chunk longer than a step;
+the runner's checks; and (marked gpu) the same on CUDA."""
 from __future__ import annotations
 
 import numpy as np
