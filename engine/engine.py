@@ -210,14 +210,9 @@ class _Sequence:
         `vision.spans`): what a prefix cache must key on besides the token ids."""
         return self.vision.hashes if self.vision is not None else []
 
-    def prefix_keys(self, n: int | None = None) -> list[int]:
-        """The first n tokens (all: None) as a prefix cache compares them: the token ids, each image token
-        replaced by a key of its image's content and its place in the image (VisionPrompt.prefix_keys)."""
-        toks = self.tokens if n is None else self.tokens[:n]
-        return toks if self.vision is None else self.vision.prefix_keys(toks)
-
-    def chunk_keys(self, lo: int, hi: int) -> list[int]:
-        """prefix_keys of the tokens [lo, hi) alone."""
+    def prefix_keys(self, hi: int | None = None, lo: int = 0) -> list[int]:
+        """The tokens [lo, hi) (hi None: to the end) as a prefix cache compares them: the token ids, each image
+        token replaced by a key of its image's content and its place in the image (VisionPrompt.prefix_keys)."""
         toks = self.tokens[lo:hi]
         return toks if self.vision is None else self.vision.prefix_keys(toks, lo)
 

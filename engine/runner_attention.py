@@ -126,15 +126,24 @@ class AttentionMixin:
         V = vc.index_select(0, blocks).view(-1, s.n_head_kv, vc.shape[-1])[:end].view(dt)
         if flash_fits(q, K, V):
             return flash_chunk_attention(q.to(dt), K, V, scale, window).float()
-        G = s.n_head // s.n_head_kv
-        qpos = torch.arange(b.start, end, device=q.device)[:, None]
+        return self._masked_attention(q, K, V, b.start, scale, window, dt)
+
+    def _masked_attention(self, q, K, V, start, scale, window, dt, spans=()):
+        """Queries at start.. over the keys and values of positions 0.. (K, V [S, Hkv, D]) with torch's fused
+        attention and an explicit mask: causal, windowed, and (spans [lo, hi)) both ways inside each span
+        (kernels/attention/ref.py's causal_attention mask); in dt, the result float32."""
+        s, end = self.spec, K.shape[0]
+        qpos = torch.arange(start, end, device=q.device)[:, None]
         kpos = torch.arange(end, device=q.device)[None, :]
         mask = kpos <= qpos
         if window:
             mask &= qpos - kpos < window
+        for lo, hi in spans:
+            mask |= (qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi)
+        G = s.n_head // s.n_head_kv
         out = F.scaled_dot_product_attention(
-            q.to(dt).transpose(0, 1)[None], K.repeat_interleave(G, 1).transpose(0, 1)[None],
-            V.repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=mask, scale=scale)
+            q.to(dt).transpose(0, 1)[None], K.to(dt).repeat_interleave(G, 1).transpose(0, 1)[None],
+            V.to(dt).repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1).float()
 
     def _prefill_two_way(self, b: SlotBatch, il, q, kp: KeyPrep | None, scale, window):
@@ -142,23 +151,11 @@ class AttentionMixin:
         slot's keys and values decoded (original domain, any cache type; q as the model made it) and one
         masked attention, causal and windowed as usual but for pairs of positions inside one span
         (kernels/attention/ref.py's causal_attention mask). Rare (an image's chunk), so not fused."""
-        s, T = self.spec, q.shape[0]
-        end = b.start + T
-        pos = torch.arange(end, device=q.device)
+        pos = torch.arange(b.start + q.shape[0], device=q.device)
         K = self._stored_keys(kp, self.k[il], b.slot, pos)
-        V = self._read_rows(self.v[il], self.codec_v, s.head_dim_v, b.slot, pos)
-        qpos, kpos = pos[b.start:, None], pos[None, :]
-        see = kpos <= qpos
-        if window:
-            see &= qpos - kpos < window
-        for lo, hi in b.bidirectional:
-            see |= (qpos >= lo) & (qpos < hi) & (kpos >= lo) & (kpos < hi)
+        V = self._read_rows(self.v[il], self.codec_v, self.spec.head_dim_v, b.slot, pos)
         dt = torch.float16 if q.is_cuda and "f32" not in (self.codec_k.name, self.codec_v.name) else torch.float32
-        G = s.n_head // s.n_head_kv
-        out = F.scaled_dot_product_attention(
-            q.to(dt).transpose(0, 1)[None], K.to(dt).repeat_interleave(G, 1).transpose(0, 1)[None],
-            V.to(dt).repeat_interleave(G, 1).transpose(0, 1)[None], attn_mask=see, scale=scale)
-        return out[0].transpose(0, 1).float()
+        return self._masked_attention(q, K, V, b.start, scale, window, dt, b.bidirectional)
 
     def _prefill_decoded(self, b: SlotBatch, kc, vc, q, scale, kp: KeyPrep | None):
         """A prompt chunk over a compressed cache: the slot's K/V decoded to fp16 one piece of

@@ -178,7 +178,7 @@ class RunnerScheduler:
             return None
         from engine.runner import PromptInputs
         pos, emb, bidir = vp.chunk_inputs(lo, hi)
-        return PromptInputs(pos, emb, bidir, vp.pos_delta if vp.positions is not None else 0, s.chunk_keys(lo, hi))
+        return PromptInputs(pos, emb, bidir, vp.pos_delta, s.prefix_keys(hi, lo))
 
     def _runner_spec_kinds(self) -> set[str]:
         """The drafters the GPU path runs: all of them (n-gram, MTP, DFlash), their drafts verified as extra

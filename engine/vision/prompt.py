@@ -17,6 +17,7 @@ The rows of image tokens take the encoder's embeddings instead of the token embe
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,11 @@ class ImageSpan:
     def end(self) -> int:
         return self.start + self.n_tokens
 
+    @functools.cached_property
+    def key_base(self) -> int:
+        """40 bits of a hash of the image's content and size: its tokens' prefix keys (VisionPrompt.prefix_keys)."""
+        return int.from_bytes(hashlib.sha256(f"{self.sha256}:{self.rows}x{self.cols}".encode()).digest()[:5], "big")
+
 
 @dataclass
 class VisionPrompt:
@@ -156,10 +162,8 @@ class VisionPrompt:
         end = start + len(keys)
         for s in self.spans:
             lo, hi = max(s.start, start), min(s.end, end)
-            if lo < hi:
-                base = int.from_bytes(hashlib.sha256(f"{s.sha256}:{s.rows}x{s.cols}".encode()).digest()[:5], "big")
-                for i in range(lo, hi):
-                    keys[i - start] = -1 - ((base << 20) | (i - s.start))     # (< 2**20 tokens an image)
+            for i in range(lo, hi):
+                keys[i - start] = -1 - ((s.key_base << 20) | (i - s.start))     # (< 2**20 tokens an image)
         return keys
 
     def safe_start(self, n: int) -> int:

@@ -20,6 +20,7 @@ from tests.engine.test_vision_engine import GREEDY, _manual_greedy, chat, engine
 files = vision_engine.files   # (the tiny vision-language models: that module's fixture)
 
 SLOTS = dict(static_slots=True, max_seqs=2, prefill_chunk=16, step_tokens=16, ctx_size=256)
+IMAGE_MARK = {"gemma3": "<start_of_image>", "qwen35": "<|vision_start|><|image_pad|><|vision_end|>"}   # (raw prompts)
 
 
 def _stream(h) -> tuple[list[int], list[float]]:
@@ -30,6 +31,15 @@ def _stream(h) -> tuple[list[int], list[float]]:
             lps += [x.logprob for x in ev.logprobs]
     assert h.finish.error is None, h.finish.error
     return got, lps
+
+
+def _cold(files, model, cfg, requests) -> list[list[int]]:
+    """Each request's tokens from an engine of its own (nothing cached)."""
+    out = []
+    for r in requests:
+        with engine(files, model, **cfg) as eng:
+            out.append(eng.submit(r).result()[1])
+    return out
 
 
 @pytest.mark.parametrize("model", ["qwen35", "gemma3"])
@@ -72,17 +82,14 @@ def test_follow_up_reuses_images_by_content(files, model, slots):
     token; each gets the tokens a cold engine gives it. Gemma 3 on the GPU path's scheduling (a parked
     conversation, reused in part); Qwen3.5 on the CPU path (a resident one, from a state checkpoint; the
     GPU path reuses a recurrent model's parked conversation only whole)."""
-    mark = "<start_of_image>" if model == "gemma3" else "<|vision_start|><|image_pad|><|vision_end|>"
+    mark = IMAGE_MARK[model]
 
     def req(image_seed, question):
         return Request(prompt=f"Look: {mark} {'We share this context. ' * 6}{question}",
                        images=[png(48, 40, image_seed)], sampling=SamplingParams(**GREEDY))
     cfg = {**SLOTS, "max_seqs": 1} if slots else dict(ctx_size=256, prefill_chunk=16)
     later = [req(3, "What colour dominates?"), req(4, "Describe it.")]
-    cold = []
-    for r in later:
-        with engine(files, model, **cfg) as eng:
-            cold.append(eng.submit(r).result()[1])
+    cold = _cold(files, model, cfg, later)
     with engine(files, model, **cfg) as eng:
         eng.submit(req(3, "Describe it.")).result()
         span = eng._tokenize(req(3, "Describe it."))[1].spans[0]
@@ -99,7 +106,7 @@ def test_agents_share_an_image_prefix(files, model):
     checkpoint) in whole chunks of 16 past the image, and gets the tokens a cold engine gives it; an agent
     with another image of the same size shares only what comes before that image. (Gemma's image, read
     whole, ends the chunk grid unless it starts on a chunk's start: there the sharing stops before it.)"""
-    mark = "<start_of_image>" if model == "gemma3" else "<|vision_start|><|image_pad|><|vision_end|>"
+    mark = IMAGE_MARK[model]
 
     def req(image_seed, question, n=6):
         return Request(prompt=f"{'You are a careful assistant. ' * 3}{mark} {'Shared notes follow. ' * 4}{question}",
@@ -107,10 +114,7 @@ def test_agents_share_an_image_prefix(files, model):
                        sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     cfg = {**SLOTS, "state_checkpoints": 8}
     later = [req(3, "What colour dominates?"), req(4, "What colour dominates?")]
-    cold = []
-    for r in later:
-        with engine(files, model, **cfg) as eng:
-            cold.append(eng.submit(r).result()[1])
+    cold = _cold(files, model, cfg, later)
     with engine(files, model, **cfg) as eng:
         span = eng._tokenize(later[0])[1].spans[0]
         for r, want, shared in zip(later, cold, (True, False)):
@@ -215,11 +219,13 @@ def test_image_requests_preempted_under_a_tiny_pool(files, model):
     pool is empty at the end."""
     from engine.types import FinishEvent
 
+    def req(i, **sampling):
+        return Request(messages=chat(f"Image {i}: what is it?"), images=[png(48, 40, 10 + i)],
+                       sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, **sampling))
+
     def run(eng, i):
         ids, gaps = [], []
-        for ev in eng.submit(Request(messages=chat(f"Image {i}: what is it?"), images=[png(48, 40, 10 + i)],
-                                     sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                                             logprobs=2))):
+        for ev in eng.submit(req(i, logprobs=2)):
             if not isinstance(ev, FinishEvent):
                 ids += ev.ids
                 gaps += [lp.top[0][1] - lp.top[1][1] for lp in ev.logprobs]
@@ -234,9 +240,7 @@ def test_image_requests_preempted_under_a_tiny_pool(files, model):
             generated.append(s.n_generated)
             preempt(s)
         eng._preempt = record
-        hs = [eng.submit(Request(messages=chat(f"Image {i}: what is it?"), images=[png(48, 40, 10 + i)],
-                                 sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
-              for i in range(4)]
+        hs = [eng.submit(req(i)) for i in range(4)]
         for h, (want, gaps) in zip(hs, solo):
             got = h.result()[1]
             tie = next((i for i, g in enumerate(gaps) if g < 1e-3), len(want))
