@@ -61,9 +61,9 @@ def bench_matmul(rows=ROWS, shapes=SHAPES_27B) -> dict:
         dense = torch.randn(n, k, device="cuda", dtype=torch.float16)
         for m in rows:
             x = torch.randn(m, k, device="cuda")
-            ms = do_bench(lambda: q4_matmul(x, p), warmup=25, rep=100)
+            ms = do_bench(lambda x=x, p=p: q4_matmul(x, p), warmup=25, rep=100)
             xh = x.half()
-            ms_fp16 = do_bench(lambda: xh @ dense.T, warmup=25, rep=100)
+            ms_fp16 = do_bench(lambda xh=xh, dense=dense: xh @ dense.T, warmup=25, rep=100)
             results.append(dict(shape=name, n=n, k=k, m=m, ms=ms, packed_tbps=p.nbytes / (ms * 1e-3) / 1e12,
                                 gguf_tbps=gguf_bytes / (ms * 1e-3) / 1e12, fp16_cublas_ms=ms_fp16,
                                 fp16_tbps=2 * n * k / (ms_fp16 * 1e-3) / 1e12))

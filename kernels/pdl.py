@@ -46,6 +46,9 @@ ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "0") == "1" \
 # waiting on the one before), "wait" only after (at most one kernel ahead, the order CUTLASS-style kernels
 # use): a suspect of the thirtieth session's race, to be tried on the H200 (.ci/gpu/s30.sh 3)
 WAIT_FIRST = os.environ.get("HIVEJET_PDL_ENTER", "trigger") == "wait"
+# which kernels launch with PDL when it is on: "all", "matmul" (the packed decode matmul and its sums only) or
+# "small" (every other kernel): to tell on the H200 which pairs of kernels bring the race (.ci/gpu/s30.sh 4)
+KERNELS = os.environ.get("HIVEJET_PDL_KERNELS", "all")
 
 
 @lru_cache(maxsize=None)
@@ -59,10 +62,13 @@ def pdl_on(t: torch.Tensor) -> bool:
                                               else torch.cuda.current_device())
 
 
-def pdl_args(t: torch.Tensor) -> dict:
+def pdl_args(t: torch.Tensor, matmul: bool = False) -> dict:
     """Launch keywords for a kernel with a `PDL: tl.constexpr` argument, for a launch on t's device (PDL 1:
-    pdl_enter triggers, then waits; 2: waits, then triggers: WAIT_FIRST)."""
-    return dict(PDL=2 if WAIT_FIRST else 1, launch_pdl=True) if pdl_on(t) else {}
+    pdl_enter triggers, then waits; 2: waits, then triggers: WAIT_FIRST). matmul: the packed decode matmul's
+    launches (KERNELS)."""
+    if not pdl_on(t) or KERNELS == ("small" if matmul else "matmul"):
+        return {}
+    return dict(PDL=2 if WAIT_FIRST else 1, launch_pdl=True)
 
 
 if triton is not None:

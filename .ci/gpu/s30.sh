@@ -14,6 +14,7 @@
 #          before the wait, the matmul trigger's place, split-K sums in the kernel, the gated sums) brings it;
 #          the records now include each rms_norm, gated sum and matmul. Then bench decode with PDL off and on.
 #          (First the thirty-first session's GPU tests: images on the GPU path, pdl_enter's orders.)
+#   run 4: the rest of run 3 (a call may take 600 s).
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -55,10 +56,18 @@ if [ "$1" = 3 ]; then
     m27_wait
     # (PDL is off by default since run 2: each setting turns it on; wait_first: pdl_enter waits before it
     # lets the next kernel launch, so at most one kernel runs ahead)
+    # (matmul_only / small_only: PDL for the packed decode matmul's launches only / for every other kernel only)
     repeat 100 "pdl:HIVEJET_PDL=1" "wait_first:HIVEJET_PDL=1 HIVEJET_PDL_ENTER=wait" \
-        "prefetch0:HIVEJET_PDL=1 HIVEJET_PREFETCH_TILES=0" \
+        "matmul_only:HIVEJET_PDL=1 HIVEJET_PDL_KERNELS=matmul" "small_only:HIVEJET_PDL=1 HIVEJET_PDL_KERNELS=small" \
+        | grep -E "^[a-z_0-9]+$|again|first_diff"
+    bench nopdl                    # (the default now: what reproducible prefills cost the decode step)
+    bench wait_first HIVEJET_PDL=1 HIVEJET_PDL_ENTER=wait
+fi
+if [ "$1" = 4 ]; then
+    # (run 3 split in two for the 600 s a call may take: the other PDL settings, then PDL as it was)
+    m27_wait
+    repeat 100 "prefetch0:HIVEJET_PDL=1 HIVEJET_PREFETCH_TILES=0" \
         "trigger_start:HIVEJET_PDL=1 HIVEJET_PDL_TRIGGER=start" "sumhere0:HIVEJET_PDL=1 HIVEJET_SPLIT_SUM_HERE=0" \
         "gated0:HIVEJET_PDL=1 HIVEJET_GATED_SUMS=0" | grep -E "^[a-z_0-9]+$|again|first_diff"
-    bench nopdl                    # (the default now: what reproducible prefills cost the decode step)
     bench pdl HIVEJET_PDL=1
 fi

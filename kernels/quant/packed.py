@@ -1082,7 +1082,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         tma = False
         weight = _pointers(p)
     grid = (m_blocks, bands, split_k)
-    pdl = pdl_args(x2)
+    pdl = pdl_args(x2, matmul=True)
     launch = dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}   # (not under the interpreter)
     if maxnreg and x2.is_cuda:
         launch["maxnreg"] = maxnreg
@@ -1090,7 +1090,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
-        **(dict(PREFETCH=PREFETCH_TILES, EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
+        **(dict(PREFETCH=prefetch_tiles(block_m), EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
         **launch)
     if partials:
         return part.view(split_k, *lead, N)
@@ -1099,6 +1099,17 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         _sum_parts_kernel[(-(-(M * N) // block),)](part, out, out if add is None else add, M * N,
                                                    SPLIT=split_k, BLOCK=block, HAS_ADD=add is not None, **pdl)
     return out.view(*lead, N)
+
+
+def prefetch_tiles(block_m: int) -> int:
+    """How many tiles each program of the packed matmul asks L2 for before its PDL wait: PREFETCH_TILES for
+    16-row blocks of x (decode rows of up to 16, the only setting whose results under PDL were measured the same
+    bits as without), none for wider blocks. On the H100 (thirty-second session, .ci/gpu/pdl_isolate.py) the
+    small prompt's 64-row blocks, compiled with the prefetch, gave a different result nearly every run (up to
+    60 apart), launched with PDL or not, and the same bits every run without the prefetch: the race that had
+    made a 27B prefill differ between runs with PDL on (thirtieth session). The prefetch only reads weights,
+    so this looks like a miscompile of the spilling 64-row kernel with the bulk prefetch, not a missing wait."""
+    return PREFETCH_TILES if block_m <= 16 else 0
 
 
 def _arrival_counts(p: PackedWeight, m_blocks: int) -> torch.Tensor | None:
