@@ -15,11 +15,11 @@ Rules that keep it correct:
   everything before it, so the usual stream order holds transitively (torch's kernels, launched
   without PDL, wait for full completion as always);
 - PDL is on only for CUDA devices of compute capability 9.0+ (the instructions do not exist before),
-  never under Triton's interpreter, and **only with HIVEJET_PDL=1**: off by default since the thirtieth
-  session, which found a 27B prompt's prefill on the H200 not the same bits twice with it on (logits up to
-  0.06 apart, every path, eager ones too) and the same bits every time with it off (docs/PERFORMANCE.md).
-  The race behind it was not found; until it is, reproducibility (batch invariance, #6) wins over the
-  ~7.5 % of a decode step PDL saved (twenty-fourth session).
+  never under Triton's interpreter, and not with HIVEJET_PDL=0. It was off by default from the thirtieth
+  session, which found a 27B prompt's prefill not the same bits twice with it on, to the thirty-second, which
+  found why (docs/PERFORMANCE.md): not the launch order but the packed matmul compiled with its L2 prefetch in
+  64-row blocks of x, which gave another result nearly every run, launched with PDL or not. The prefetch is now
+  kept to 16-row blocks (kernels/quant/packed.py: prefetch_tiles), and PDL is on again: ~7 % of a decode step.
 """
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ try:
 except ImportError:          # a Triton without grid dependency control (before 3.4): PDL stays off
     HAVE_GDC = False
 
-ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "0") == "1" \
+ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "1") != "0" \
     and os.environ.get("TRITON_INTERPRET", "0") != "1"
 # the order of pdl_enter (kernels/pdl.py's small kernels): "trigger" lets the next kernel launch before this
 # one waits (the default since the sixteenth session: a chain of small kernels may all be launched, each
 # waiting on the one before), "wait" only after (at most one kernel ahead, the order CUTLASS-style kernels
-# use): a suspect of the thirtieth session's race, to be tried on the H200 (.ci/gpu/s30.sh 3)
+# use): a suspect of the thirtieth session's race, measured not to be it and 0.5 % slower (thirty-second session)
 WAIT_FIRST = os.environ.get("HIVEJET_PDL_ENTER", "trigger") == "wait"
 # which kernels launch with PDL when it is on: "all", "matmul" (the packed decode matmul and its sums only) or
 # "small" (every other kernel): to tell on the H200 which pairs of kernels bring the race (.ci/gpu/s30.sh 4)
