@@ -9,7 +9,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 from app import __version__

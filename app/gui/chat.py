@@ -8,11 +8,10 @@ message with alternatives shows ‹ n/m › to switch between them.
 from __future__ import annotations
 
 import base64
-import mimetypes
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QImage, QPixmap
 from PySide6.QtWidgets import (QApplication, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QLabel,
                                QLineEdit, QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QProgressBar,
@@ -805,7 +804,7 @@ class ChatPage(QWidget):
     def _on_finished(self, fin):
         self._render_timer.stop()
         text = "".join(self._gen_text)
-        g, m = self.gen, self.gen_msg
+        m = self.gen_msg
         self.gen, self.gen_msg = None, None
         state = {"stop": "complete", "length": "complete", "cancelled": "stopped", "error": "error"}.get(fin.reason,
                                                                                                        "complete")

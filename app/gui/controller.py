@@ -29,16 +29,14 @@ from engine.sampling import SamplingParams
 from engine.types import FinishEvent, Request, Timings, TokenEvent, Usage
 
 
-def choose_device(kv_cache: str, mmproj: str | None) -> tuple[str, str | None, str]:
+def choose_device(kv_cache: str) -> str:
     """Where the app runs a model: the GPU when torch sees one and the GPU path serves the KV cache type
-    (speed first: a 27B model is not usable on a CPU), else the CPU; with the vision projector on either.
-    Returns (device, mmproj, note); the note is kept for a reason to tell the user (none today)."""
+    (speed first: a 27B model is not usable on a CPU), else the CPU. The vision projector goes with the
+    model on either."""
     import torch
 
     from kernels.kvcodec import CACHE_TYPES
-    if torch.cuda.is_available() and kv_cache in CACHE_TYPES:
-        return "cuda", mmproj, ""
-    return "cpu", mmproj, ""
+    return "cuda" if torch.cuda.is_available() and kv_cache in CACHE_TYPES else "cpu"
 
 
 @dataclass
@@ -126,7 +124,7 @@ class EngineController(QObject):
             progress = lambda m: self.loadProgress.emit(str(m))  # noqa: E731
             try:
                 self.loadProgress.emit(f"Opening {model} ...")
-                device, proj, note = choose_device(kv, mmproj)
+                device, proj = choose_device(kv), mmproj
                 if device != "cpu" and not self._free_device_for(model, token):
                     return
                 mode, drafter = spec_config(spec, model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget, QHeaderView, QFrame)
+                               QTableWidgetItem, QVBoxLayout, QWidget, QHeaderView)
 
 from app import gpu as gpu_mod
 from engine import planner as P

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
 
 def _run(out: Path, theme: str, home: Path) -> int:
-    from PySide6.QtCore import QEventLoop, QTimer
+    from PySide6.QtCore import QEventLoop
     from PySide6.QtWidgets import QApplication
 
     from app.gui.main_window import MainWindow

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from kernels.kvcodec.base import HAVE_TRITON, TCQ2, TCQ3, KVCodec
-from kernels.kvcodec.rotation import GROUP, Rotation, padded_dim
+from kernels.kvcodec.base import HAVE_TRITON, KVCodec
+from kernels.kvcodec.rotation import GROUP, Rotation
 
 if HAVE_TRITON:
     import triton

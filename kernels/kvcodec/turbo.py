@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from kernels.kvcodec.base import HAVE_TRITON, TURBO2, TURBO3, TURBO4, KVCodec
+from kernels.kvcodec.base import HAVE_TRITON, KVCodec
 from kernels.kvcodec.rotation import GROUP, Rotation, padded_dim
 
 if HAVE_TRITON:

@@ -118,15 +118,14 @@ def test_planner_cell_applies_kv_cache_type(win, qapp, smollm2_path):
 
 
 def test_device_choice_for_the_app(monkeypatch):
-    """GPU first when torch sees one and the GPU path serves the cache type, the CPU otherwise; the vision
-    projector goes with the model on either."""
+    """GPU first when torch sees one and the GPU path serves the cache type, the CPU otherwise."""
     import torch
 
     from app.gui.controller import choose_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert choose_device("f16", "auto") == ("cpu", "auto", "")
+    assert choose_device("f16") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert choose_device("q8_0", "auto") == ("cuda", "auto", "")
-    assert choose_device("f16", None) == ("cuda", None, "")
-    assert choose_device("turbo3_tcq", "auto") == ("cuda", "auto", "")   # every cache type runs on the GPU path
-    assert choose_device("no_such_type", "auto") == ("cpu", "auto", "")
+    assert choose_device("q8_0") == "cuda"
+    assert choose_device("f16") == "cuda"
+    assert choose_device("turbo3_tcq") == "cuda"   # every cache type runs on the GPU path
+    assert choose_device("no_such_type") == "cpu"

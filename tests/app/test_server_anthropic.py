@@ -1,7 +1,6 @@
 """The Anthropic Messages API on the demo model, through the official `anthropic` SDK."""
 from __future__ import annotations
 
-import json
 
 import pytest
 

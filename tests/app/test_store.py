@@ -55,7 +55,7 @@ def test_branches_regenerate_and_edit(store):
 
 def test_delete_conversation_and_order(store):
     c1 = store.create_conversation("one")
-    c2 = store.create_conversation("two")
+    store.create_conversation("two")
     store.add_message(c1.id, "user", "newer")
     assert [c.title for c in store.list_conversations()] == ["one", "two"]
     store.delete_conversation(c1.id)

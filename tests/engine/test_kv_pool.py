@@ -9,7 +9,6 @@ import math
 import re
 import time
 
-import numpy as np
 import pytest
 import torch
 

@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 from gguf import GGUFWriter  # noqa: E402
 
-import engine.models.common as common  # noqa: E402
 from engine.models import open_model  # noqa: E402
 from engine.models.common import SeqChunk  # noqa: E402
 

@@ -64,7 +64,6 @@ def test_one_sequence_uses_most_of_the_pool(tiny):
     A write the pool cannot take raises PoolFullError and changes nothing."""
     model = open_model(tiny("llama"))
     try:
-        V = model.spec.vocab_size
         r = Runner(model, device="cpu", n_slots=3, max_ctx=4096, n_blocks=20)
         big = Runner(model, device="cpu", n_slots=3, max_ctx=512)
         assert r.max_ctx == 320 and big.n_blocks == 3 * 32

@@ -1,7 +1,6 @@
 """Token sampling (engine/sampling.py): llama.cpp semantics, seeded and reproducible."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

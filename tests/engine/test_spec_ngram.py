@@ -4,7 +4,6 @@ model's distribution (chi-square homogeneity test, stated p-value)."""
 from __future__ import annotations
 
 import collections
-import math
 from pathlib import Path
 
 import pytest

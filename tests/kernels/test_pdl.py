@@ -157,3 +157,24 @@ def test_packed_matmul_same_bits_with_pdl_every_run(monkeypatch, rows, prefill):
     outs = [run() for _ in range(10)]
     torch.cuda.synchronize()
     assert all(torch.equal(o, ref) for o in outs), max(float((o - ref).abs().max()) for o in outs)
+
+
+def test_packed_matmul_launches_the_prefetch_only_in_16_row_blocks(monkeypatch):
+    """packed_matmul's launch, with PDL as on a GPU: PREFETCH (tiles asked of L2 before the wait) is
+    PREFETCH_TILES in 16-row blocks and 0 in 64-row ones (the blocks that gave another result nearly every run)."""
+    import kernels.quant.packed as packed
+    from gguf import GGMLQuantizationType as QT
+    from tests.kernels.test_packed import _random_weight
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+    monkeypatch.setattr(packed, "_packed_mm_kernel", Recorder())
+    monkeypatch.setattr(packed, "pdl_args", lambda t, matmul=False: dict(PDL=1, launch_pdl=True))
+    monkeypatch.setattr(packed, "PREFETCH_TILES", 1)
+    p = packed.pack_weight(_random_weight(QT.Q4_K, 128, 512), QT.Q4_K, 128, 512)
+    for block_m in (16, 64):
+        packed.packed_matmul(torch.randn(8, 512), p, block_m=block_m, split_k=1)
+    assert [kw["PREFETCH"] for kw in launches] == [1, 0]
+    assert all(kw["PDL"] == 1 and kw["launch_pdl"] for kw in launches)
