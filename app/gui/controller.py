@@ -124,19 +124,19 @@ class EngineController(QObject):
             progress = lambda m: self.loadProgress.emit(str(m))  # noqa: E731
             try:
                 self.loadProgress.emit(f"Opening {model} ...")
-                device, proj = choose_device(kv), mmproj
+                device = choose_device(kv)
                 if device != "cpu" and not self._free_device_for(model, token):
                     return
                 mode, drafter = spec_config(spec, model)
                 cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads, cache_type_k=kv,
-                                   cache_type_v=kv, mmproj=proj, device=device, spec=mode, spec_drafter=drafter,
+                                   cache_type_v=kv, mmproj=mmproj, device=device, spec=mode, spec_drafter=drafter,
                                    prefill_share=pacing_share(prefill_share))
                 for _ in range(3):      # at most: without the projector, then with prompt lookup alone
                     try:
                         eng = Engine(cfg, progress=progress)
                         break
                     except EngineError as e:
-                        if proj == "auto" and cfg.mmproj and str(e).startswith("vision projector"):
+                        if mmproj == "auto" and cfg.mmproj and str(e).startswith("vision projector"):
                             note = f"its mmproj file was not loaded ({e})"
                             self.loadProgress.emit(f"Loading without images: {note}")
                             cfg.mmproj = None

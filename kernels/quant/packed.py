@@ -1299,7 +1299,7 @@ TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swa
 SPLIT_SUM_HERE = os.environ.get("HIVEJET_SPLIT_SUM_HERE", "1") != "0"
 # with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
 # for the previous kernel (0: none; 2, 4 and 8 made the 27B's step 0.13-0.76 ms longer, twenty-fourth session:
-# the prefetches slow the predecessor's last programs, which the wait is for)
+# the prefetches slow the predecessor's last programs, which the wait is for); in 16-row blocks only: prefetch_tiles)
 PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
 EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"

@@ -130,21 +130,28 @@ def test_only_16_row_blocks_prefetch_before_the_wait():
     assert prefetch_tiles(32) == prefetch_tiles(64) == 0
 
 
+@pytest.fixture(scope="module")
+def gate_up_27b():
+    """The 27B's gate+up stack, Q4_K 34816 x 5120, packed on the GPU (made once for the module's GPU tests)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from kernels.quant.packed import pack_weight
+    from tests.kernels.test_packed import _random_weight
+    n, k = 34816, 5120
+    return pack_weight(_random_weight(QT.Q4_K, n, k).cuda(), QT.Q4_K, n, k)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (9, 0)
                     or not pdl.HAVE_GDC, reason="needs an sm_90+ GPU and Triton's grid dependency control")
 @pytest.mark.parametrize("rows, prefill", [(32, 64), (64, 64), (1, 0), (16, 0), (32, 0), (64, 0)])
-def test_packed_matmul_same_bits_with_pdl_every_run(monkeypatch, rows, prefill):
-    """The 27B's gate+up stack (Q4_K 34816 x 5120) with PDL on, ten runs after an rms_norm each (as in the
-    model): every run the bits it gets with PDL off. The small prompt's settings (prefill 64) failed this with
-    the L2 prefetch in 64-row blocks (thirty-second session)."""
-    from gguf import GGMLQuantizationType as QT
-
+def test_packed_matmul_same_bits_with_pdl_every_run(monkeypatch, gate_up_27b, rows, prefill):
+    """The 27B's gate+up stack with PDL on, ten runs after an rms_norm each (as in the model): every run the
+    bits it gets with PDL off. The small prompt's settings (prefill 64) failed this with the L2 prefetch in
+    64-row blocks (thirty-second session)."""
     from kernels.fused import rms_norm
-    from kernels.quant.packed import matmul_tuned, pack_weight
-    from tests.kernels.test_packed import _random_weight
-    n, k = 34816, 5120
-    p = pack_weight(_random_weight(QT.Q4_K, n, k).cuda(), QT.Q4_K, n, k)
+    from kernels.quant.packed import matmul_tuned
+    p, k = gate_up_27b, gate_up_27b.k
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, k, device="cuda", generator=g)
     w = torch.rand(k, device="cuda", generator=g) + 0.5
