@@ -49,6 +49,9 @@ Every number comes from the GGUF header (nothing is loaded):
     (`CUDA_GRAPH_BYTES`; reserved, mostly not allocated between steps; the 64-row chunk's graph reserved
     124 MiB more on the 27B, H200, twentieth session); the prompt chunk's graphs
     (engine/runner_prefill.py) share that pool and keep the chunk's activations below in it;
+  - with several slots, the prompt pieces' pass graphs (several agents' short prompts in one pass of up to
+    256 rows, engine/runner.py: prefill_pieces): five 256-row passes' activations
+    (``piece_graph_bytes``; 390 MiB on the 27B, what they reserved on the H200, thirtieth session);
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
     bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk; a chunk of more
     rows adds four times that per row beyond 512, what its graph measured on the 27B), the fp16 copy
@@ -114,6 +117,10 @@ KV_BLOCK_TOKENS = 256
 
 CUDA_CONTEXT_BYTES = 400 * MiB
 CUDA_GRAPH_BYTES = 384 * MiB   # (256 for the decode graphs, 128 for the 64-row prompt chunk's)
+PIECE_PASS_ROWS = 256          # engine/runner.py PIECE_PASS_ROWS (tests check they agree)
+# the prompt pieces' pass graphs (several slots' short prompts in one pass, up to PIECE_PASS_ROWS rows) in
+# 256-row passes' activations: 984 against 594 MiB of prompt graphs on the 27B, H200, thirtieth session
+PIECE_GRAPH_PASSES = 5
 STEP_TOKENS = 512
 LOGIT_ROWS_PER_SEQ = 4
 
@@ -358,9 +365,7 @@ def activation_bytes(facts: ModelFacts, ctx: int = 0, kv_type: str = "f16", max_
                      step_tokens: int = STEP_TOKENS, kv_type_v: str | None = None) -> int:
     """What a prompt chunk (and the logits) allocate at most on top of weights and states: see the
     module docstring."""
-    q_dim = facts.n_head * facts.head_dim
-    kv_dim = facts.attn_layers[0][0] if facts.attn_layers else 0
-    row = (4 * facts.n_embd + 3 * facts.n_ff + q_dim + 2 * kv_dim) * 4
+    row = _row_bytes(facts)
     act = step_tokens * row
     # prompt chunks over STEP_TOKENS rows: their graphs' pool grows by about four more such rows per row
     # (27B on a 24 GiB card, 1024 against 512 rows: 0.62 GiB less left free than planned; the 512 rows
@@ -370,6 +375,19 @@ def activation_bytes(facts: ModelFacts, ctx: int = 0, kv_type: str = "f16", max_
         act += step_tokens * facts.n_head * max(1, -(-ctx // KEY_SEGMENT)) * 4   # score corrections
     logits = max(1, max_seqs) * LOGIT_ROWS_PER_SEQ * facts.vocab_size * 4
     return act + facts.prefill_dequant_bytes + logits + prompt_attention_bytes(facts, ctx, kv_type, kv_type_v)
+
+
+def _row_bytes(facts: ModelFacts) -> int:
+    """One prompt row's activations: f32 residual, norms, QKV, FFN gate/up/down."""
+    q_dim = facts.n_head * facts.head_dim
+    kv_dim = facts.attn_layers[0][0] if facts.attn_layers else 0
+    return (4 * facts.n_embd + 3 * facts.n_ff + q_dim + 2 * kv_dim) * 4
+
+
+def piece_graph_bytes(facts: ModelFacts, max_seqs: int) -> int:
+    """The graph pool the prompt pieces' passes add (engine/runner.py: prefill_pieces); none with one slot,
+    where every prompt runs alone."""
+    return PIECE_GRAPH_PASSES * PIECE_PASS_ROWS * _row_bytes(facts) if max_seqs > 1 else 0
 
 
 def prompt_attention_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | None = None) -> int:
@@ -391,7 +409,8 @@ def prompt_attention_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v:
 
 def workspace_bytes(facts: ModelFacts, max_seqs: int = 1, step_tokens: int = STEP_TOKENS, ctx: int = 0,
                     kv_type: str = "f16") -> int:
-    return CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + activation_bytes(facts, ctx, kv_type, max_seqs, step_tokens)
+    return (CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + piece_graph_bytes(facts, max_seqs)
+            + activation_bytes(facts, ctx, kv_type, max_seqs, step_tokens))
 
 
 @dataclass

@@ -67,9 +67,11 @@ if TYPE_CHECKING:
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
-# agents read the weights once, not once each). Off until measured on the GPU (HIVEJET_PROMPT_PIECES=1 turns
-# it on; there it also needs HIVEJET_GDN_ROWS_KERNEL=1 for qwen35): written when no GPU was lent.
-PROMPT_PIECES_ON = os.environ.get("HIVEJET_PROMPT_PIECES", "0") == "1"
+# agents read the weights once, not once each). On by default since the thirty-third session (H200, 27B: each
+# piece the bits its prompt gets alone; 16 agents 1191 -> 1420 tok/s); HIVEJET_PROMPT_PIECES=0 turns it off.
+# For qwen35 on a GPU it needs the pieces' delta-rule kernel (kernels/gdn/rows.py, on unless
+# HIVEJET_GDN_ROWS_KERNEL=0).
+PROMPT_PIECES_ON = os.environ.get("HIVEJET_PROMPT_PIECES", "1") != "0"
 # the most rows such a pass has (its matmuls cost about one small chunk's per 64 rows, the rest of the pass is
 # paid once: longer passes gain little more, and each size is a graph of its own)
 PIECE_PASS_ROWS = 256
@@ -385,8 +387,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # (engine/runner_prefill.py); default: with the decode graphs
         self.padded_prefill = self.graphs_enabled if padded_prefill is None else padded_prefill
         self._prefill_graphs: dict[int, PrefillGraph] = {}   # chunk size -> its graphs
-        # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): on
-        # with HIVEJET_PROMPT_PIECES=1 and, on a GPU, the pieces' delta-rule kernel (kernels/gdn/rows.py)
+        # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): all
+        # slots unless HIVEJET_PROMPT_PIECES=0 or, on a GPU, the pieces' delta-rule kernel is off
         self.prompt_pieces = n_slots if self.padded_prefill and PROMPT_PIECES_ON and (
             not self.conv_state or self.device.type != "cuda" or ROWS_KERNEL_ON) else 1
         self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces

@@ -34,11 +34,11 @@ except ImportError:   # CPU-only installs keep the torch forms
     triton = None
 
 # the most tokens one launch takes (longer runs keep the chunked form: its work grows with T / 64, this
-# kernel's latency with T). Off until measured on the GPU (HIVEJET_GDN_ROWS_KERNEL=1 turns it on;
-# .ci/gpu/s29.sh is the measurement: no GPU was lent when it was written). Compiled for sm_90 here at BV 16
-# and 4 warps: 95 registers for one run, 114 for pieces, no spills.
+# kernel's latency with T). On by default since the thirty-third session (H200, 27B: a 32-token prompt's pass
+# 30 -> 26.6 ms, thirtieth session; the same bits run after run); HIVEJET_GDN_ROWS_KERNEL=0 turns it off.
+# Compiled for sm_90 here at BV 16 and 4 warps: 95 registers for one run, 114 for pieces, no spills.
 ROWS_KERNEL_MAX = 64
-ROWS_KERNEL_ON = os.environ.get("HIVEJET_GDN_ROWS_KERNEL", "0") == "1"
+ROWS_KERNEL_ON = os.environ.get("HIVEJET_GDN_ROWS_KERNEL", "1") != "0"
 
 
 if triton is not None:

@@ -49,6 +49,19 @@ def test_qwen35_27b_layout(q27):
     assert p.fits and p.recurrent == f.recurrent_bytes
 
 
+def test_prompt_pieces_graphs_counted_with_several_slots(q27):
+    """The prompt pieces' pass graphs (engine/runner.py: prefill_pieces) count in the workspace of a plan for
+    several sequences, about the 390 MiB they reserved on the 27B, and not in a one-sequence plan."""
+    from engine.runner import PIECE_PASS_ROWS
+    assert P.PIECE_PASS_ROWS == PIECE_PASS_ROWS
+    f = P.model_facts(q27)
+    assert P.piece_graph_bytes(f, 1) == 0
+    assert 380 * P.MiB < P.piece_graph_bytes(f, 4) == P.piece_graph_bytes(f, 16) < 400 * P.MiB
+    one, four = P.workspace_bytes(f, 1, ctx=8192), P.workspace_bytes(f, 4, ctx=8192)
+    assert four - one == P.piece_graph_bytes(f, 4) + 3 * P.LOGIT_ROWS_PER_SEQ * f.vocab_size * 4
+    assert P.plan(f, 8192, "f16", n_seqs=4).workspace == P.workspace_bytes(f, 4, ctx=4 * 8192)
+
+
 def test_max_context_24gb(q27):
     f = P.model_facts(q27)
     vram = P.parse_size("24GiB")
