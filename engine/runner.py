@@ -118,6 +118,14 @@ def chunk_rows(n: int, chunk: int) -> int:
     return small if packed.small_prompt_rows(n) and small < chunk else chunk
 
 
+def prompt_pieces_per_pass(n_slots: int, padded_prefill: bool, device_type: str, recurrent: bool) -> int:
+    """How many slots' short prompt pieces one padded pass may hold (Runner.prefill_pieces; 1: each its own
+    pass): all slots unless HIVEJET_PROMPT_PIECES=0 or, for a recurrent model on a GPU, the pieces'
+    delta-rule kernel is off (HIVEJET_GDN_ROWS_KERNEL=0)."""
+    on = padded_prefill and PROMPT_PIECES_ON and (not recurrent or device_type != "cuda" or ROWS_KERNEL_ON)
+    return n_slots if on else 1
+
+
 def _wave_bucket(waves: list | None) -> int:
     """The decode graph's wave count for a step's waves: 0 without drafts, else a power of two."""
     return 0 if waves is None else 1 << (len(waves) - 1).bit_length()
@@ -389,8 +397,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._prefill_graphs: dict[int, PrefillGraph] = {}   # chunk size -> its graphs
         # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): all
         # slots unless HIVEJET_PROMPT_PIECES=0 or, on a GPU, the pieces' delta-rule kernel is off
-        self.prompt_pieces = n_slots if self.padded_prefill and PROMPT_PIECES_ON and (
-            not self.conv_state or self.device.type != "cuda" or ROWS_KERNEL_ON) else 1
+        self.prompt_pieces = prompt_pieces_per_pass(n_slots, self.padded_prefill, self.device.type,
+                                                    bool(self.conv_state))
         self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces
         self.shared_passes = 0                               # passes that held several slots' pieces
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on

@@ -115,7 +115,8 @@ class RunnerScheduler:
                 free, _ = torch.cuda.mem_get_info(dev)
                 if c.prefill_chunk == 0:   # (automatic: the CPU and a given pool size were settled by Engine)
                     c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(free))
-                budget = free - max(int(0.1 * free), self._step_workspace(want)) - self._vision_workspace()
+                budget = (free - max(int(0.1 * free), self._step_workspace(want)) - self._vision_workspace()
+                          - self._pieces_workspace())
                 pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
                 if pool < 256:
                     raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
@@ -236,6 +237,16 @@ class RunnerScheduler:
         facts = P.facts_from_file(self.model.file)
         kt, vt = cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k)
         return P.activation_bytes(facts, ctx, kt, c.max_seqs, c.prefill_chunk, vt)
+
+    def _pieces_workspace(self) -> int:
+        """The graph pool of the passes that hold several slots' short prompts (engine/planner.py
+        piece_graph_bytes: 395 MiB on the 27B), kept out of the KV pool when the runner will capture them."""
+        from engine import planner as P
+        from engine.runner import prompt_pieces_per_pass
+        recurrent = any(self.spec.is_recurrent(il) for il in range(self.spec.n_layer))
+        if prompt_pieces_per_pass(self.config.max_seqs, True, "cuda", recurrent) <= 1:
+            return 0
+        return P.piece_graph_bytes(P.facts_from_file(self.model.file), self.config.max_seqs)
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
