@@ -12,7 +12,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     """--spec, --spec-drafter and --host-sampling: speculative decoding and the GPU path's sampling."""
     from engine.spec import SPEC_MODES
     p.add_argument("--spec", default="off", type=_spec_mode, choices=list(SPEC_MODES),
-                   help="speculative decoding (exact output at any temperature; on a GPU n-gram drafts only): ngram drafts from the "
+                   help="speculative decoding (exact output at any temperature; CPU and GPU alike): ngram drafts from the "
                         "conversation (prompt lookup), mtp (Qwen3.5/3.6's own MTP block), dflash (a DFlash "
                         "drafter, --spec-drafter), or a chain mtp+ngram / dflash+ngram (n-gram drafts when the "
                         "conversation repeats a long span)")

@@ -64,7 +64,7 @@ class EngineConfig:
     cache_type_k: str = "f16"       # KV cache types (kernels/kvcodec: f16, q8_0, turbo4, turbo3_tcq, ...)
     cache_type_v: str = "f16"
     mmproj: str | None = None       # vision projector GGUF (image input); "auto": the mmproj beside the model
-    spec: str = "off"               # speculative decoding (the GPU path drafts with ngram only): "off", "ngram"
+    spec: str = "off"               # speculative decoding (CPU and GPU paths alike): "off", "ngram"
                                     # (prompt lookup), "mtp" (Qwen3.5/3.6's own MTP block, when the GGUF has it),
                                     # "dflash" (a DFlash drafter, spec_drafter), or the chains "mtp+ngram"
                                     # and "dflash+ngram" (SPEC_MODES)

@@ -1,6 +1,7 @@
 """Speculative decoding for the Engine (a mixin of it): the DFlash drafter's loading, which drafter drafts
 and how many tokens (adaptive lengths), taking the drafts into a step, and verifying them after the forward
-(both paths: the GPU path, engine/scheduler_gpu.py, takes n-gram drafts only). The drafters themselves live
+(both paths: the GPU path, engine/scheduler_gpu.py, verifies every drafter's drafts as extra decode rows of its
+step). The drafters themselves live
 beside this module (ngram, mtp, dflash, adaptive, verify); the engine's loop and CPU step stay in
 engine/engine.py.
 """
