@@ -1,8 +1,9 @@
 """Benchmarks (`hivejet bench SCENARIO`). Speed is measured here, on a GPU, never in unit tests.
 
 Scenarios:
-  matmul  the 4-bit quantized matmul on the 27B model's Q4_K shapes, rows M = 1..64: time per call,
-          weight bytes streamed per second, against the card's copy bandwidth measured in the same run.
+  matmul  the first 4-bit Triton matmul (kernels/quant/q4_gemm.py, not the GPU path's packed kernel, which
+          .ci/gpu/matmul_shapes.py and `decode --profile` time) on the 27B model's Q4_K shapes, rows M =
+          1..64: time per call, weight bytes streamed per second, against the card's copy bandwidth.
   decode  a model on the GPU through engine/runner.py (CUDA graphs): pp512 and tg128 at each depth
           (0 and 23000 by default, like `llama-bench -p 512 -n 128 -d 0,23000`), and the row-scaling
           table: one decode step with 1, 2, 4, .., 64 rows (sequences). With --llamacpp DIR, llama-bench
@@ -83,14 +84,15 @@ def _print_matmul(res: dict) -> None:
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", choices=["matmul", "decode", "spec", "agents", "plot"])
     p.add_argument("paths", nargs="*", help="plot: RESULT.json OUT.png")
-    p.add_argument("-m", "--model", default=None, help="decode: the GGUF model")
+    p.add_argument("-m", "--model", default=None, help="decode, spec, agents: the GGUF model")
     p.add_argument("--llamacpp", default=None, help="decode: a directory with llama-bench (same run, same model)")
     p.add_argument("--depths", type=int, nargs="+", default=[0, 23000])
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="decode: print the CUDA time per kernel of one step")
-    p.add_argument("--device", default="cpu", help="spec, agents: the engine's device (cpu, cuda, auto)")
+    p.add_argument("--device", default="auto",
+                   help="spec, agents: the engine's device (default auto: the GPU when torch sees one; cpu, cuda)")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
     p.add_argument("--verify-rows", action="store_true",
                    help="spec: time steps verifying 0/4/8/16 drafts for 1 and 4 sequences (the GPU path's rows)")

@@ -3,10 +3,10 @@ llama-server (same model, same client code, same run).
 
 Each server is started as a subprocess and driven over its OpenAI-compatible /v1/completions with
 streamed responses (token-id prompts, `ignore_eos`, usage in the last chunk). Scenarios:
-  1. decode: N agents (for N in --agents) each generate --gen tokens after a short prompt:
+  1. decode: N agents (for N in --agents) each generate -n/--n-gen tokens after a short prompt:
      per-agent and total tok/s;
   2. long context: four agents each hold a --context-token conversation: per-agent decode tok/s;
-  3. follow-up: each of those conversations sends --new-tokens more: time to first token;
+  3. follow-up: each of those conversations sends 50 more tokens: time to first token;
   4. three agents decode while a fourth sends a --long-prompt-token prompt: the three's tok/s during
      the prefill against before it, and the fourth's time to first token;
   5. four agents that pause 0.5-3 s between requests (as agents do while running tools), for

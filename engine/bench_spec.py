@@ -257,6 +257,14 @@ def modelled(rows_table: list[dict]) -> list[dict]:
     return out
 
 
+def _device(device: str) -> str:
+    """auto: the GPU when torch sees one, else the CPU (the step-cost measurements take a concrete device)."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def run(args) -> dict:
     res = dict(date=time.strftime("%Y-%m-%d %H:%M"), model=args.model, measured=[], modelled=[])
     if args.model:
@@ -264,15 +272,15 @@ def run(args) -> dict:
     if args.rows_json:
         res["modelled"] = modelled(json.loads(Path(args.rows_json).read_text())["rows"])
     if getattr(args, "verify_rows", False):
-        res["verify"] = verify_costs(args.model, args.device if args.device != "auto" else "cuda")
+        res["verify"] = verify_costs(args.model, _device(args.device))
         for r in res["verify"]:
             print(f"verify: {r['seqs']} sequence(s) x {r['drafts']:2d} drafts = {r['rows']:3d} rows: "
                   f"{r['ms']:8.2f} ms/step, {r['vs_no_drafts']:.2f}x the step without drafts")
-        res["mtp_costs"] = mtp_costs(args.model, args.device if args.device != "auto" else "cuda")
+        res["mtp_costs"] = mtp_costs(args.model, _device(args.device))
         for c in res["mtp_costs"]:
             print(f"MTP block after {c['drafts']} accepted drafts ({c['rows']} rows, {c['drafts'] - 1} chained): "
                   f"{c['ms']:.2f} ms")
-        res["dflash_costs"] = dflash_costs(args.model, args.device if args.device != "auto" else "cuda",
+        res["dflash_costs"] = dflash_costs(args.model, _device(args.device),
                                            getattr(args, "spec_drafter", None))
         for c in res["dflash_costs"]:
             print(f"DFlash drafter ({c['layers']} layers, {c['weight_gb']:.2f} GB) after {c['drafts']} accepted "

@@ -6,8 +6,8 @@ each sequence that is generating, and the next chunk of each prompt still being 
 token budget. So several requests progress together and a long prompt never blocks the others.
 
 This module holds the contract (EngineConfig, submit, the handles, stats), the loop and the CPU path's
-step; the GPU path's step is engine/scheduler_gpu.py (RunnerScheduler) and the CPU path's speculative
-decoding engine/spec/engine_spec.py (SpeculationMixin), mixins the Engine inherits.
+step; the GPU path's step is engine/scheduler_gpu.py (RunnerScheduler) and the speculative decoding of
+both paths engine/spec/engine_spec.py (SpeculationMixin), mixins the Engine inherits.
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ log = logging.getLogger("hivejet.engine")
 @dataclass
 class EngineConfig:
     model: str                      # a GGUF path or a catalog name ("demo", "gemma3-270m")
-    device: str = "cpu"             # cpu, cuda[:N], or auto: cuda when there is one and the GPU path
-                                    # can serve this configuration (no images, one f16/bf16/q8_0 KV type)
+    device: str = "cpu"             # cpu, cuda[:N], or auto: cuda when torch sees a GPU (every KV cache
+                                    # type, images too), else cpu
     max_seqs: int = 16              # sequences advanced together in one step
     ctx_size: int = 0               # context per sequence at most; 0 = the model's training context (GPU
                                     # path: also at most the KV pool, which all sequences share)
@@ -80,7 +80,7 @@ class EngineConfig:
                                     # full: resident conversations are evicted, then the newest request
                                     # waits (its KV recomputed later)
     resident_tokens: int = 32768    # tokens of finished conversations kept for follow-ups and shared
-                                    # prefixes (engine/prefix.py; CPU path); 0 turns prefix reuse off
+                                    # prefixes (both paths); 0 turns prefix reuse off
     static_slots: bool = False      # step through engine/runner.py (what device="cuda" does) on any device;
                                     # on the CPU this tests the GPU path's scheduling without a GPU
     ctx_pool_tokens: int = 0        # GPU path: tokens of the one KV pool all sequences share (one may use

@@ -1,7 +1,8 @@
 """Memory plan: how much GPU memory a model needs at a given context length and KV cache types,
 as the GPU path (engine/runner.py) allocates it.
 
-    total = weights + KV cache + per-slot state + workspace (+ vision projector)
+    total = weights + KV cache + per-slot state + workspace (+ vision projector, the MTP block's KV,
+            a DFlash drafter)
 
 Every number comes from the GGUF header (nothing is loaded):
 
@@ -14,7 +15,7 @@ Every number comes from the GGUF header (nothing is loaded):
 * **KV cache**: one pool of `n_seqs x ctx` tokens that all sequences share (engine/runner.py: blocks of
   16 tokens handed out as sequences grow; one sequence may use up to min(training context, the whole
   pool), so `ctx` is the context per sequence when all of them are equally long), in every attention
-  layer (sliding-window layers too; the MTP block's KV is not on the GPU path), K and V of
+  layer (sliding-window layers too; the MTP block's KV is not in this pool: `Plan.mtp`), K and V of
   `n_head_kv` heads each, at the cache type's bytes per head (`head_bytes`; the rotated types pad
   each head to a multiple of 128 values), plus one block of 16 tokens for the padding rows' scratch
   slot. K and V may use different types (llama.cpp's -ctk / -ctv):
@@ -51,7 +52,7 @@ Every number comes from the GGUF header (nothing is loaded):
     (engine/runner_prefill.py) share that pool and keep the chunk's activations below in it;
   - with several slots, the prompt pieces' pass graphs (several agents' short prompts in one pass of up to
     256 rows, engine/runner.py: prefill_pieces): five 256-row passes' activations
-    (``piece_graph_bytes``; 390 MiB on the 27B, what they reserved on the H200, thirtieth session);
+    (``piece_graph_bytes``; 395 MiB on the 27B, where they reserved 390 on the H200, thirtieth session);
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
     bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk; a chunk of more
     rows adds four times that per row beyond 512, what its graph measured on the 27B), the fp16 copy
@@ -232,7 +233,7 @@ class ModelFacts:
 
     @property
     def gpu_attn_layers(self) -> int:
-        """Attention layers with KV on the GPU path (the MTP block's is not there)."""
+        """Attention layers with KV in the main pool (the MTP block's has its own: Plan.mtp)."""
         return len(self.attn_layers) - self.n_layer_nextn
 
     @property

@@ -30,8 +30,8 @@ from engine.types import FinishEvent, Request, Timings, TokenEvent, Usage
 
 
 def choose_device(kv_cache: str) -> str:
-    """Where the app runs a model: the GPU when torch sees one and the GPU path serves the KV cache type
-    (speed first: a 27B model is not usable on a CPU), else the CPU. The vision projector goes with the
+    """Where the app runs a model: the GPU when torch sees one (for any known KV cache type; speed first: a
+    27B model is not usable on a CPU), else the CPU. The vision projector goes with the
     model on either."""
     import torch
 

@@ -60,8 +60,7 @@ class SettingsPage(QWidget):
         self.spec.setCurrentIndex(max(0, self.spec.findData(store.get_setting("spec", "off"))))
         self.spec.currentIndexChanged.connect(lambda _i: store.set_setting("spec", self.spec.currentData()))
         self.spec.setToolTip("Draft tokens checked by the model in the same step: greedy output stays the same "
-                             "and sampled output keeps its distribution. On the GPU the drafts come from prompt "
-                             "lookup only for now.")
+                             "and sampled output keeps its distribution, on the CPU and on the GPU.")
         form.addRow("Speculative decoding (next load)", self.spec)
         self.pacing = QComboBox()
         self.pacing.addItem("Keep generating conversations at half their speed or more", 0.5)

@@ -39,8 +39,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=0, metavar="N",
                    help="context per conversation (default: the model's)")
     p.add_argument("--cache-type-k", default="f16",
-                   help="KV cache type for K: f16, bf16, q8_0, turbo4, turbo3, turbo2, turbo3_tcq, turbo2_tcq "
-                        "(the GPU path: f16, bf16, q8_0)")
+                   help="KV cache type for K: f32, f16, bf16, q8_0, turbo4, turbo3, turbo2, turbo3_tcq, "
+                        "turbo2_tcq (default f16; the CPU and GPU paths alike)")
     p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (same choices)")
     p.add_argument("--kv-memory", type=float, default=0.0, metavar="GIB",
                    help="KV cache memory on the CPU path in GiB (default: a quarter of the RAM); when full, "
@@ -54,8 +54,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "1024 on a GPU with 16 GiB or more free after the weights, else 512): larger chunks "
                         "read long prompts faster, smaller ones keep the other conversations' steps shorter "
                         "and leave more memory to the KV cache; shared prefixes are reused in whole chunks")
-    p.add_argument("--device", default="auto", help="auto (the GPU when there is one and it can serve the "
-                                                    "cache types), cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one), cpu or cuda")
     add_spec_args(p)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",

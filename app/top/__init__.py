@@ -44,6 +44,7 @@ def add_top_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("-m", "--model", default="demo", help="GGUF file or catalog name (default demo)")
     s.add_argument("-c", "--ctx", type=int, default=0, help="context per conversation (default: the model's)")
     s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the engine's)")
+    s.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one), cpu or cuda")
 
 
 def _err(msg: str) -> None:
@@ -53,7 +54,8 @@ def _err(msg: str) -> None:
 class LocalServer:
     """An engine and the API server in this process (for --run when nothing answers at the URL)."""
 
-    def __init__(self, url: str, model: str, ctx: int, max_seqs: int, threads: int = 0, api_key: str | None = None):
+    def __init__(self, url: str, model: str, ctx: int, max_seqs: int, threads: int = 0, api_key: str | None = None,
+                 device: str = "auto"):
         from app.server.app import ServerThread, create_app
         from app.server.security import ServerSettings
         from engine.engine import Engine, EngineConfig
@@ -62,7 +64,7 @@ class LocalServer:
         settings = ServerSettings(host=host, port=port, api_keys=[api_key] if api_key else [])
         settings.validate()
         print(f"hivejet top: starting a server for {model} at {url} ...", file=sys.stderr)
-        self.engine = Engine(EngineConfig(model=model, ctx_size=ctx, max_seqs=max_seqs, threads=threads),
+        self.engine = Engine(EngineConfig(model=model, ctx_size=ctx, max_seqs=max_seqs, threads=threads, device=device),
                              progress=lambda msg: print(msg, file=sys.stderr))
         try:
             self.server = ServerThread(create_app(self.engine, settings), host, port).start()
@@ -142,7 +144,7 @@ def run_top(args, console=None) -> int:
         if status == "down":
             try:
                 server = LocalServer(client.url, args.model, args.ctx, max(16, args.run), args.threads,
-                                     client.api_key)
+                                     client.api_key, args.device)
             except Exception as e:
                 _err(f"cannot start a server: {e}")
                 return 1
