@@ -2,8 +2,9 @@
 HiveJet is built for. A tensor first takes the rest of the H200's memory, so the engine's own fit
 (engine/scheduler_gpu.py: the KV pool from torch.cuda.mem_get_info, less the step workspace) sees what a
 24 GiB card leaves; then three agents decode while a fourth sends a 20,000-token prompt, as `bench agents`
-scenario 4 does. Whether it all runs (no out-of-memory in the graph captures or in a step), and how close
-the step memory came to the end of the card.
+scenario 4 does, and sixteen agents' short prompts arrive together (read in shared passes). Whether it all
+runs (no out-of-memory in the graph captures or in a step), and how close the step memory came to the end
+of the card.
 
     python3 -u .ci/gpu/engine24.py [--card-gib 24] [--prefill-chunk N] [--json FILE]
 """
@@ -69,6 +70,13 @@ def main():
         res["long_prompt_s"] = round(time.perf_counter() - t, 2)
         res["long_finish"] = fin.reason
         res["agents_finish"] = [h.result()[2].reason for h in agents]
+        # then 16 agents' short prompts arriving together (read in shared passes: the pass graphs in use)
+        t = time.perf_counter()
+        burst = [eng.submit(Request(prompt_ids=torch.randint(0, vocab, (32,), generator=g).tolist(),
+                                    sampling=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)))
+                 for _ in range(16)]
+        res["burst_finish"] = [h.result()[2].reason for h in burst]
+        res["burst_s"] = round(time.perf_counter() - t, 2)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
     free_end, _ = torch.cuda.mem_get_info()

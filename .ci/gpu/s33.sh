@@ -10,12 +10,13 @@ source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
 if [ "$1" = 1 ]; then
-    TESTS_SECONDS=${TESTS_SECONDS:-240} tests_into gpu_tests_defaults.txt tests/kernels/test_gdn_rows.py \
+    TESTS_SECONDS=${TESTS_SECONDS:-200} tests_into gpu_tests_defaults.txt tests/kernels/test_gdn_rows.py \
         tests/kernels/test_pdl.py tests/engine/test_runner_pieces.py tests/engine/test_runner_prefill.py \
         tests/engine/test_runner.py tests/engine/test_engine_runner.py \
         -k "not smollm2 and not gemma3_real and not cuda_engine_matches_cpu_path"
     m27_wait
-    timeout 200 python3 -u .ci/gpu/engine24.py --json "$OUT/engine24.json" 2>&1 | grep -v Warn | tail -8
+    timeout 200 python3 -u .ci/gpu/engine24.py --json "$OUT/engine24.json" 2>&1 | grep -v Warn | tail -3
+    HIVEJET_PROMPT_PIECES=0 timeout 150 python3 -u .ci/gpu/engine24.py --json "$OUT/engine24_nopieces.json" 2>&1 | grep -v Warn | tail -3
 fi
 if [ "$1" = 2 ]; then
     agents hivejet 500
