@@ -52,7 +52,9 @@ Every number comes from the GGUF header (nothing is loaded):
     (engine/runner_prefill.py) share that pool and keep the chunk's activations below in it;
   - with several slots, the prompt pieces' pass graphs (several agents' short prompts in one pass of up to
     256 rows, engine/runner.py: prefill_pieces): five 256-row passes' activations
-    (``piece_graph_bytes``; 395 MiB on the 27B, where they reserved 390 on the H200, thirtieth session);
+    (``piece_graph_bytes``; 395 MiB on the 27B, where they reserved 390 on the H200, thirtieth session;
+    counted whenever a plan has several slots, as the engine's default has them: `serve --no-shared-passes`
+    leaves that memory to the KV cache);
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
     bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk; a chunk of more
     rows adds four times that per row beyond 512, what its graph measured on the 27B), the fp16 copy

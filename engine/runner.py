@@ -118,11 +118,13 @@ def chunk_rows(n: int, chunk: int) -> int:
     return small if packed.small_prompt_rows(n) and small < chunk else chunk
 
 
-def prompt_pieces_per_pass(n_slots: int, padded_prefill: bool, device_type: str, recurrent: bool) -> int:
+def prompt_pieces_per_pass(n_slots: int, padded_prefill: bool, device_type: str, recurrent: bool,
+                           shared: bool = True) -> int:
     """How many slots' short prompt pieces one padded pass may hold (Runner.prefill_pieces; 1: each its own
-    pass): all slots unless HIVEJET_PROMPT_PIECES=0 or, for a recurrent model on a GPU, the pieces'
-    delta-rule kernel is off (HIVEJET_GDN_ROWS_KERNEL=0)."""
-    on = padded_prefill and PROMPT_PIECES_ON and (not recurrent or device_type != "cuda" or ROWS_KERNEL_ON)
+    pass): all slots unless `shared` is off (EngineConfig.shared_prompt_passes), HIVEJET_PROMPT_PIECES=0, or,
+    for a recurrent model on a GPU, the pieces' delta-rule kernel is off (HIVEJET_GDN_ROWS_KERNEL=0)."""
+    on = shared and padded_prefill and PROMPT_PIECES_ON and (
+        not recurrent or device_type != "cuda" or ROWS_KERNEL_ON)
     return n_slots if on else 1
 
 
@@ -302,7 +304,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
                  max_ctx: int = 4096, cache_type: str | None = None, block_size: int = 16,
                  graphs: bool | None = None, n_split: int | None = None, *, cache_type_k: str | None = None,
                  cache_type_v: str | None = None, prefill_dot: str = "tf32", triton: bool | None = None,
-                 n_blocks: int | None = None, padded_prefill: bool | None = None, rope_offsets: bool = False):
+                 n_blocks: int | None = None, padded_prefill: bool | None = None, rope_offsets: bool = False,
+                 shared_prompt_passes: bool = True):
         kt = cache_type_name(cache_type_k or cache_type or "f16")
         vt = cache_type_name(cache_type_v or cache_type or "f16")
         self.model, self.spec = model, model.spec
@@ -398,7 +401,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): all
         # slots unless HIVEJET_PROMPT_PIECES=0 or, on a GPU, the pieces' delta-rule kernel is off
         self.prompt_pieces = prompt_pieces_per_pass(n_slots, self.padded_prefill, self.device.type,
-                                                    bool(self.conv_state))
+                                                    bool(self.conv_state), shared_prompt_passes)
         self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces
         self.shared_passes = 0                               # passes that held several slots' pieces
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on

@@ -125,7 +125,8 @@ class RunnerScheduler:
                 pool = c.max_seqs * want
             blocks = max(1, pool // RUNNER_BLOCK)
             self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, n_blocks=blocks, block_size=RUNNER_BLOCK,
-                                 max_ctx=min(want, blocks * RUNNER_BLOCK), rope_offsets=self._mrope_images(), **types)
+                                 max_ctx=min(want, blocks * RUNNER_BLOCK), rope_offsets=self._mrope_images(),
+                                 shared_prompt_passes=c.shared_prompt_passes, **types)
             if self._dflash is not None and self._dflash.device != dev:   # (ctx_pool_tokens: no fit above)
                 self._dflash.to_device(dev)
             if one_ckpt:
@@ -244,7 +245,7 @@ class RunnerScheduler:
         from engine import planner as P
         from engine.runner import prompt_pieces_per_pass
         recurrent = any(self.spec.is_recurrent(il) for il in range(self.spec.n_layer))
-        if prompt_pieces_per_pass(self.config.max_seqs, True, "cuda", recurrent) <= 1:
+        if prompt_pieces_per_pass(self.config.max_seqs, True, "cuda", recurrent, self.config.shared_prompt_passes) <= 1:
             return 0
         return P.piece_graph_bytes(P.facts_from_file(self.model.file), self.config.max_seqs)
 

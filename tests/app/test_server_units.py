@@ -239,3 +239,14 @@ def test_serve_refuses_public_bind_without_key(capsys, monkeypatch):
     for bad in ("100", "-16"):
         assert run_serve(p.parse_args(["--prefill-chunk", bad])) == 2
         assert "--prefill-chunk" in capsys.readouterr().err
+
+
+def test_serve_shared_passes_switch():
+    """--no-shared-passes turns off the GPU path's shared prompt passes (EngineConfig.shared_prompt_passes)."""
+    import argparse
+
+    from app.server import add_serve_args
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).shared_passes is True
+    assert p.parse_args(["--no-shared-passes"]).shared_passes is False

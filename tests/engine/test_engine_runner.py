@@ -550,7 +550,8 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen35", "llama"])
 def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
     """The GPU path's pool fit leaves room for the pieces' pass graphs (the planner's piece_graph_bytes)
-    when the runner will capture them: several slots, the pieces on, and for qwen35 the rows kernel on."""
+    when the runner will capture them: several slots, the pieces on (HIVEJET_PROMPT_PIECES and
+    EngineConfig.shared_prompt_passes), and for qwen35 the rows kernel on."""
     import engine.runner as runner_mod
     from engine import planner as P
     from engine.synth import write_synthetic
@@ -559,11 +560,13 @@ def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
     facts = P.model_facts(path)
     every = P.piece_graph_bytes(facts, 4)
     assert every > 0
-    for seqs, pieces, rows_kernel, want in ((4, True, True, every), (1, True, True, 0), (4, False, True, 0),
-                                            (4, True, False, 0 if arch == "qwen35" else every)):
+    for seqs, pieces, rows_kernel, shared, want in ((4, True, True, True, every), (1, True, True, True, 0),
+                                                    (4, False, True, True, 0), (4, True, True, False, 0),
+                                                    (4, True, False, True, 0 if arch == "qwen35" else every)):
         monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", pieces)
         monkeypatch.setattr(runner_mod, "ROWS_KERNEL_ON", rows_kernel)
-        eng = Engine(EngineConfig(model=str(path), ctx_size=64, max_seqs=seqs, prefill_chunk=32, static_slots=True))
+        eng = Engine(EngineConfig(model=str(path), ctx_size=64, max_seqs=seqs, prefill_chunk=32, static_slots=True,
+                                  shared_prompt_passes=shared))
         try:
             assert eng._pieces_workspace() == want
         finally:
