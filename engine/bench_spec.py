@@ -272,16 +272,16 @@ def run(args) -> dict:
     if args.rows_json:
         res["modelled"] = modelled(json.loads(Path(args.rows_json).read_text())["rows"])
     if getattr(args, "verify_rows", False):
-        res["verify"] = verify_costs(args.model, _device(args.device))
+        dev = _device(args.device)
+        res["verify"] = verify_costs(args.model, dev)
         for r in res["verify"]:
             print(f"verify: {r['seqs']} sequence(s) x {r['drafts']:2d} drafts = {r['rows']:3d} rows: "
                   f"{r['ms']:8.2f} ms/step, {r['vs_no_drafts']:.2f}x the step without drafts")
-        res["mtp_costs"] = mtp_costs(args.model, _device(args.device))
+        res["mtp_costs"] = mtp_costs(args.model, dev)
         for c in res["mtp_costs"]:
             print(f"MTP block after {c['drafts']} accepted drafts ({c['rows']} rows, {c['drafts'] - 1} chained): "
                   f"{c['ms']:.2f} ms")
-        res["dflash_costs"] = dflash_costs(args.model, _device(args.device),
-                                           getattr(args, "spec_drafter", None))
+        res["dflash_costs"] = dflash_costs(args.model, dev, getattr(args, "spec_drafter", None))
         for c in res["dflash_costs"]:
             print(f"DFlash drafter ({c['layers']} layers, {c['weight_gb']:.2f} GB) after {c['drafts']} accepted "
                   f"drafts: {c['ms']:.2f} ms")

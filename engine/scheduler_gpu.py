@@ -244,10 +244,11 @@ class RunnerScheduler:
         piece_graph_bytes: 395 MiB on the 27B), kept out of the KV pool when the runner will capture them."""
         from engine import planner as P
         from engine.runner import prompt_pieces_per_pass
-        recurrent = any(self.spec.is_recurrent(il) for il in range(self.spec.n_layer))
-        if prompt_pieces_per_pass(self.config.max_seqs, True, "cuda", recurrent, self.config.shared_prompt_passes) <= 1:
+        c = self.config
+        if prompt_pieces_per_pass(c.max_seqs, True, "cuda", bool(self.spec.recurrent_layers),
+                                  c.shared_prompt_passes) <= 1:
             return 0
-        return P.piece_graph_bytes(P.facts_from_file(self.model.file), self.config.max_seqs)
+        return P.piece_graph_bytes(P.facts_from_file(self.model.file), c.max_seqs)
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
