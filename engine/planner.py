@@ -53,8 +53,8 @@ Every number comes from the GGUF header (nothing is loaded):
   - with several slots, the prompt pieces' pass graphs (several agents' short prompts in one pass of up to
     256 rows, engine/runner.py: prefill_pieces): five 256-row passes' activations
     (``piece_graph_bytes``; 395 MiB on the 27B, where they reserved 390 on the H200, thirtieth session;
-    counted whenever a plan has several slots, as the engine's default has them: `serve --no-shared-passes`
-    leaves that memory to the KV cache);
+    counted whenever a plan has several slots, as the engine's default has them; `serve --no-shared-passes`
+    leaves that memory to the KV cache, and `plan --no-shared-passes` plans for it);
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
     bytes (f32 residual, norms, QKV, FFN gate/up/down for every row of a 512-row chunk; a chunk of more
     rows adds four times that per row beyond 512, what its graph measured on the 27B), the fp16 copy
@@ -387,10 +387,12 @@ def _row_bytes(facts: ModelFacts) -> int:
     return (4 * facts.n_embd + 3 * facts.n_ff + q_dim + 2 * kv_dim) * 4
 
 
-def piece_graph_bytes(facts: ModelFacts, max_seqs: int) -> int:
+def piece_graph_bytes(facts: ModelFacts, max_seqs: int, shared_passes: bool = True) -> int:
     """The graph pool the prompt pieces' passes add (engine/runner.py: prefill_pieces); none with one slot,
-    where every prompt runs alone."""
-    return PIECE_GRAPH_PASSES * PIECE_PASS_ROWS * _row_bytes(facts) if max_seqs > 1 else 0
+    where every prompt runs alone, or with the shared passes off (`serve --no-shared-passes`)."""
+    if max_seqs <= 1 or not shared_passes:
+        return 0
+    return PIECE_GRAPH_PASSES * PIECE_PASS_ROWS * _row_bytes(facts)
 
 
 def prompt_attention_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | None = None) -> int:
@@ -411,8 +413,8 @@ def prompt_attention_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v:
 
 
 def workspace_bytes(facts: ModelFacts, max_seqs: int = 1, step_tokens: int = STEP_TOKENS, ctx: int = 0,
-                    kv_type: str = "f16") -> int:
-    return (CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + piece_graph_bytes(facts, max_seqs)
+                    kv_type: str = "f16", shared_passes: bool = True) -> int:
+    return (CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + piece_graph_bytes(facts, max_seqs, shared_passes)
             + activation_bytes(facts, ctx, kv_type, max_seqs, step_tokens))
 
 
@@ -498,12 +500,14 @@ def drafter_bytes(drafter, pool_tokens: int) -> int:
 
 def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vram: int | None = None,
          kv_type_v: str | None = None, step_tokens: int = 0, mtp: bool = False,
-         drafter=None) -> Plan:
+         drafter=None, shared_passes: bool = True) -> Plan:
     """GPU memory of the runner with `n_seqs` slots sharing a KV pool of `n_seqs x ctx` tokens (K in
     kv_type, V in kv_type_v, default the same), prompt chunks of `step_tokens` (0: the engine's automatic
     choice for a card of `vram` bytes, auto_prefill_chunk). One sequence may hold
     up to min(training context, the pool) tokens: the key preconditioning is sized for that. mtp: drafting
-    with the model's MTP block (its own KV counted); drafter: a loaded DFlash drafter (drafter_bytes)."""
+    with the model's MTP block (its own KV counted); drafter: a loaded DFlash drafter (drafter_bytes);
+    shared_passes: the engine reads several slots' arriving prompts in one pass (EngineConfig.shared_prompt_passes,
+    on by default), whose graphs are counted in the workspace."""
     if ctx <= 0:
         raise ValueError("context must be positive")
     kv_type_v = kv_type_v or kv_type
@@ -515,7 +519,7 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
     checkpoints = min(64, int(0.02 * kv) // one) * one if one else 0
     return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,
                 kv=kv, recurrent=n_seqs * facts.recurrent_bytes, checkpoints=checkpoints,
-                workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type), vram=vram,
+                workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type, shared_passes), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
                 prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx,
                 mtp=mtp_kv_bytes(facts, n_seqs * ctx, n_seqs, kv_type, kv_type_v) if mtp else 0,
@@ -531,14 +535,14 @@ def seq_context(facts: ModelFacts, ctx: int, n_seqs: int = 1) -> int:
 
 
 def max_context(facts: ModelFacts, kv_type: str, vram: int, n_seqs: int = 1, limit: int | None = None,
-                kv_type_v: str | None = None) -> int:
+                kv_type_v: str | None = None, shared_passes: bool = True) -> int:
     """Largest context (multiple of KV_BLOCK_TOKENS, at most `limit` = the model's training context)
     whose plan fits in `vram`; 0 when not even one block fits."""
     limit = limit or facts.context_length
     hi_blocks = max(limit // KV_BLOCK_TOKENS, 1)
 
     def fits(c):
-        return plan(facts, c, kv_type, n_seqs, vram, kv_type_v).total <= vram
+        return plan(facts, c, kv_type, n_seqs, vram, kv_type_v, shared_passes=shared_passes).total <= vram
     if not fits(KV_BLOCK_TOKENS):
         return 0
     top = hi_blocks * KV_BLOCK_TOKENS
@@ -555,10 +559,11 @@ def max_context(facts: ModelFacts, kv_type: str, vram: int, n_seqs: int = 1, lim
 
 
 def plan_table(facts: ModelFacts, vram: int | None, contexts=CONTEXTS, kv_types=None, n_seqs: int = 1,
-               kv_type_v: str | None = None) -> dict[str, list[Plan]]:
+               kv_type_v: str | None = None, shared_passes: bool = True) -> dict[str, list[Plan]]:
     """{kv type: [Plan for each context]} (V in kv_type_v, or each row's K type)."""
     kv_types = list(kv_types or KV_TYPES)
-    return {kt: [plan(facts, c, kt, n_seqs, vram, kv_type_v) for c in contexts] for kt in kv_types}
+    return {kt: [plan(facts, c, kt, n_seqs, vram, kv_type_v, shared_passes=shared_passes) for c in contexts]
+            for kt in kv_types}
 
 
 # ----- formatting -----
@@ -591,16 +596,20 @@ def fmt_ctx(n: int) -> str:
 
 
 def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int = 1,
-                 kv_type_v: str | None = None) -> str:
-    table = plan_table(facts, vram, kv_types=kv_types, n_seqs=n_seqs, kv_type_v=kv_type_v)
+                 kv_type_v: str | None = None, shared_passes: bool = True) -> str:
+    table = plan_table(facts, vram, kv_types=kv_types, n_seqs=n_seqs, kv_type_v=kv_type_v,
+                       shared_passes=shared_passes)
     chunk = planned_chunk(facts, vram)
     lines = [f"{facts.name} ({facts.arch}{', ' + facts.quant if facts.quant else ''}): weights "
              f"{fmt_bytes(facts.weight_bytes)} ({fmt_bytes(facts.device_weight_bytes)} on the GPU), "
              f"{facts.n_full_attn} full-attention + {facts.n_swa} sliding-window "
              f"attention layers, {facts.n_recurrent_layers} recurrent layers "
              f"({fmt_bytes(facts.recurrent_bytes)} state per sequence), training context {facts.context_length}",
-             f"workspace allowance {fmt_bytes(workspace_bytes(facts, n_seqs, chunk))} for prompt chunks of {chunk} "
-             "tokens (+ key centers for rotated K types); "
+             f"workspace allowance {fmt_bytes(workspace_bytes(facts, n_seqs, chunk, shared_passes=shared_passes))} "
+             f"for prompt chunks of {chunk} tokens (+ key centers for rotated K types"
+             + (f"; {fmt_bytes(piece_graph_bytes(facts, n_seqs))} of it for reading several slots' arriving "
+                "prompts in one pass, which --no-shared-passes leaves to the KV cache"
+                if piece_graph_bytes(facts, n_seqs, shared_passes) else "") + "); "
              + (f"VRAM {fmt_bytes(vram)}" if vram else "no VRAM given: totals only")
              + (f"; {n_seqs} sequences" if n_seqs > 1 else "") + (f"; V cache {kv_type_v}" if kv_type_v else "")]
     if facts.mmproj:
@@ -619,7 +628,7 @@ def format_table(facts: ModelFacts, vram: int | None, kv_types=None, n_seqs: int
             cells.append(f"{p.total / GiB:>9.2f}{mark:<3}")
         row = f"{kt:<11}" + "".join(cells)
         if vram:
-            row += f"   {max_context(facts, kt, vram, n_seqs, kv_type_v=kv_type_v):>11}"
+            row += f"   {max_context(facts, kt, vram, n_seqs, kv_type_v=kv_type_v, shared_passes=shared_passes):>11}"
         lines.append(row)
     lines.append("")
     lines.append("cells: total GiB (weights + KV + per-slot state + workspace"
@@ -662,6 +671,9 @@ def add_plan_args(parser) -> None:
     parser.add_argument("--seqs", type=int, default=1, help="parallel sequences (the GPU path's slots)")
     parser.add_argument("--ctx", type=int, default=None, help="print the breakdown of one plan: this context "
                                                                "per sequence, the --kv type (default f16)")
+    parser.add_argument("--no-shared-passes", dest="shared_passes", action="store_false",
+                        help="plan for `hivejet serve --no-shared-passes`: several slots' arriving prompts are "
+                             "not read in one pass, so those passes' graphs are not in the workspace")
     parser.add_argument("--mtp", action="store_true", help="with --ctx: drafting with the model's MTP block "
                                                            "(--spec mtp): count its own KV")
     parser.add_argument("--drafter", default=None, metavar="DFLASH",
@@ -692,6 +704,7 @@ def run_plan(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     kv_v = getattr(args, "kv_v", None)
+    shared = getattr(args, "shared_passes", True)
     if getattr(args, "ctx", None):
         if getattr(args, "mtp", False) and not facts.n_layer_nextn:
             print(f"error: {facts.name} has no MTP block", file=sys.stderr)
@@ -706,8 +719,8 @@ def run_plan(args) -> int:
                 print(f"error: DFlash drafter: {e}", file=sys.stderr)
                 return 2
         print(format_plan(plan(facts, args.ctx, args.kv or "f16", max(1, args.seqs), vram, kv_v,
-                               mtp=getattr(args, "mtp", False), drafter=drafter)))
+                               mtp=getattr(args, "mtp", False), drafter=drafter, shared_passes=shared)))
         return 0
     print(format_table(facts, vram, kv_types=[args.kv] if args.kv else None, n_seqs=max(1, args.seqs),
-                       kv_type_v=kv_v))
+                       kv_type_v=kv_v, shared_passes=shared))
     return 0

@@ -62,6 +62,34 @@ def test_prompt_pieces_graphs_counted_with_several_slots(q27):
     assert P.plan(f, 8192, "f16", n_seqs=4).workspace == P.workspace_bytes(f, 4, ctx=4 * 8192)
 
 
+def test_plan_without_shared_passes(q27, capsys):
+    """`serve --no-shared-passes` leaves the pass graphs' memory to the KV cache: a plan made for it (and
+    `hivejet plan --no-shared-passes`) has that much less workspace, and a longer context fits."""
+    import argparse
+    f = P.model_facts(q27)
+    vram = P.parse_size("24GiB")
+    on, off = P.plan(f, 8192, "f16", n_seqs=16, vram=vram), P.plan(f, 8192, "f16", n_seqs=16, vram=vram,
+                                                                    shared_passes=False)
+    assert on.workspace - off.workspace == P.piece_graph_bytes(f, 16) > 0
+    assert on.kv == off.kv and on.total - off.total == P.piece_graph_bytes(f, 16)
+    assert P.piece_graph_bytes(f, 16, shared_passes=False) == 0
+    mc_on = P.max_context(f, "f16", vram, 16)
+    mc_off = P.max_context(f, "f16", vram, 16, shared_passes=False)
+    assert mc_off > mc_on and P.plan(f, mc_off, "f16", 16, vram, shared_passes=False).fits
+    assert P.plan_table(f, vram, kv_types=["f16"], n_seqs=16, shared_passes=False)["f16"][0].workspace \
+        == P.plan(f, P.CONTEXTS[0], "f16", 16, vram, shared_passes=False).workspace
+    ap = argparse.ArgumentParser()
+    P.add_plan_args(ap)
+    for extra in ([], ["--no-shared-passes"]):
+        assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB", "--seqs", "16", "--kv", "f16"] + extra)) == 0
+    table_on, table_off = capsys.readouterr().out.split(f"{f.name} (")[1:]
+    assert "--no-shared-passes leaves to the KV cache" in table_on
+    assert "--no-shared-passes" not in table_off
+    assert f"{mc_on:>11}" in table_on and f"{mc_off:>11}" in table_off
+    assert P.run_plan(ap.parse_args(["-m", str(q27), "--seqs", "16", "--ctx", "8192", "--no-shared-passes"])) == 0
+    assert f"{off.workspace:>15,} B" in capsys.readouterr().out
+
+
 def test_max_context_24gb(q27):
     f = P.model_facts(q27)
     vram = P.parse_size("24GiB")
