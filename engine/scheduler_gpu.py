@@ -25,6 +25,7 @@ from engine.types import EngineError
 
 if TYPE_CHECKING:
     from engine.engine import _Sequence
+    from engine.planner import ModelFacts
 
 log = logging.getLogger("hivejet.engine")
 
@@ -94,6 +95,7 @@ class RunnerScheduler:
         sequence may use up to min(its context, the pool). Recurrent models also get state checkpoints
         for prefix sharing (state_checkpoints; by default as many as fit in 2 % of the KV cache, which
         the fit leaves room for)."""
+        from engine import planner as P
         from engine.runner import Runner, state_checkpoint_bytes
         c = self.config
         dev = torch.device(c.device)
@@ -115,8 +117,9 @@ class RunnerScheduler:
                 free, _ = torch.cuda.mem_get_info(dev)
                 if c.prefill_chunk == 0:   # (automatic: the CPU and a given pool size were settled by Engine)
                     c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(free))
-                budget = (free - max(int(0.1 * free), self._step_workspace(want)) - self._vision_workspace()
-                          - self._pieces_workspace())
+                facts = P.facts_from_file(self.model.file)   # (the open file's header, parsed once)
+                budget = (free - max(int(0.1 * free), self._step_workspace(facts, want)) - self._vision_workspace()
+                          - self._pieces_workspace(facts))
                 pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
                 if pool < 256:
                     raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
@@ -228,18 +231,17 @@ class RunnerScheduler:
         self._mtp_pool = KVPool(cache_type_k=mtp_cache_type(*self._cache_types()), block_size=RUNNER_BLOCK,
                                 device=dev, n_blocks=self.runner.pool.n_blocks + extra)
 
-    def _step_workspace(self, ctx: int) -> int:
+    def _step_workspace(self, facts: ModelFacts, ctx: int) -> int:
         """What a step allocates beyond the pool and the slots' state (engine/planner.py activation_bytes:
         a prompt chunk's activations, its dequantized matrix, its attention over `ctx` positions, the
         logits), left out of the pool when it is more than the usual 10 % of the free memory."""
         from engine import planner as P
         from kernels.kvcodec import cache_type_name
         c = self.config
-        facts = P.facts_from_file(self.model.file)
         kt, vt = cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k)
         return P.activation_bytes(facts, ctx, kt, c.max_seqs, c.prefill_chunk, vt)
 
-    def _pieces_workspace(self) -> int:
+    def _pieces_workspace(self, facts: ModelFacts) -> int:
         """The graph pool of the passes that hold several slots' short prompts (engine/planner.py
         piece_graph_bytes: 395 MiB on the 27B), kept out of the KV pool when the runner will capture them."""
         from engine import planner as P
@@ -248,7 +250,7 @@ class RunnerScheduler:
         if prompt_pieces_per_pass(c.max_seqs, True, "cuda", bool(self.spec.recurrent_layers),
                                   c.shared_prompt_passes) <= 1:
             return 0
-        return P.piece_graph_bytes(P.facts_from_file(self.model.file), c.max_seqs)
+        return P.piece_graph_bytes(facts, c.max_seqs)
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state

@@ -568,6 +568,6 @@ def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
         eng = Engine(EngineConfig(model=str(path), ctx_size=64, max_seqs=seqs, prefill_chunk=32, static_slots=True,
                                   shared_prompt_passes=shared))
         try:
-            assert eng._pieces_workspace() == want
+            assert eng._pieces_workspace(facts) == want
         finally:
             eng.shutdown()
