@@ -31,6 +31,7 @@ from engine.models.common import SeqChunk
 from engine.kv.pool import PoolFullError
 from engine.pacing import PrefillPacer
 from engine.planner import auto_prefill_chunk
+from engine.hostmem import physical_memory
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.scheduler_gpu import RunnerScheduler
 from engine.spec import SPEC_MODES
@@ -88,7 +89,13 @@ class EngineConfig:
                                     # weights and per-slot state (static slots on the CPU: max_seqs x ctx_size)
     state_checkpoints: int = -1     # GPU path, recurrent models (qwen35): snapshots of a slot's recurrent
                                     # states at prompt chunk ends, so other requests can share shorter
-                                    # prefixes; -1: as many as fit in 2 % of the KV cache, 0: none
+                                    # prefixes (and a regenerated or edited reply, or a follow-up whose
+                                    # history lost the last reply's reasoning, reads only the rest); -1: as
+                                    # many as fit in 2 % of the KV cache (in host memory: up to 32 in an
+                                    # eighth of the RAM, at most 4 GiB), 0: none
+    checkpoint_memory: str = "auto"  # where those snapshots live on a GPU: "device", "host" (pinned RAM; a
+                                    # save or restore is a PCIe copy) or "auto": the host when fewer than
+                                    # 8 fit in the device's 2 % (a 24 GiB card: none for the 27B)
     device_sampling: bool = True    # GPU path: requests with nothing host-only (greedy or temperature with
                                     # top-k/top-p/min-p; no penalties, logit bias, grammar, logprobs) get their
                                     # tokens chosen on the device (engine/sample_device.py); only the ids come
@@ -104,12 +111,12 @@ class EngineConfig:
                                     # host work runs while the GPU computes; same outputs (docs/ARCHITECTURE.md)
 
 
+CHECKPOINT_MEMORY = ("auto", "device", "host")   # EngineConfig.checkpoint_memory
+
+
 def _default_kv_memory() -> int:
     """A quarter of the machine's RAM (8 GiB where that cannot be read)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (AttributeError, ValueError, OSError):
-        return 8 << 30
+    return physical_memory(32 << 30) // 4
 
 
 def resolve_auto_device(config: EngineConfig) -> str:
@@ -252,6 +259,8 @@ class Engine(RunnerScheduler, SpeculationMixin):
             config = dataclasses.replace(config, device=resolve_auto_device(config))
         if config.prefill_chunk < 0:
             raise EngineError(f"prefill_chunk {config.prefill_chunk}: a positive number of tokens, or 0 (auto)")
+        if config.checkpoint_memory not in CHECKPOINT_MEMORY:
+            raise EngineError(f"checkpoint_memory {config.checkpoint_memory!r}: one of {', '.join(CHECKPOINT_MEMORY)}")
         if config.prefill_chunk == 0 and (config.device == "cpu" or config.ctx_pool_tokens):
             config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(None))
         self.config = config   # (a GPU fitting its pool picks an automatic prefill_chunk once the weights are on it)

@@ -42,6 +42,7 @@ import collections
 import contextlib
 import gc
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -61,6 +62,8 @@ from kernels.gdn import gdn_decode, gdn_gates
 from kernels.gdn.rows import ROWS_KERNEL_ON
 from kernels.kvcodec import cache_type_name, get_codec
 from kernels.quant import packed
+
+log = logging.getLogger("hivejet.engine")
 
 if TYPE_CHECKING:
     from engine.runner_prefill import PrefillGraph
@@ -411,8 +414,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._live = [0] * n_slots
         self.n_checkpoints = 0
         self._ckpt: collections.OrderedDict[tuple, int] = collections.OrderedDict()   # key -> buffer, LRU first
-        self._ckpt_conv: dict[int, torch.Tensor] = {}
-        self._ckpt_ssm: dict[int, torch.Tensor] = {}
+        self._ckpt_bufs: list[tuple[dict, dict]] = []   # buffer -> (conv states, ssm states) by layer
+        self.checkpoints_on_host = False     # buffers in pinned host memory (enable_checkpoints(host=True))
         self._ckpt_last: dict[int, tuple] = {}   # slot -> the last checkpoint it saved (its chain's end)
         self._ckpt_superseded: set[tuple] = set()   # checkpoints a later one of the same chain followed
         self.checkpoints_evicted = 0
@@ -433,9 +436,12 @@ class Runner(AttentionMixin, KeyPrepMixin):
         ts += [t for kp in self.kprep.values() for t in kp.tensors()]
         return sum(t.numel() * t.element_size() for t in ts)
 
-    def checkpoint_bytes(self) -> int:
-        """The recurrent-state checkpoint buffers (enable_checkpoints)."""
-        return sum(t.numel() * t.element_size() for t in list(self._ckpt_conv.values()) + list(self._ckpt_ssm.values()))
+    def checkpoint_bytes(self, host: bool = False) -> int:
+        """The recurrent-state checkpoint buffers (enable_checkpoints) on the device (host: those in host
+        memory instead, allocated as they are first used)."""
+        if host != self.checkpoints_on_host:
+            return 0
+        return sum(t.numel() * t.element_size() for buf in self._ckpt_bufs for d in buf for t in d.values())
 
     def device_bytes(self) -> int:
         """Everything the runner allocated besides the model's weights."""
@@ -485,8 +491,9 @@ class Runner(AttentionMixin, KeyPrepMixin):
         buffers) and hand it back to the driver; the runner is unusable after this."""
         for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_waves, self._graph_replay,
                   self._replay_bufs, self._replay_inputs, self._snapshots, self.k, self.v, self.kprep,
-                  self.conv_state, self.ssm_state, self._ckpt_conv, self._ckpt_ssm):
+                  self.conv_state, self.ssm_state, self._ckpt):
             d.clear()
+        self._ckpt_bufs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -613,18 +620,27 @@ class Runner(AttentionMixin, KeyPrepMixin):
         if hashing:
             self._save_checkpoint(slot, (digests[-1], hi, chunk))
 
-    def enable_checkpoints(self, count: int) -> None:
+    def enable_checkpoints(self, count: int, host: bool = False) -> None:
         """Keep up to `count` snapshots of recurrent states (qwen35; nothing for other models), taken after
         each prefill chunk that extends a slot's exact prefix and kept by (digest of the prefix, length,
         chunk), least recently used out first. A slot's live states are valid only at its own length, so a
-        request sharing a shorter prefix of it needs one of these. Each costs state_checkpoint_bytes."""
+        request sharing a shorter prefix of it needs one of these. Each costs state_checkpoint_bytes: of
+        device memory, allocated now; with `host` on a GPU, of pinned host memory instead, allocated as
+        each is first used (a save or a restore is then a copy over PCIe: ~6 ms for the 27B's 150 MB)."""
         count = max(0, count) if self.conv_state else 0
         self.n_checkpoints = count
         self._ckpt.clear()
         self._ckpt_last.clear()
         self._ckpt_superseded.clear()
-        self._ckpt_conv = {il: t.new_zeros((count,) + t.shape[1:]) for il, t in self.conv_state.items()}
-        self._ckpt_ssm = {il: t.new_zeros((count,) + t.shape[1:]) for il, t in self.ssm_state.items()}
+        self._ckpt_bufs = []
+        self.checkpoints_on_host = bool(host) and count > 0   # (on the CPU path: allocated as used, no more)
+        if not self.checkpoints_on_host:
+            self._ckpt_bufs = [self._new_checkpoint_buffer() for _ in range(count)]
+
+    def _new_checkpoint_buffer(self) -> tuple[dict, dict]:
+        where = dict(device="cpu", pin_memory=self.device.type == "cuda") if self.checkpoints_on_host else {}
+        return ({il: t.new_zeros(t.shape[1:], **where) for il, t in self.conv_state.items()},
+                {il: t.new_zeros(t.shape[1:], **where) for il, t in self.ssm_state.items()})
 
     def checkpoint_lengths(self) -> list[int]:
         """The lengths the checkpoints were taken at, least recently used first."""
@@ -643,6 +659,14 @@ class Runner(AttentionMixin, KeyPrepMixin):
             self._ckpt.move_to_end(key)
             self._ckpt_superseded.discard(key)
             return
+        if len(self._ckpt) < self.n_checkpoints and len(self._ckpt) == len(self._ckpt_bufs):
+            try:   # a host buffer, first used now
+                self._ckpt_bufs.append(self._new_checkpoint_buffer())
+            except RuntimeError as e:   # (pinned memory refused: keep the ones there are)
+                log.warning("state checkpoints: host memory for no more than %d (%s)", len(self._ckpt_bufs), e)
+                self.n_checkpoints = len(self._ckpt_bufs)
+                if not self._ckpt_bufs:
+                    return
         if len(self._ckpt) < self.n_checkpoints:
             i = len(self._ckpt)               # (buffers are only ever reused, never freed)
         else:
@@ -650,9 +674,10 @@ class Runner(AttentionMixin, KeyPrepMixin):
             i = self._ckpt.pop(old)
             self._ckpt_superseded.discard(old)
             self.checkpoints_evicted += 1
-        for il in self.conv_state:
-            self._ckpt_conv[il][i].copy_(self.conv_state[il][slot])
-            self._ckpt_ssm[il][i].copy_(self.ssm_state[il][slot])
+        conv, ssm = self._ckpt_bufs[i]
+        for il in self.conv_state:   # (stream-ordered: the host's buffers are only ever read by a restore)
+            conv[il].copy_(self.conv_state[il][slot], non_blocking=True)
+            ssm[il].copy_(self.ssm_state[il][slot], non_blocking=True)
         self._ckpt[key] = i
 
     def find_prefix(self, prompt: list[int], donors: dict[int, list[int]], chunk: int) -> PrefixMatch | None:
@@ -751,9 +776,10 @@ class Runner(AttentionMixin, KeyPrepMixin):
             i = self._ckpt[match.state]
             self._ckpt.move_to_end(match.state)
             self._ckpt_superseded.discard(match.state)   # wanted after all: kept like a chain's end
+            conv, ssm = self._ckpt_bufs[i]
             for il in self.conv_state:
-                self.conv_state[il][dst].copy_(self._ckpt_conv[il][i])
-                self.ssm_state[il][dst].copy_(self._ckpt_ssm[il][i])
+                self.conv_state[il][dst].copy_(conv[il], non_blocking=True)
+                self.ssm_state[il][dst].copy_(ssm[il], non_blocking=True)
         self._live[dst] = match.n
 
     # ----- the pieces the model calls back into -----

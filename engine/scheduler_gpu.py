@@ -30,6 +30,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("hivejet.engine")
 
 RUNNER_BLOCK = 16   # tokens per block of the GPU path's KV pool
+# recurrent-state checkpoints (EngineConfig.checkpoint_memory): "auto" keeps them on the device when the
+# default 2 % of the KV cache holds at least this many, else in pinned host memory, up to HOST_CHECKPOINTS
+# in an eighth of the RAM and at most HOST_CHECKPOINT_BYTES
+MIN_DEVICE_CHECKPOINTS = 8
+HOST_CHECKPOINTS = 32
+HOST_CHECKPOINT_BYTES = 4 << 30
+
+
+def host_checkpoint_count(one_ckpt: int) -> int:
+    """Default number of host-memory state checkpoints of `one_ckpt` bytes each."""
+    from engine.hostmem import physical_memory
+    return min(HOST_CHECKPOINTS, min(HOST_CHECKPOINT_BYTES, physical_memory() // 8) // one_ckpt)
 
 
 class _RunnerStep:
@@ -94,7 +106,8 @@ class RunnerScheduler:
         little for 256 tokens is an error), else (static slots on the CPU) max_seqs x the context. One
         sequence may use up to min(its context, the pool). Recurrent models also get state checkpoints
         for prefix sharing (state_checkpoints; by default as many as fit in 2 % of the KV cache, which
-        the fit leaves room for)."""
+        the fit leaves room for, or, when that is fewer than MIN_DEVICE_CHECKPOINTS on a GPU, up to
+        HOST_CHECKPOINTS in pinned host memory: checkpoint_memory)."""
         from engine import planner as P
         from engine.runner import Runner, state_checkpoint_bytes
         c = self.config
@@ -106,10 +119,13 @@ class RunnerScheduler:
             raise EngineError(f"prefill_chunk {c.prefill_chunk} must be a multiple of {RUNNER_BLOCK} on the "
                               f"{c.device} path (its KV blocks)")
         one_ckpt = state_checkpoint_bytes(self.model) if c.resident_tokens > 0 else 0   # 0: no recurrent layers
-        ckpt_share = 0.02 if one_ckpt and c.state_checkpoints < 0 else 0.0
+        host_ckpt = c.checkpoint_memory == "host"
+        ckpt_share = 0.02 if one_ckpt and c.state_checkpoints < 0 and not host_ckpt else 0.0
         try:
             if c.ctx_pool_tokens:
                 pool = c.ctx_pool_tokens
+                if self._checkpoints_to_host(dev, pool, one_ckpt, ckpt_share):
+                    host_ckpt, ckpt_share = True, 0.0
             elif dev.type == "cuda":
                 self.model.to_device(dev)
                 if self._dflash is not None:
@@ -120,7 +136,11 @@ class RunnerScheduler:
                 facts = P.facts_from_file(self.model.file)   # (the open file's header, parsed once)
                 budget = (free - max(int(0.1 * free), self._step_workspace(facts, want)) - self._vision_workspace()
                           - self._pieces_workspace(facts))
-                pool = self._fit_pool(budget, want, one_ckpt * max(0, c.state_checkpoints), ckpt_share)
+                pool = self._fit_pool(budget, want, 0 if host_ckpt else one_ckpt * max(0, c.state_checkpoints),
+                                      ckpt_share)
+                if self._checkpoints_to_host(dev, pool, one_ckpt, ckpt_share):
+                    host_ckpt, ckpt_share = True, 0.0
+                    pool = self._fit_pool(budget, want, 0, 0.0)   # (the KV pool takes the 2 % back)
                 if pool < 256:
                     raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
                                       f"the weights, for {c.max_seqs} sequences' state and a pool of 256 tokens")
@@ -133,9 +153,13 @@ class RunnerScheduler:
             if self._dflash is not None and self._dflash.device != dev:   # (ctx_pool_tokens: no fit above)
                 self._dflash.to_device(dev)
             if one_ckpt:
-                n = c.state_checkpoints if c.state_checkpoints >= 0 else \
-                    min(64, int(ckpt_share * self.runner.kv_bytes()) // one_ckpt)
-                self.runner.enable_checkpoints(n)
+                if c.state_checkpoints >= 0:
+                    n = c.state_checkpoints
+                elif host_ckpt:
+                    n = host_checkpoint_count(one_ckpt)
+                else:
+                    n = min(64, int(ckpt_share * self.runner.kv_bytes()) // one_ckpt)
+                self.runner.enable_checkpoints(n, host=host_ckpt)
         except (ValueError, torch.OutOfMemoryError) as e:
             self.model.close()
             raise EngineError(f"cannot set up the {c.device} path: {e}") from None
@@ -251,6 +275,17 @@ class RunnerScheduler:
                                   c.shared_prompt_passes) <= 1:
             return 0
         return P.piece_graph_bytes(facts, c.max_seqs)
+
+    def _checkpoints_to_host(self, dev: torch.device, pool: int, one_ckpt: int, ckpt_share: float) -> bool:
+        """checkpoint_memory "auto": the default state checkpoints go to host memory when fewer than
+        MIN_DEVICE_CHECKPOINTS fit in the 2 % of a `pool`-token KV cache on a GPU (a 24 GiB card: none
+        of the 27B's 150 MB each, so a regenerated reply would read its whole conversation again)."""
+        from engine.runner import slot_bytes_per_token
+        c = self.config
+        if dev.type != "cuda" or not ckpt_share or c.checkpoint_memory != "auto":
+            return False
+        kv = pool * slot_bytes_per_token(self.model, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
+        return int(ckpt_share * kv) // one_ckpt < MIN_DEVICE_CHECKPOINTS
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state

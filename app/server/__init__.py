@@ -58,6 +58,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GPU path: read each arriving prompt in a pass of its own (by default the short prompts "
                         "of requests that arrive together share one pass; its graphs take ~0.4 GB on a 27B, "
                         "which this leaves to the KV cache)")
+    p.add_argument("--state-checkpoints", type=int, default=-1, metavar="N",
+                   help="GPU path, models with recurrent layers (Qwen3.5/3.6): keep up to N snapshots of the "
+                        "recurrent state at prompt chunk ends, so that a regenerated or edited reply, a "
+                        "follow-up whose history dropped the last reply's reasoning, or another agent's shared "
+                        "prefix reads only the rest (default -1: automatic, see --checkpoint-memory; 0: none)")
+    p.add_argument("--checkpoint-memory", default="auto", choices=("auto", "device", "host"),
+                   help="where those snapshots live: device (GPU memory, beside the KV cache), host (pinned "
+                        "RAM; each save or restore is a copy over PCIe) or auto (default: host when fewer than "
+                        "8 fit in 2 %% of the KV cache, as on a 24 GiB card with a 27B model)")
     p.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one), cpu or cuda")
     add_spec_args(p)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
@@ -137,6 +146,8 @@ def run_serve(args) -> int:
                                       kv_memory=int(args.kv_memory * 2**30),
                                       prefill_share=args.prefill_share,
                                       shared_prompt_passes=args.shared_passes,
+                                      state_checkpoints=args.state_checkpoints,
+                                      checkpoint_memory=args.checkpoint_memory,
                                       prefill_chunk=args.prefill_chunk,
                                       cache_type_v=args.cache_type_v),
                          progress=lambda msg: print(msg, file=sys.stderr))

@@ -54,11 +54,8 @@ class DequantBudget:
         if env is not None:
             self.left = int(env)
         else:
-            try:
-                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            except (ValueError, OSError, AttributeError):   # (Windows)
-                total = 8 << 30
-            self.left = min(1 << 30, total // 8)
+            from engine.hostmem import physical_memory
+            self.left = min(1 << 30, physical_memory() // 8)
         self._lock = threading.Lock()
 
     def take(self, nbytes: int, owner) -> bool:

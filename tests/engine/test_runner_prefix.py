@@ -6,15 +6,19 @@ slot and computes only the rest; qwen35 restores its recurrent states from a che
 the numbers: tokens and logprobs (runner: logits) are bit for bit those of a cold run."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
+from engine.hostmem import physical_memory
 from engine.kv.sequence import SequenceKV
 from engine.models import open_model
 from engine.runner import Runner, state_checkpoint_bytes
 from engine.sampling import SamplingParams
-from engine.types import FinishEvent, Request
+from engine.scheduler_gpu import HOST_CHECKPOINTS, MIN_DEVICE_CHECKPOINTS, host_checkpoint_count
+from engine.types import EngineError, FinishEvent, Request
 
 PC = 16                                                  # prefill chunk (= the runner's block size)
 TINY_SEED = 21                                           # the synthetic models' weights (conftest.py: tiny)
@@ -285,3 +289,86 @@ def test_checkpoint_budget(tiny):
         assert llama.runner.n_checkpoints == 0 and llama.runner.checkpoint_bytes() == 0
     finally:
         llama.shutdown()
+
+
+@pytest.mark.parametrize("memory", ["host", "device"])
+def test_regenerated_and_reasoning_stripped_turns_resume_from_a_checkpoint(tiny, memory):
+    """A chat app's Regenerate sends the same prompt again; Qwen3.5's chat template drops the last reply's
+    reasoning from the history of a follow-up. Neither continues the parked conversation's tokens, so a
+    recurrent model can only resume at the prompt's last checkpoint (its last chunk end): 80 of A's 90
+    tokens, with a cold engine's tokens and logprobs. The checkpoints live where checkpoint_memory says
+    ("host": allocated as first used, none on the device; -1 then means the host's default count)."""
+    warm = _engine(tiny("qwen35"), state_checkpoints=-1 if memory == "host" else 8, checkpoint_memory=memory)
+    cold = _engine(tiny("qwen35"), resident_tokens=0)
+    none = _engine(tiny("qwen35"), state_checkpoints=0)
+    try:
+        r = warm.runner
+        assert r.checkpoints_on_host == (memory == "host")
+        if memory == "host":
+            one = state_checkpoint_bytes(warm.model)
+            assert r.n_checkpoints == host_checkpoint_count(one) and r.checkpoint_bytes() == 0
+            assert r.checkpoint_bytes(host=True) == 0                 # nothing saved yet, nothing allocated
+        answer = _run(warm, A)[0]
+        _run(none, A)
+        if memory == "host":                                          # one buffer per chunk end saved
+            assert r.checkpoint_bytes(host=True) == len(r.checkpoint_lengths()) * one > 0
+        again = _run(warm, A)
+        assert again[:2] == _run(cold, A)[:2] and again[2].usage.cached_tokens == 80
+        assert _run(none, A)[2].usage.cached_tokens == 0
+        stripped = A + answer[3:] + [4, 5, 6]                          # the reply without its first tokens
+        got = _run(warm, stripped)
+        assert got[:2] == _run(cold, stripped)[:2] and got[2].usage.cached_tokens == 80
+        assert _run(none, stripped)[2].usage.cached_tokens == 0
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+        none.shutdown()
+
+
+def test_checkpoints_go_to_host_memory_when_few_fit_on_the_device(tiny):
+    """checkpoint_memory "auto" on a GPU: the default checkpoints stay on the device when the 2 % of the
+    KV cache holds at least MIN_DEVICE_CHECKPOINTS of them, else they go to host memory (a 24 GiB card
+    with the 27B: none fit); "device", an explicit count, the CPU and models without recurrent layers keep
+    the old rule."""
+    from engine.runner import slot_bytes_per_token
+    eng = _engine(tiny("qwen35"))
+    try:
+        one = state_checkpoint_bytes(eng.model)
+        per_token = slot_bytes_per_token(eng.model)
+        enough = -(-MIN_DEVICE_CHECKPOINTS * one // per_token * 50)   # tokens whose 2 % holds MIN of them
+        cuda, cpu = torch.device("cuda"), torch.device("cpu")
+        assert eng._checkpoints_to_host(cuda, enough // 2, one, 0.02)
+        assert not eng._checkpoints_to_host(cuda, enough + PC, one, 0.02)
+        assert not eng._checkpoints_to_host(cpu, enough // 2, one, 0.02)
+        assert not eng._checkpoints_to_host(cuda, enough // 2, one, 0.0)     # (an explicit count)
+        eng.config = dataclasses.replace(eng.config, checkpoint_memory="device")
+        assert not eng._checkpoints_to_host(cuda, enough // 2, one, 0.02)
+    finally:
+        eng.shutdown()
+    with pytest.raises(EngineError, match="checkpoint_memory"):
+        _engine(tiny("qwen35"), checkpoint_memory="disk")
+    assert host_checkpoint_count(150 << 20) == min(HOST_CHECKPOINTS, min(4 << 30, physical_memory() // 8)
+                                                   // (150 << 20))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_checkpoints_on_the_gpu(tiny):
+    """On a GPU, host checkpoints are pinned RAM copied over PCIe: B's shared prefix and A's regenerated
+    prompt give the tokens and logprobs of a cold engine, as device checkpoints do."""
+    kw = dict(device="cuda", static_slots=False, ctx_pool_tokens=2048, state_checkpoints=8)
+    warm = _engine(tiny("qwen35"), checkpoint_memory="host", **kw)
+    dev = _engine(tiny("qwen35"), checkpoint_memory="device", **kw)
+    cold = _engine(tiny("qwen35"), resident_tokens=0, **kw)
+    try:
+        assert warm.runner.checkpoints_on_host and not dev.runner.checkpoints_on_host
+        for eng in (warm, dev):
+            _run(eng, A)
+            got_b, again = _run(eng, B), _run(eng, A)
+            assert got_b[:2] == _run(cold, B)[:2] and got_b[2].usage.cached_tokens == 64
+            assert again[:2] == _run(cold, A)[:2] and again[2].usage.cached_tokens == 80
+        bufs = warm.runner._ckpt_bufs
+        assert bufs and all(t.is_pinned() for conv, ssm in bufs for d in (conv, ssm) for t in d.values())
+    finally:
+        for eng in (warm, dev, cold):
+            eng.shutdown()
