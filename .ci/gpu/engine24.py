@@ -2,11 +2,15 @@
 HiveJet is built for. A tensor first takes the rest of the H200's memory, so the engine's own fit
 (engine/scheduler_gpu.py: the KV pool from torch.cuda.mem_get_info, less the step workspace) sees what a
 24 GiB card leaves; then three agents decode while a fourth sends a 20,000-token prompt, as `bench agents`
-scenario 4 does, and sixteen agents' short prompts arrive together (read in shared passes). Whether it all
+scenario 4 does; that 20K prompt is regenerated (sent again) and followed up with its reply's first tokens
+dropped (as Qwen3.5's chat template drops the last reply's reasoning), both resuming at the prompt's last
+state checkpoint (in host memory on such a card, by default); and sixteen agents' short prompts arrive
+together (read in shared passes). Whether it all
 runs (no out-of-memory in the graph captures or in a step), and how close the step memory came to the end
 of the card.
 
-    python3 -u .ci/gpu/engine24.py [--card-gib 24] [--prefill-chunk N] [--json FILE]
+    python3 -u .ci/gpu/engine24.py [--card-gib 24] [--prefill-chunk N] [--checkpoints N]
+                                   [--checkpoint-memory auto|device|host] [--json FILE]
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ def main():
     ap.add_argument("--card-gib", type=float, default=24.0)
     ap.add_argument("--prefill-chunk", type=int, default=0, help="0: the engine's default")
     ap.add_argument("--long", type=int, default=20000)
+    ap.add_argument("--checkpoints", type=int, default=-1, help="EngineConfig.state_checkpoints")
+    ap.add_argument("--checkpoint-memory", default="auto")
     ap.add_argument("--json")
     a = ap.parse_args()
     from engine.engine import Engine, EngineConfig
@@ -42,7 +48,7 @@ def main():
     free, _ = torch.cuda.mem_get_info()
     res = {"card_gib": a.card_gib, "context_gib": round(used_before / GiB, 2), "free_at_start_gib": round(free / GiB, 2),
            "date": time.strftime("%Y-%m-%d %H:%M")}
-    cfg = dict(model=MODEL, device="cuda")
+    cfg = dict(model=MODEL, device="cuda", state_checkpoints=a.checkpoints, checkpoint_memory=a.checkpoint_memory)
     if a.prefill_chunk:
         cfg["prefill_chunk"] = a.prefill_chunk
     t = time.perf_counter()
@@ -54,7 +60,8 @@ def main():
         return
     res.update(prefill_chunk=eng.config.prefill_chunk, start_s=round(time.perf_counter() - t, 1),
                pool_tokens=eng.runner.pool.n_blocks * eng.runner.block_size,
-               free_after_start_gib=round(torch.cuda.mem_get_info()[0] / GiB, 3))
+               free_after_start_gib=round(torch.cuda.mem_get_info()[0] / GiB, 3),
+               checkpoints=eng.runner.n_checkpoints, checkpoints_on_host=eng.runner.checkpoints_on_host)
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator().manual_seed(0)
     vocab = eng.spec.vocab_size
@@ -64,12 +71,20 @@ def main():
                   for _ in range(3)]
         time.sleep(1.0)
         t = time.perf_counter()
-        long = eng.submit(Request(prompt_ids=torch.randint(0, vocab, (a.long,), generator=g).tolist(),
-                                  sampling=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        long_ids = torch.randint(0, vocab, (a.long,), generator=g).tolist()
+        greedy8 = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        long = eng.submit(Request(prompt_ids=long_ids, sampling=greedy8))
         _, toks, fin = long.result()
         res["long_prompt_s"] = round(time.perf_counter() - t, 2)
         res["long_finish"] = fin.reason
         res["agents_finish"] = [h.result()[2].reason for h in agents]
+        # Regenerate: the same prompt again; then a follow-up whose history lost the reply's first tokens
+        for name, ids in (("regenerate", long_ids),
+                          ("stripped_follow_up", long_ids + toks[3:] + torch.randint(0, vocab, (50,), generator=g).tolist())):
+            _, again, fin2 = eng.submit(Request(prompt_ids=ids, sampling=greedy8)).result()
+            res[name] = dict(first_token_s=round(fin2.timings.prompt_ms / 1000, 3), cached=fin2.usage.cached_tokens,
+                             finish=fin2.reason, same_tokens=again == toks if name == "regenerate" else None)
+        res["host_checkpoint_gib"] = round(eng.runner.checkpoint_bytes(host=True) / GiB, 2)
         # then 16 agents' short prompts arriving together (read in shared passes: the pass graphs in use)
         t = time.perf_counter()
         burst = [eng.submit(Request(prompt_ids=torch.randint(0, vocab, (32,), generator=g).tolist(),
