@@ -42,7 +42,9 @@ Every number comes from the GGUF header (nothing is loaded):
   float32 smoothing weights [n_head_kv, head_dim] and one center [n_head_kv, head_dim] per 256
   positions of the most one sequence may reach (``Plan.seq_ctx``). Neither grows with the tokens stored.
   Recurrent models also get state checkpoints for prefix sharing (``Plan.checkpoints``): as many
-  one-slot recurrent states as fit in 2 % of the KV, at most 64 (the engine's default).
+  one-slot recurrent states as fit in 2 % of the KV, at most 64 (the engine's default), when that is at
+  least ``MIN_DEVICE_CHECKPOINTS`` (8); else the engine keeps them in host memory and the plan counts none
+  (a 24 GiB card with the 27B, whose 150 MB states would not fit once).
 * **workspace**: an allowance HiveJet defines (and the runner must stay inside):
 
   - CUDA context, cuBLAS/Triton handles: 400 MiB (`CUDA_CONTEXT_BYTES`; outside torch's allocator);
@@ -121,6 +123,7 @@ KV_BLOCK_TOKENS = 256
 CUDA_CONTEXT_BYTES = 400 * MiB
 CUDA_GRAPH_BYTES = 384 * MiB   # (256 for the decode graphs, 128 for the 64-row prompt chunk's)
 PIECE_PASS_ROWS = 256          # engine/runner.py PIECE_PASS_ROWS (tests check they agree)
+MIN_DEVICE_CHECKPOINTS = 8     # engine/scheduler_gpu.py MIN_DEVICE_CHECKPOINTS (tests check they agree)
 # the prompt pieces' pass graphs (several slots' short prompts in one pass, up to PIECE_PASS_ROWS rows) in
 # 256-row passes' activations: 984 against 594 MiB of prompt graphs on the 27B, H200, thirtieth session
 PIECE_GRAPH_PASSES = 5
@@ -516,7 +519,8 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
     step_tokens = step_tokens or planned_chunk(facts, vram)
     kv = runner_kv_bytes(facts, ctx, kv_type, kv_type_v, n_seqs)
     one = facts.recurrent_bytes
-    checkpoints = min(64, int(0.02 * kv) // one) * one if one else 0
+    n_ckpt = min(64, int(0.02 * kv) // one) if one else 0
+    checkpoints = n_ckpt * one if n_ckpt >= MIN_DEVICE_CHECKPOINTS else 0   # (fewer: in host memory)
     return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,
                 kv=kv, recurrent=n_seqs * facts.recurrent_bytes, checkpoints=checkpoints,
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type, shared_passes), vram=vram,

@@ -352,3 +352,17 @@ def test_prompt_chunk_follows_the_card(q27):
     assert big.workspace - small.workspace == 512 * row           # five rows' worth per row beyond 512
     assert P.activation_bytes(f, 0, step_tokens=512) - P.activation_bytes(f, 0, step_tokens=511) == row // 5
     assert P.plan(f, 8192, "f16").workspace == small.workspace
+
+
+def test_checkpoints_counted_only_when_the_device_keeps_them(q27):
+    """The engine keeps its default state checkpoints on the device only when 2 % of the KV cache holds
+    at least MIN_DEVICE_CHECKPOINTS of them (else in host memory): the plan counts them in that case only."""
+    from engine.scheduler_gpu import MIN_DEVICE_CHECKPOINTS
+    assert P.MIN_DEVICE_CHECKPOINTS == MIN_DEVICE_CHECKPOINTS
+    f = P.model_facts(q27)
+    one = f.recurrent_bytes
+    small = P.plan(f, P.max_context(f, "f16", P.parse_size("24GiB"), 4), "f16", 4, P.parse_size("24GiB"))
+    assert small.checkpoints == 0 and int(0.02 * small.kv) // one < MIN_DEVICE_CHECKPOINTS
+    big = P.plan(f, 262144, "f16", 4)
+    n = int(0.02 * big.kv) // one
+    assert n >= MIN_DEVICE_CHECKPOINTS and big.checkpoints == min(64, n) * one
