@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from engine.runner_prefill import PrefillGraph
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+HOST_CHECKPOINT_STRIDE = 4   # host-memory checkpoints: every 4th prompt chunk end (and each prompt's last: _grid_step)
 # Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
 # agents read the weights once, not once each). On by default since the thirty-third session (H200, 27B: each
 # piece the bits its prompt gets alone; 16 agents 1191 -> 1420 tok/s); HIVEJET_PROMPT_PIECES=0 turns it off.
@@ -602,10 +603,13 @@ class Runner(AttentionMixin, KeyPrepMixin):
         if c and pos < c * (len(digests) - 1):
             del digests[pos // c + 1:]
 
-    def _grid_step(self, slot: int, lo: int, hi: int, tokens: torch.Tensor, chunk: int, live: int) -> None:
+    def _grid_step(self, slot: int, lo: int, hi: int, tokens: torch.Tensor, chunk: int, live: int,
+                   prompt_end: int = 0) -> None:
         """After a prefill chunk [lo, hi) (live: where the states were before it): a full chunk on the grid
         that continues the exact prefix extends it, and (recurrent models, enable_checkpoints) the states
-        there are kept as a checkpoint."""
+        there are kept as a checkpoint; in host memory, only every HOST_CHECKPOINT_STRIDE-th chunk end
+        and the last two a prompt ending at `prompt_end` has (a copy over PCIe costs ~3 % of a chunk's time:
+        the ends a regenerated or followed-up prompt resumes at, and some for prefixes other prompts share)."""
         c, digests = (chunk, [b""]) if lo == 0 else self._grid[slot]
         if lo == 0:
             self._ckpt_last.pop(slot, None)   # a new chain
@@ -617,7 +621,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         hashing = self.n_checkpoints > 0 and digests[-1] is not None and tokens.device.type == "cpu"
         digests.append(_digest(digests[-1], tokens) if hashing else None)
         self._grid[slot] = (c, digests)
-        if hashing:
+        if hashing and (not self.checkpoints_on_host or hi // chunk % HOST_CHECKPOINT_STRIDE == 0
+                        or not prompt_end or hi >= (prompt_end - 1) // chunk * chunk - chunk):
             self._save_checkpoint(slot, (digests[-1], hi, chunk))
 
     def enable_checkpoints(self, count: int, host: bool = False) -> None:
@@ -931,7 +936,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False,
-                hidden: bool = False, inputs: PromptInputs | None = None) -> torch.Tensor:
+                hidden: bool = False, inputs: PromptInputs | None = None, prompt_end: int = 0) -> torch.Tensor:
         """Feed one slot's tokens at positions start.. in chunks; returns the last row's logits [1, vocab]
         (all rows' with all_logits). start == 0 starts the slot over (reset). Takes the blocks the
         positions need first (PoolFullError when the pool cannot give them, before anything is written).
@@ -940,7 +945,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         inputs: the tokens hold images (PromptInputs for all of them): they run eagerly as one chunk (an
         image attended both ways is never cut; M-RoPE positions are not start..); the prefix grid hashes
         inputs.keys instead of the token ids (image placeholders do not say what the rows hold), or without
-        keys the slot leaves the grid."""
+        keys the slot leaves the grid. prompt_end: where this slot's prompt ends (0: unknown), so that host
+        checkpoints skip the chunk ends a re-sent prompt cannot use (_grid_step)."""
         self._check_slot(slot)
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         n = len(tokens)
@@ -980,9 +986,10 @@ class Runner(AttentionMixin, KeyPrepMixin):
             finally:
                 PREFILL_ROWS.reset(flag)
             if inputs is None:
-                self._grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live)
+                self._grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live, prompt_end)
             elif inputs.keys is not None:
-                self._grid_step(slot, start + lo, start + hi, torch.as_tensor(inputs.keys[lo:hi]), chunk, live)
+                self._grid_step(slot, start + lo, start + hi, torch.as_tensor(inputs.keys[lo:hi]), chunk, live,
+                                prompt_end)
             else:
                 self._off_grid(slot, start + hi)
             if hi == n and not all_logits:

@@ -502,7 +502,8 @@ class RunnerScheduler:
             out = shared.get(i)
             if out is None:
                 out = r.prefill(s.slot, s.tokens[lo:hi], start=lo, chunk=pc,
-                                hidden=s.mtp is not None or s.dflash is not None, inputs=self._prompt_inputs(s, lo, hi))
+                                hidden=s.mtp is not None or s.dflash is not None, inputs=self._prompt_inputs(s, lo, hi),
+                                prompt_end=s.target)
             if s.mtp is not None:
                 mtp_rows.append((s, lo, r.hidden))
             if s.dflash is not None:
