@@ -524,14 +524,14 @@ class Engine(RunnerScheduler, SpeculationMixin):
 
     def _pool_stats(self) -> dict | None:
         """GPU path: the shared KV pool's blocks (used, free, shared by several slots), in tokens too (what
-        /metrics reports), the most tokens one sequence may hold, and the blocks parked conversations keep.
-        None on the CPU path."""
+        /metrics reports), the most tokens one sequence may hold, the blocks parked conversations keep and
+        the recurrent-state checkpoints (Runner.checkpoint_stats). None on the CPU path."""
         r = self.runner
         if r is None:
             return None
         out = r.pool_stats()
         out.update(capacity_tokens=out["tokens"], used_tokens=out["used"] * r.block_size, seq_max_tokens=r.max_ctx,
-                   parked_blocks=sum(r.held(p) for p in list(self._parked)))
+                   parked_blocks=sum(r.held(p) for p in list(self._parked)), state_checkpoints=r.checkpoint_stats())
         return out
 
     def shutdown(self, timeout: float = 10.0) -> None:

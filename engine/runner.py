@@ -647,6 +647,15 @@ class Runner(AttentionMixin, KeyPrepMixin):
         return ({il: t.new_zeros(t.shape[1:], **where) for il, t in self.conv_state.items()},
                 {il: t.new_zeros(t.shape[1:], **where) for il, t in self.ssm_state.items()})
 
+    def checkpoint_stats(self) -> dict | None:
+        """The recurrent-state checkpoints (None without): how many are kept of how many, where, and the
+        bytes their buffers take (host ones as allocated so far), evictions so far."""
+        if not self.n_checkpoints:
+            return None
+        host = self.checkpoints_on_host
+        return dict(kept=len(self._ckpt), max=self.n_checkpoints, memory="host" if host else "device",
+                    bytes=self.checkpoint_bytes(host=host), evicted=self.checkpoints_evicted)
+
     def checkpoint_lengths(self) -> list[int]:
         """The lengths the checkpoints were taken at, least recently used first."""
         return [key[1] for key in self._ckpt]

@@ -154,7 +154,7 @@ class MonitorPage(QWidget):
 def pool_text(st: dict) -> str:
     """The KV card: the GPU path's shared pool (tokens used of its size, blocks shared by several
     conversations, blocks parked conversations keep, long prompts' chunks held back for generating
-    conversations: engine/pacing.py), or the CPU path's resident conversations."""
+    conversations: engine/pacing.py, recurrent-state checkpoints), or the CPU path's resident conversations."""
     kp = st.get("kv_pool")
     res = st.get("resident") or {}
     parked = f"{res.get('conversations', 0)} conversations kept for follow-ups ({res.get('tokens', 0):,} tokens)"
@@ -165,8 +165,11 @@ def pool_text(st: dict) -> str:
     pacing = st.get("prefill_pacing") or {}
     held = (f"<br>long prompts: {pacing.get('chunks_held', 0):,} chunks held back for generating conversations"
             if pacing.get("share", 1) < 1 else "<br>long prompts: not paced")
+    ck = kp.get("state_checkpoints")
+    ckpt = (f"<br>recurrent-state checkpoints: {ck['kept']} of {ck['max']} in "
+            f"{'RAM' if ck['memory'] == 'host' else 'GPU memory'} ({fmt_bytes(ck['bytes'])})" if ck else "")
     return (f"{used:,} of {cap:,} tokens ({100 * used / cap:.1f}%)<br>"
-            f"{kp.get('shared', 0):,} blocks shared · {kp.get('parked_blocks', 0):,} parked · {parked}{held}")
+            f"{kp.get('shared', 0):,} blocks shared · {kp.get('parked_blocks', 0):,} parked · {parked}{held}{ckpt}")
 
 
 def draft_text(st: dict) -> str:

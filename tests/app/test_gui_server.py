@@ -212,6 +212,10 @@ def test_monitor_pool_and_draft_cards():
     assert "not paced" in pool_text(dict(gpu, prefill_pacing=dict(share=1.0, chunks_held=0)))
     assert "1,234 chunks held back" in pool_text(dict(gpu, prefill_pacing=dict(share=0.5, chunks_held=1234)))
     assert "3 conversations kept" in pool_text(dict(kv_pool=None, resident=dict(conversations=3, tokens=9)))
+    assert "checkpoints" not in pool_text(gpu)
+    ck = dict(gpu, kv_pool=dict(gpu["kv_pool"], state_checkpoints=dict(kept=5, max=27, memory="host",
+                                                                        bytes=5 * 157 << 20, evicted=0)))
+    assert "recurrent-state checkpoints: 5 of 27 in RAM (785.0 MiB)" in pool_text(ck)
     assert draft_text(dict(spec=dict(mode="off"))).startswith("off")
     assert draft_text(dict(spec=dict(mode="ngram", drafters={}))) == "ngram: no drafts yet"
     on = dict(spec=dict(mode="mtp+ngram", drafters=dict(ngram=dict(drafted=200, accepted=50, acceptance=0.25),

@@ -287,6 +287,7 @@ def test_checkpoint_budget(tiny):
     llama = _engine(tiny("llama"))
     try:
         assert llama.runner.n_checkpoints == 0 and llama.runner.checkpoint_bytes() == 0
+        assert llama.stats()["kv_pool"]["state_checkpoints"] is None
     finally:
         llama.shutdown()
 
@@ -314,6 +315,8 @@ def test_regenerated_and_reasoning_stripped_turns_resume_from_a_checkpoint(tiny,
         if memory == "host":   # every 4th chunk end and the prompt's last two, each in a buffer made then
             assert r.checkpoint_lengths() == [64, 80]
             assert r.checkpoint_bytes(host=True) == 2 * one
+            assert warm.stats()["kv_pool"]["state_checkpoints"] == dict(kept=2, max=r.n_checkpoints, memory="host",
+                                                                       bytes=2 * one, evicted=0)
         else:
             assert r.checkpoint_lengths() == [16, 32, 48, 64, 80]
         again = _run(warm, A)
