@@ -608,8 +608,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         """After a prefill chunk [lo, hi) (live: where the states were before it): a full chunk on the grid
         that continues the exact prefix extends it, and (recurrent models, enable_checkpoints) the states
         there are kept as a checkpoint; in host memory, only every HOST_CHECKPOINT_STRIDE-th chunk end
-        and the last two a prompt ending at `prompt_end` has (a copy over PCIe costs ~3 % of a chunk's time:
-        the ends a regenerated or followed-up prompt resumes at, and some for prefixes other prompts share)."""
+        and those a prompt ending at `prompt_end` is resumed at when it is sent again (the last before its
+        last token) or followed up (its last) (a copy over PCIe costs ~3 % of a chunk's time)."""
         c, digests = (chunk, [b""]) if lo == 0 else self._grid[slot]
         if lo == 0:
             self._ckpt_last.pop(slot, None)   # a new chain
@@ -622,7 +622,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         digests.append(_digest(digests[-1], tokens) if hashing else None)
         self._grid[slot] = (c, digests)
         if hashing and (not self.checkpoints_on_host or hi // chunk % HOST_CHECKPOINT_STRIDE == 0
-                        or not prompt_end or hi >= (prompt_end - 1) // chunk * chunk - chunk):
+                        or not prompt_end or hi >= (prompt_end - 1) // chunk * chunk):
             self._save_checkpoint(slot, (digests[-1], hi, chunk))
 
     def enable_checkpoints(self, count: int, host: bool = False) -> None:
@@ -667,7 +667,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         intermediate ones of longer prompts (wanted only by a prompt that leaves this one part way)."""
         prev = self._ckpt_last.get(slot)
         self._ckpt_last[slot] = key
-        if prev is not None and prev in self._ckpt and prev[1] == key[1] - key[2]:
+        if prev is not None and prev in self._ckpt and self._on_chain(slot, prev, key):
             self._ckpt_superseded.add(prev)
         if key in self._ckpt:                 # the same prefix on the same grid: the same states
             self._ckpt.move_to_end(key)
@@ -693,6 +693,13 @@ class Runner(AttentionMixin, KeyPrepMixin):
             conv[il].copy_(self.conv_state[il][slot], non_blocking=True)
             ssm[il].copy_(self.ssm_state[il][slot], non_blocking=True)
         self._ckpt[key] = i
+
+    def _on_chain(self, slot: int, prev: tuple, key: tuple) -> bool:
+        """Whether checkpoint `prev` is an earlier point of the prefix slot's checkpoint `key` ends (the
+        digest of slot's exact prefix at prev's length is prev's: host checkpoints skip chunk ends)."""
+        c, digests = self._grid[slot]
+        i = prev[1] // c if c else -1
+        return prev[2] == key[2] == c and prev[1] < key[1] and 0 <= i < len(digests) and digests[i] == prev[0]
 
     def find_prefix(self, prompt: list[int], donors: dict[int, list[int]], chunk: int) -> PrefixMatch | None:
         """The longest prefix of `prompt` another slot can give (copy_prefix) with the result a cold run in

@@ -135,6 +135,28 @@ def test_each_prompts_last_checkpoint_outlives_intermediate_ones(tiny):
         model.close()
 
 
+def test_host_checkpoints_of_a_long_prompt_do_not_evict_others(tiny):
+    """Host checkpoints are saved at every fourth chunk end and where a prompt is resumed when it is sent
+    again or followed up (prompt_end): a long prompt's earlier ones are still superseded by its later ones
+    (not adjacent any more), so with three buffers a short prompt's last checkpoint outlives them and both
+    prompts' follow-ups find theirs."""
+    model = open_model(tiny("qwen35"))
+    try:
+        r = Runner(model, device="cpu", n_slots=3, max_ctx=256)
+        r.enable_checkpoints(3, host=True)
+        short, long = A[:48], [4 + (7 * j) % 301 for j in range(200)]
+        r.prefill(0, short, chunk=PC, prompt_end=len(short))
+        assert r.checkpoint_lengths() == [32, 48]      # sent again / followed up (16: neither, nor 4k chunks)
+        r.prefill(1, long, chunk=PC, prompt_end=len(long))
+        assert r.checkpoint_lengths() == [48, 128, 192]   # 64, 128, 192; superseded first: 32, then 64
+        r.decode([0, 1], [5, 5], [48, 200])
+        for prompt, slot, n in ((short, 0, 48), (long, 1, 192)):
+            m = r.find_prefix(prompt + [9] * 10, {0: short, 1: long}, PC)
+            assert (m.src, m.n) == (slot, n) and m.state[1] == n
+    finally:
+        model.close()
+
+
 def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
 
