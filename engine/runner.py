@@ -169,6 +169,15 @@ def slot_prep_bytes(model: DecoderModel, cache_type_k: str = "f16", max_ctx: int
     return len(_attn_layers(s)) * (4 * s.n_head_kv * s.head_dim * (1 + n_seg) + 8)
 
 
+def _empty_host_cache() -> None:
+    """Free the pinned host memory torch's caching host allocator keeps (torch >= 2.9 names it
+    torch.accelerator.empty_host_cache; torch 2.11's CUDA build also has torch._C._host_emptyCache)."""
+    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
+        or getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()
+
+
 def state_checkpoint_bytes(model: DecoderModel) -> int:
     """Bytes of one slot's recurrent states (qwen35: float32 conv windows and delta-rule states; 0 for
     models without recurrent layers): what one slot and one state checkpoint (enable_checkpoints) take."""
@@ -489,7 +498,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
 
     def close(self) -> None:
         """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
-        buffers) and hand it back to the driver; the runner is unusable after this."""
+        buffers) and hand it back to the driver, and host checkpoints' pinned memory to the OS; the runner
+        is unusable after this."""
         for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_waves, self._graph_replay,
                   self._replay_bufs, self._replay_inputs, self._snapshots, self.k, self.v, self.kprep,
                   self.conv_state, self.ssm_state, self._ckpt):
@@ -497,6 +507,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._ckpt_bufs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+            if self.checkpoints_on_host:
+                _empty_host_cache()   # (torch keeps freed pinned blocks for reuse: give them back to the OS)
 
     def release(self, slot: int) -> None:
         """Give back all of slot's blocks (a dropped or evicted conversation, or a restart)."""
