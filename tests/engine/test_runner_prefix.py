@@ -398,6 +398,13 @@ def test_host_checkpoints_on_the_gpu(tiny):
             assert again[:2] == _run(cold, A)[:2] and again[2].usage.cached_tokens == 80
         bufs = warm.runner._ckpt_bufs
         assert bufs and all(t.is_pinned() for conv, ssm in bufs for d in (conv, ssm) for t in d.values())
+        held = warm.runner.checkpoint_bytes(host=True)
+        stats = getattr(torch.cuda, "host_memory_stats", None)    # (the closed runner's pinned memory: given back)
+        before = stats().get("allocated_bytes.current") if stats is not None else None
+        del bufs
+        warm.shutdown()
+        if before is not None:
+            assert stats()["allocated_bytes.current"] <= before - held
     finally:
         for eng in (warm, dev, cold):
             eng.shutdown()
