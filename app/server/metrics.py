@@ -66,6 +66,15 @@ class Metrics:
         metric("kv_tokens_used", "gauge", "KV cache tokens in use.", [({}, used)])
         metric("kv_tokens_capacity", "gauge", "KV cache tokens available.", [({}, capacity)])
         metric("kv_usage_ratio", "gauge", "KV cache use (0..1).", [({}, float(used / capacity) if capacity else 0.0)])
+        ck = pool.get("state_checkpoints")
+        if ck:   # (models with recurrent layers on the GPU path)
+            where = {"memory": ck["memory"]}
+            metric("state_checkpoints", "gauge", "Recurrent-state checkpoints kept, by where they live.",
+                   [(where, ck["kept"])])
+            metric("state_checkpoint_bytes", "gauge", "Memory the recurrent-state checkpoints' buffers take.",
+                   [(where, ck["bytes"])])
+            metric("state_checkpoints_evicted_total", "counter", "Recurrent-state checkpoints evicted.",
+                   [({}, ck["evicted"])])
         totals = s.get("totals", {})
         proposed = totals.get("drafted_tokens", 0)       # (engine.stats()'s totals)
         accepted = totals.get("accepted_tokens", 0)

@@ -41,3 +41,24 @@ def test_draft_metrics_follow_the_engine(tmp_path):
     m = parse_metrics(text)
     assert metric(m, "draft_tokens_proposed_total") == drafted
     assert metric(m, "draft_acceptance_ratio") == _value(text, "draft_acceptance_ratio")
+
+
+def test_state_checkpoint_metrics_follow_the_engine(tmp_path):
+    """A qwen35 engine on the GPU path's scheduling (static slots on the CPU) with host checkpoints: /metrics
+    reports how many it keeps, where, their bytes and evictions, as engine.stats() does."""
+    path = tmp_path / "q.gguf"
+    write_synthetic(path, "qwen35", "tiny", seed=21)
+    eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=2, prefill_chunk=16, static_slots=True,
+                              state_checkpoints=4, checkpoint_memory="host"))
+    try:
+        eng.submit(Request(prompt_ids=list(range(3, 93)), sampling=SamplingParams(max_tokens=4, temperature=0.0))).result()
+        st = eng.stats()
+    finally:
+        eng.shutdown()
+    ck = st["kv_pool"]["state_checkpoints"]
+    assert ck["kept"] == 2 and ck["memory"] == "host" and ck["bytes"] > 0     # at 64 (every 4th) and 80 (the end)
+    text = Metrics().render(st)
+    assert _value(text, "state_checkpoints", '{memory="host"}') == 2
+    assert _value(text, "state_checkpoint_bytes", '{memory="host"}') == ck["bytes"]
+    assert _value(text, "state_checkpoints_evicted_total") == 0
+    assert "hivejet_state_checkpoints" not in Metrics().render(dict(st, kv_pool=dict(st["kv_pool"], state_checkpoints=None)))
