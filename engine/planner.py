@@ -123,7 +123,12 @@ KV_BLOCK_TOKENS = 256
 CUDA_CONTEXT_BYTES = 400 * MiB
 CUDA_GRAPH_BYTES = 384 * MiB   # (256 for the decode graphs, 128 for the 64-row prompt chunk's)
 PIECE_PASS_ROWS = 256          # engine/runner.py PIECE_PASS_ROWS (tests check they agree)
-MIN_DEVICE_CHECKPOINTS = 8     # engine/scheduler_gpu.py MIN_DEVICE_CHECKPOINTS (tests check they agree)
+# recurrent-state checkpoints (EngineConfig.checkpoint_memory): "auto" keeps the default ones on the device
+# when 2 % of the KV cache holds at least MIN_DEVICE_CHECKPOINTS, else in pinned host memory, up to
+# HOST_CHECKPOINTS in an eighth of the RAM and at most HOST_CHECKPOINT_BYTES (engine/scheduler_gpu.py)
+MIN_DEVICE_CHECKPOINTS = 8
+HOST_CHECKPOINTS = 32
+HOST_CHECKPOINT_BYTES = 4 << 30
 # the prompt pieces' pass graphs (several slots' short prompts in one pass, up to PIECE_PASS_ROWS rows) in
 # 256-row passes' activations: 984 against 594 MiB of prompt graphs on the 27B, H200, thirtieth session
 PIECE_GRAPH_PASSES = 5
@@ -138,6 +143,12 @@ LOGIT_ROWS_PER_SEQ = 4
 PREFILL_CHUNK = 512
 PREFILL_CHUNK_LARGE = 1024
 LARGE_CHUNK_FREE = 16 * GiB     # bytes free after the weights for PREFILL_CHUNK_LARGE
+
+
+def host_checkpoint_count(one_ckpt: int) -> int:
+    """Default number of host-memory state checkpoints of `one_ckpt` bytes each on this machine."""
+    from engine.hostmem import physical_memory
+    return min(HOST_CHECKPOINTS, min(HOST_CHECKPOINT_BYTES, physical_memory() // 8) // one_ckpt)
 
 
 def auto_prefill_chunk(free_after_weights: int | None) -> int:
@@ -437,6 +448,8 @@ class Plan:
     seq_ctx: int = 0                # the most tokens one sequence may hold: min(training context, pool)
     checkpoints: int = 0            # recurrent-state checkpoints for prefix sharing (qwen35): the engine's
                                     # default, as many one-slot states as fit in 2 % of the KV, at most 64
+                                    # (when at least MIN_DEVICE_CHECKPOINTS do)
+    host_checkpoints: int = 0       # else the most they take in this machine's host RAM (not in `total`)
     mtp: int = 0                    # the MTP block's own KV when drafting with it (--spec mtp)
     drafter: int = 0                # a DFlash drafter's weights and context K/V (--spec dflash)
 
@@ -467,7 +480,8 @@ class Plan:
         return {"ctx": self.ctx, "kv_type_k": self.kv_type, "kv_type_v": self.kv_type_v or self.kv_type,
                 "slots": self.n_seqs, "pool_tokens": self.pool_tokens, "seq_ctx": self.seq_ctx,
                 "weights": self.weights, "kv": self.kv, "recurrent": self.recurrent,
-                "prep": self.prep, "checkpoints": self.checkpoints, "workspace": self.workspace,
+                "prep": self.prep, "checkpoints": self.checkpoints, "host_checkpoints": self.host_checkpoints,
+                "workspace": self.workspace,
                 "vision": self.vision, "mtp": self.mtp, "drafter": self.drafter, "total": self.total,
                 "allocated": self.allocated}
 
@@ -521,8 +535,10 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
     one = facts.recurrent_bytes
     n_ckpt = min(64, int(0.02 * kv) // one) if one else 0
     checkpoints = n_ckpt * one if n_ckpt >= MIN_DEVICE_CHECKPOINTS else 0   # (fewer: in host memory)
+    host_ckpt = host_checkpoint_count(one) * one if one and not checkpoints else 0
     return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,
                 kv=kv, recurrent=n_seqs * facts.recurrent_bytes, checkpoints=checkpoints,
+                host_checkpoints=host_ckpt,
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type, shared_passes), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
                 prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx,
@@ -661,6 +677,9 @@ def format_plan(p: Plan) -> str:
     out += [f"  {name:<56} {n:>15,} B  {fmt_bytes(n):>10}" for name, n in rows]
     if p.vram:
         out.append(f"  {'fits in ' + fmt_bytes(p.vram):<56} {'yes' if p.fits else 'no'}")
+    if p.host_checkpoints:
+        out.append(f"  state checkpoints in host RAM instead (too few fit in 2 % of the KV cache): up to "
+                   f"{fmt_bytes(p.host_checkpoints)}, not in the total")
     return "\n".join(out)
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.pacing import StepClock
-from engine.planner import auto_prefill_chunk
+from engine.planner import MIN_DEVICE_CHECKPOINTS, auto_prefill_chunk, host_checkpoint_count
 from engine.prefix import common_prefix
 from engine.runner import BUCKETS
 from engine.sample_device import check_chosen, choose_tokens, samples_on_device
@@ -30,18 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hivejet.engine")
 
 RUNNER_BLOCK = 16   # tokens per block of the GPU path's KV pool
-# recurrent-state checkpoints (EngineConfig.checkpoint_memory): "auto" keeps them on the device when the
-# default 2 % of the KV cache holds at least this many, else in pinned host memory, up to HOST_CHECKPOINTS
-# in an eighth of the RAM and at most HOST_CHECKPOINT_BYTES
-MIN_DEVICE_CHECKPOINTS = 8
-HOST_CHECKPOINTS = 32
-HOST_CHECKPOINT_BYTES = 4 << 30
-
-
-def host_checkpoint_count(one_ckpt: int) -> int:
-    """Default number of host-memory state checkpoints of `one_ckpt` bytes each."""
-    from engine.hostmem import physical_memory
-    return min(HOST_CHECKPOINTS, min(HOST_CHECKPOINT_BYTES, physical_memory() // 8) // one_ckpt)
 
 
 class _RunnerStep:

@@ -357,12 +357,16 @@ def test_prompt_chunk_follows_the_card(q27):
 def test_checkpoints_counted_only_when_the_device_keeps_them(q27):
     """The engine keeps its default state checkpoints on the device only when 2 % of the KV cache holds
     at least MIN_DEVICE_CHECKPOINTS of them (else in host memory): the plan counts them in that case only."""
-    from engine.scheduler_gpu import MIN_DEVICE_CHECKPOINTS
-    assert P.MIN_DEVICE_CHECKPOINTS == MIN_DEVICE_CHECKPOINTS
+    from engine.planner import MIN_DEVICE_CHECKPOINTS
     f = P.model_facts(q27)
     one = f.recurrent_bytes
     small = P.plan(f, P.max_context(f, "f16", P.parse_size("24GiB"), 4), "f16", 4, P.parse_size("24GiB"))
     assert small.checkpoints == 0 and int(0.02 * small.kv) // one < MIN_DEVICE_CHECKPOINTS
+    assert small.host_checkpoints == P.host_checkpoint_count(one) * one > 0           # in RAM, not in the total
+    assert small.total == sum(v for k, v in small.breakdown().items()
+                              if k in ("weights", "kv", "recurrent", "prep", "checkpoints", "workspace", "vision"))
     big = P.plan(f, 262144, "f16", 4)
     n = int(0.02 * big.kv) // one
-    assert n >= MIN_DEVICE_CHECKPOINTS and big.checkpoints == min(64, n) * one
+    assert n >= MIN_DEVICE_CHECKPOINTS and big.checkpoints == min(64, n) * one and big.host_checkpoints == 0
+    assert "host RAM" not in P.format_plan(big) and "host RAM" in P.format_plan(small)
+    assert small.breakdown()["host_checkpoints"] == small.host_checkpoints

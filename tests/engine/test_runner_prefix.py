@@ -17,7 +17,7 @@ from engine.kv.sequence import SequenceKV
 from engine.models import open_model
 from engine.runner import Runner, state_checkpoint_bytes
 from engine.sampling import SamplingParams
-from engine.scheduler_gpu import HOST_CHECKPOINTS, MIN_DEVICE_CHECKPOINTS, host_checkpoint_count
+from engine.planner import HOST_CHECKPOINTS, MIN_DEVICE_CHECKPOINTS, host_checkpoint_count
 from engine.types import EngineError, FinishEvent, Request
 
 PC = 16                                                  # prefill chunk (= the runner's block size)
