@@ -65,6 +65,20 @@ def pacing_share(value) -> float:
     return v if 0 < v <= 1 else 0.5
 
 
+PARALLEL_DEFAULT = 16   # EngineConfig.max_seqs' default: the chat and the API server's agents together
+
+
+def parallel_conversations(value) -> int:
+    """A stored "parallel conversations" setting as EngineConfig.max_seqs: an integer 1..64, else the
+    default (a hand-edited or broken setting never stops a load)."""
+    try:
+        v = int(value)
+        whole = not isinstance(value, bool) and float(value) == v
+    except (TypeError, ValueError):
+        return PARALLEL_DEFAULT
+    return v if whole and 1 <= v <= 64 else PARALLEL_DEFAULT
+
+
 def spec_config(choice: str, model: str) -> tuple[str, str | None]:
     """The engine's speculative decoding for a Settings choice: "off", "ngram", or "auto": a DFlash drafter
     in the model's folder (a .gguf or a directory named like one: draft / dflash / eagle) with prompt lookup,
@@ -102,12 +116,14 @@ class EngineController(QObject):
 
     # ----- loading -----
     def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None, mmproj: str | None = "auto",
-             spec: str = "off", prefill_share: float = 0.5) -> None:
+             spec: str = "off", prefill_share: float = 0.5, max_seqs: int = PARALLEL_DEFAULT) -> None:
         """Load in the background. kv_cache: the KV cache type for K and V (the planner's pick; None = f16).
         mmproj: the vision projector ("auto": the one beside the model; a projector that does not fit the model
         is dropped with a note, and the model loads without vision). spec: speculative decoding, a Settings
         choice (`spec_config`); a drafter the model cannot use is dropped with a note (prompt lookup stays).
-        prefill_share: the GPU path's pacing of long prompts beside generating sequences (engine/pacing.py)."""
+        prefill_share: the GPU path's pacing of long prompts beside generating sequences (engine/pacing.py).
+        max_seqs: conversations advanced together (the chat and the API server's agents; each slot's state
+        and the KV pool share the memory: the planner's "parallel chats")."""
         token = object()
         self._load_token = token
         self.loading = True
@@ -129,6 +145,7 @@ class EngineController(QObject):
                     return
                 mode, drafter = spec_config(spec, model)
                 cfg = EngineConfig(model=model, ctx_size=ctx_size, threads=self.threads, cache_type_k=kv,
+                                   max_seqs=max_seqs,
                                    cache_type_v=kv, mmproj=mmproj, device=device, spec=mode, spec_drafter=drafter,
                                    prefill_share=pacing_share(prefill_share))
                 for _ in range(3):      # at most: without the projector, then with prompt lookup alone

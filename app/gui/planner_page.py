@@ -13,9 +13,9 @@ from engine import planner as P
 
 
 class PlannerPage(QWidget):
-    loadRequested = Signal(str, int, str)   # path, ctx, kv type
+    loadRequested = Signal(str, int, str, int)   # path, ctx, kv type, parallel chats
 
-    def __init__(self, parent=None):
+    def __init__(self, parent=None, parallel: int = 1):
         super().__init__(parent)
         self.setObjectName("Page")
         self.facts: P.ModelFacts | None = None
@@ -43,7 +43,7 @@ class PlannerPage(QWidget):
         self.vram_edit.editingFinished.connect(self.refresh)
         row.addWidget(self.vram_edit)
         row.addWidget(QLabel("Parallel chats"))
-        self.seqs = QSpinBox(minimum=1, maximum=64, value=1)
+        self.seqs = QSpinBox(minimum=1, maximum=64, value=parallel)   # (the app's: what a load from here uses)
         self.seqs.valueChanged.connect(lambda *_: self.refresh())
         row.addWidget(self.seqs)
         lay.addLayout(row)
@@ -191,4 +191,4 @@ class PlannerPage(QWidget):
         if p is None or self.facts is None:
             return
         ctx = min(p.ctx, self.facts.context_length)
-        self.loadRequested.emit(self.model_combo.currentData(), ctx, p.kv_type)
+        self.loadRequested.emit(self.model_combo.currentData(), ctx, p.kv_type, self.seqs.value())

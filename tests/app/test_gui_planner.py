@@ -31,9 +31,12 @@ def test_planner_page_matches_engine_planner(qtbot, tmp_path):
     got = []
     page.loadRequested.connect(lambda *a: got.append(a))
     page.load_cell(kvs.index("turbo3"), P.CONTEXTS.index(131072))
-    assert got == [(str(path), 131072, "turbo3")]
+    assert got == [(str(path), 131072, "turbo3", 1)]
     page.seqs.setValue(4)                                    # parallel chats multiply KV + state
     assert page.table.item(0, 0).data(0x0100) == P.plan(f, P.CONTEXTS[0], kvs[0], 4, vram).total
+    page.load_cell(0, 0)                                     # what loads is what was planned for
+    assert got[-1] == (str(path), P.CONTEXTS[0], kvs[0], 4)
+    assert PlannerPage(parallel=16).seqs.value() == 16       # (the app's setting: main_window passes it)
     page.vram_edit.setText("lots")
     page.refresh()
     assert "Cannot read a memory size" in page.error.text()

@@ -202,6 +202,28 @@ def test_long_prompt_pacing_setting_applies_at_load(win, qtbot, smollm2_path):
         assert win.ctl.engine.config.prefill_share == 0.5
 
 
+def test_parallel_conversations_setting_applies_at_load(win, qtbot, smollm2_path):
+    """Settings' parallel conversations reach the engine at the next load (EngineConfig.max_seqs; 16 by
+    default, a broken stored value loads the default); a load from the planner uses the plan's parallel
+    chats and keeps them as the setting."""
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine.config.max_seqs == 16 and win.planner.seqs.value() == 16
+    win.settings.parallel.setValue(3)
+    assert win.store.get_setting("parallel") == 3
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine.config.max_seqs == 3
+    win.store.set_setting("parallel", "many")
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win.load_model(str(smollm2_path))
+    assert win.ctl.engine.config.max_seqs == 16
+    with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
+        win._load_from_planner(str(smollm2_path), 512, "f16", 2)
+    assert win.ctl.engine.config.max_seqs == 2 and win.ctl.engine.ctx_size == 512
+    assert win.store.get_setting("parallel") == 2 and win.settings.parallel.value() == 2
+
+
 def test_monitor_pool_and_draft_cards():
     """The Monitor's KV and draft cards from engine.stats()'s figures: the GPU path's shared pool, the CPU
     path's kept conversations, speculative decoding off / on without drafts / each drafter's acceptance."""
