@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 
+@functools.cache   # (asked for by every plan the planner's table makes)
 def physical_memory(default: int = 8 << 30) -> int:
     """The machine's RAM in bytes (`default` where it cannot be read)."""
     try:

@@ -126,6 +126,8 @@ PIECE_PASS_ROWS = 256          # engine/runner.py PIECE_PASS_ROWS (tests check t
 # recurrent-state checkpoints (EngineConfig.checkpoint_memory): "auto" keeps the default ones on the device
 # when 2 % of the KV cache holds at least MIN_DEVICE_CHECKPOINTS, else in pinned host memory, up to
 # HOST_CHECKPOINTS in an eighth of the RAM and at most HOST_CHECKPOINT_BYTES (engine/scheduler_gpu.py)
+DEVICE_CHECKPOINT_SHARE = 0.02   # of the KV cache, for the default device checkpoints
+MAX_DEVICE_CHECKPOINTS = 64
 MIN_DEVICE_CHECKPOINTS = 8
 HOST_CHECKPOINTS = 32
 HOST_CHECKPOINT_BYTES = 4 << 30
@@ -143,6 +145,11 @@ LOGIT_ROWS_PER_SEQ = 4
 PREFILL_CHUNK = 512
 PREFILL_CHUNK_LARGE = 1024
 LARGE_CHUNK_FREE = 16 * GiB     # bytes free after the weights for PREFILL_CHUNK_LARGE
+
+
+def device_checkpoint_count(kv_bytes: int, one_ckpt: int) -> int:
+    """Default number of device state checkpoints of `one_ckpt` bytes beside a KV cache of `kv_bytes`."""
+    return min(MAX_DEVICE_CHECKPOINTS, int(DEVICE_CHECKPOINT_SHARE * kv_bytes) // one_ckpt) if one_ckpt else 0
 
 
 def host_checkpoint_count(one_ckpt: int) -> int:
@@ -533,7 +540,7 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
     step_tokens = step_tokens or planned_chunk(facts, vram)
     kv = runner_kv_bytes(facts, ctx, kv_type, kv_type_v, n_seqs)
     one = facts.recurrent_bytes
-    n_ckpt = min(64, int(0.02 * kv) // one) if one else 0
+    n_ckpt = device_checkpoint_count(kv, one)
     checkpoints = n_ckpt * one if n_ckpt >= MIN_DEVICE_CHECKPOINTS else 0   # (fewer: in host memory)
     host_ckpt = host_checkpoint_count(one) * one if one and not checkpoints else 0
     return Plan(ctx=ctx, kv_type=kv_type, n_seqs=n_seqs, weights=facts.device_weight_bytes or facts.weight_bytes,

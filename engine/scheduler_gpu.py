@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.pacing import StepClock
-from engine.planner import MIN_DEVICE_CHECKPOINTS, auto_prefill_chunk, host_checkpoint_count
+from engine.planner import (DEVICE_CHECKPOINT_SHARE, MIN_DEVICE_CHECKPOINTS, auto_prefill_chunk,
+                            device_checkpoint_count, facts_from_file, host_checkpoint_count)
 from engine.prefix import common_prefix
 from engine.runner import BUCKETS
 from engine.sample_device import check_chosen, choose_tokens, samples_on_device
@@ -96,7 +97,6 @@ class RunnerScheduler:
         for prefix sharing (state_checkpoints; by default as many as fit in 2 % of the KV cache, which
         the fit leaves room for, or, when that is fewer than MIN_DEVICE_CHECKPOINTS on a GPU, up to
         HOST_CHECKPOINTS in pinned host memory: checkpoint_memory)."""
-        from engine import planner as P
         from engine.runner import Runner, state_checkpoint_bytes
         c = self.config
         dev = torch.device(c.device)
@@ -108,7 +108,7 @@ class RunnerScheduler:
                               f"{c.device} path (its KV blocks)")
         one_ckpt = state_checkpoint_bytes(self.model) if c.resident_tokens > 0 else 0   # 0: no recurrent layers
         host_ckpt = c.checkpoint_memory == "host"
-        ckpt_share = 0.02 if one_ckpt and c.state_checkpoints < 0 and not host_ckpt else 0.0
+        ckpt_share = DEVICE_CHECKPOINT_SHARE if one_ckpt and c.state_checkpoints < 0 and not host_ckpt else 0.0
         try:
             if c.ctx_pool_tokens:
                 pool = c.ctx_pool_tokens
@@ -121,7 +121,7 @@ class RunnerScheduler:
                 free, _ = torch.cuda.mem_get_info(dev)
                 if c.prefill_chunk == 0:   # (automatic: the CPU and a given pool size were settled by Engine)
                     c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(free))
-                facts = P.facts_from_file(self.model.file)   # (the open file's header, parsed once)
+                facts = facts_from_file(self.model.file)   # (the open file's header, parsed once)
                 budget = (free - max(int(0.1 * free), self._step_workspace(facts, want)) - self._vision_workspace()
                           - self._pieces_workspace(facts))
                 pool = self._fit_pool(budget, want, 0 if host_ckpt else one_ckpt * max(0, c.state_checkpoints),
@@ -146,7 +146,7 @@ class RunnerScheduler:
                 elif host_ckpt:
                     n = host_checkpoint_count(one_ckpt)
                 else:
-                    n = min(64, int(ckpt_share * self.runner.kv_bytes()) // one_ckpt)
+                    n = device_checkpoint_count(self.runner.kv_bytes(), one_ckpt)
                 self.runner.enable_checkpoints(n, host=host_ckpt)
         except (ValueError, torch.OutOfMemoryError) as e:
             self.model.close()
@@ -273,7 +273,7 @@ class RunnerScheduler:
         if dev.type != "cuda" or not ckpt_share or c.checkpoint_memory != "auto":
             return False
         kv = pool * slot_bytes_per_token(self.model, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
-        return int(ckpt_share * kv) // one_ckpt < MIN_DEVICE_CHECKPOINTS
+        return device_checkpoint_count(kv, one_ckpt) < MIN_DEVICE_CHECKPOINTS
 
     def _fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
