@@ -1,5 +1,8 @@
 #!/bin/bash
-# The thirty-fifth session's calls. Carry .whl, and .bench-bin for run 2 / .bench-srv for run 3.
+# The thirty-fifth session's calls. Carry .whl, and .bench-bin for run 2 / .bench-srv for run 3. What ran
+# (2026-12-05, an H100 80GB, docs/PERFORMANCE.md thirty-fifth section): run 1 with INLINE=1, then run 1, both at
+# 5b0955c (the prefetch code is gone since: slower both ways), then runs 2 and 3, then llama-server's scenarios
+# 2-5 (`agents llama.cpp 480 2 3 4 5`).
 #   run 1: the output projections' weights asked into L2 right after the input projection
 #          (HIVEJET_PREFETCH_AHEAD, kernels/quant/prefetch.py): its GPU tests (the kernel changes nothing, the
 #          decode logits are the same bits with it), then `bench decode` at 1 / 4 / 16 rows off / aside / off /

@@ -41,10 +41,6 @@ FUSED_HEADS = os.environ.get("HIVEJET_FUSED_HEADS", "1") != "0"
 # whether a GPU step's embedding rows come from one Triton launch (kernels/quant/packed.py: packed_rows) rather
 # than some twenty torch kernels; HIVEJET_ROWS_KERNEL=0: the torch ops (to measure one against the other)
 ROWS_KERNEL = os.environ.get("HIVEJET_ROWS_KERNEL", "1") != "0"
-# whether a GPU step asks L2 for the output projections' weights right after the input projection, while the
-# small kernels between them run (kernels/quant/prefetch.py): 0 not, 1 by a kernel in the step's stream, 2 by one
-# on a side stream (joined after the output projection: join_prefetches)
-PREFETCH_AHEAD = int(os.environ.get("HIVEJET_PREFETCH_AHEAD", "0"))
 _POOL_LOCK = threading.Lock()
 
 
@@ -180,15 +176,6 @@ class Weight:
             return y if add is None else add + y
         from kernels.quant.packed import matmul_tuned
         return matmul_tuned(x, self.gpu, PREFILL_ROWS.get(), add=add)
-
-    def prefetch(self) -> None:
-        """Ask L2 for this packed matrix's bytes when PREFETCH_AHEAD is on and the step runs decode rows or a
-        small prompt chunk on a GPU that can: see kernels/quant/prefetch.py."""
-        from kernels.quant.packed import PackedWeight, small_prompt_rows
-        rows = PREFILL_ROWS.get()
-        if PREFETCH_AHEAD and isinstance(self.gpu, PackedWeight) and (not rows or small_prompt_rows(rows)):
-            from kernels.quant.prefetch import prefetch_weight
-            prefetch_weight(self.gpu.tensors, aside=PREFETCH_AHEAD == 2)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantize only the given rows (embedding lookup)."""

@@ -31,7 +31,6 @@ from kernels.gdn import gdn_gates
 from kernels.gdn.chunk import chunk_scan
 from kernels.gdn.rows import delta_rule_pieces, delta_rule_rows, pieces_kernel_applies, rows_kernel_applies
 from kernels.quant import dequantize_rows
-from kernels.quant.prefetch import join_prefetches
 
 GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
 
@@ -305,16 +304,13 @@ class Qwen35Model(DecoderModel):
         s = self.spec
         n, hd = h.shape[0], s.head_dim
         qg, k, v = L["attn_in"].matmul(h)
-        L["wo"].prefetch()          # into L2 while the attention's small kernels run
         qg = qg.view(n, s.n_head, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         k = k.view(n, s.n_head_kv, hd)
         v = v.view(n, s.n_head_kv, hd)
         prep = HeadPrep(L["q_norm"].dense, L["k_norm"].dense, s.rms_eps, self.rope, *batch.rope["main"])
         a = self.attend_heads(il, q, k, v, batch, prep, self.attn_scale, gate=gate, out_dtype=L["wo"].input_dtype)
-        out = L["wo"].matmul(a.reshape(n, s.n_head * hd), add=residual)
-        join_prefetches()
-        return out
+        return L["wo"].matmul(a.reshape(n, s.n_head * hd), add=residual)
 
     def _gated_delta_net(self, il: int, L: dict, h: torch.Tensor, batch: Batch,
                          residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -324,7 +320,6 @@ class Qwen35Model(DecoderModel):
         Hv, D = self.n_v_heads, self.d_state
         # qkv [n, conv_dim], z [n, Hv * D], beta and alpha's products [n, Hv]
         qkv, z, beta_x, alpha_x = L["ssm_in"].matmul(h)
-        L["ssm_out"].prefetch()     # into L2 while the convolution, delta rule and norm run
         if batch.slots is not None:  # a GPU step over static slots (engine/runner.py): it makes the gates
             o = batch.delta_net(il, self, L, qkv, alpha_x, beta_x)
         else:
@@ -345,9 +340,7 @@ class Qwen35Model(DecoderModel):
                 outs.append(o)
             o = torch.cat(outs, dim=0)
         o = head_rms_norm_silu(o, L["ssm_norm"].dense, s.rms_eps, z.view(n, Hv, D), L["ssm_out"].input_dtype)
-        out = L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
-        join_prefetches()
-        return out
+        return L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
 
     def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: tuple[torch.Tensor, torch.Tensor] | None,

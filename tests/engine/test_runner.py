@@ -743,42 +743,6 @@ def test_gpu_fp16_matmul_inputs_change_no_bit(tiny, arch, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_gpu_prefetch_ahead_changes_no_bit(tmp_path, monkeypatch, ahead):
-    """Asking L2 for the output projections' weights ahead of them (HIVEJET_PREFETCH_AHEAD 1: in the step's
-    stream, 2: on a side stream; kernels/quant/prefetch.py) launches kernels in the decode graph and changes
-    no logit bit (a tiny qwen35 with packed Q4_0 weights)."""
-    from engine.models import common
-    from engine.synth import write_synthetic
-    from kernels.quant import prefetch as P
-    write_synthetic(tmp_path / "q.gguf", "qwen35", "tiny", seed=TINY_SEED, weight_type="Q4_0")
-    model = open_model(tmp_path / "q.gguf")
-    try:
-        V = model.spec.vocab_size
-        launched = []
-        real = P.prefetch_weight
-        monkeypatch.setattr(P, "prefetch_weight", lambda ts, aside=False: launched.append(aside) or real(ts, aside))
-        outs = []
-        for on in (ahead, 0):
-            monkeypatch.setattr(common, "PREFETCH_AHEAD", on)
-            r = Runner(model, device="cuda", n_slots=2, max_ctx=96, block_size=16)
-            first = r.prefill(0, prompt(20, 0, V)).clone()
-            steps = [r.decode([0], [t], [20 + i]).clone() for i, t in enumerate((5, 9, 2))]
-            outs.append((first, steps))
-            r.close()
-            if on:
-                assert launched and set(launched) == {on == 2}, "no prefetch was launched"
-                launched.clear()
-        assert not launched
-        assert torch.equal(outs[0][0], outs[1][0])
-        for a, b in zip(outs[0][1], outs[1][1]):
-            assert torch.equal(a, b)
-    finally:
-        model.close()
-
-
-@pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("arch,kt,vt", GPU_TYPE_CASES, ids=[f"{a}-{k}-{v}" for a, k, v in GPU_TYPE_CASES])
 def test_gpu_runner_matches_cpu_runner_every_cache_type(tiny, short_segments, arch, kt, vt):
     """The CUDA runner (Triton encoders incl. the Viterbi kernel, segment_bias, paged attention with the
