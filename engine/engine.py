@@ -41,8 +41,8 @@ from engine.spec.ngram import SharedNgramPool
 from kernels.quant.ref import ROW_BLOCK
 from engine.sampling import Sampler, SamplingParams, StopChecker
 from engine.tokenizer import StreamDecoder, Tokenizer
-from engine.types import (ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError, QueueFullError,
-                          Request, Timings, TokenEvent, Usage)
+from engine.types import (DEFAULT_MAX_SEQS, ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError,
+                          QueueFullError, Request, Timings, TokenEvent, Usage)
 
 log = logging.getLogger("hivejet.engine")
 
@@ -52,7 +52,7 @@ class EngineConfig:
     model: str                      # a GGUF path or a catalog name ("demo", "gemma3-270m")
     device: str = "cpu"             # cpu, cuda[:N], or auto: cuda when torch sees a GPU (every KV cache
                                     # type, images too), else cpu
-    max_seqs: int = 16              # sequences advanced together in one step
+    max_seqs: int = DEFAULT_MAX_SEQS  # sequences advanced together in one step
     ctx_size: int = 0               # context per sequence at most; 0 = the model's training context (GPU
                                     # path: also at most the KV pool, which all sequences share)
     step_tokens: int = 512          # rows per step: decode rows first, prompt chunks fill the rest (a step

@@ -184,9 +184,8 @@ class RunnerScheduler:
         weights are on the GPU already, counted in the free memory): kept out of the KV pool."""
         if self.vision is None or self.vision.device.type != "cuda":
             return 0
-        from engine.vision import mmproj_info
-        return int(mmproj_info(self.vision.path)["workspace_bytes"]) + self.EMBED_CACHE_BYTES   # (and the
-        # embeddings kept for re-sent images, on the GPU with the encoder)
+        return int(self.vision.facts["workspace_bytes"]) + self.EMBED_CACHE_BYTES   # (and the embeddings kept
+        # for re-sent images, on the GPU with the encoder)
 
     def _prompt_inputs(self, s: _Sequence, lo: int, hi: int):
         """The runner's PromptInputs for s's rows [lo, hi) when its prompt holds images, else None."""

@@ -6,6 +6,10 @@ from typing import Any, Protocol
 
 from engine.sampling import SamplingParams, TokenLogprob
 
+# conversations advanced together by default (EngineConfig.max_seqs; `serve --agents`; the app's "Parallel
+# conversations"): issue #6's 16 concurrent sequences
+DEFAULT_MAX_SEQS = 16
+
 
 class TokenConstraint(Protocol):
     """Constrained decoding (JSON schema, grammar): the engine calls `mask` on each step's logits

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from PySide6.QtCore import QObject, Signal
 
 from engine.sampling import SamplingParams
-from engine.types import FinishEvent, Request, Timings, TokenEvent, Usage
+from engine.types import DEFAULT_MAX_SEQS, FinishEvent, Request, Timings, TokenEvent, Usage
 
 
 def choose_device(kv_cache: str) -> str:
@@ -65,7 +65,7 @@ def pacing_share(value) -> float:
     return v if 0 < v <= 1 else 0.5
 
 
-PARALLEL_DEFAULT = 16   # EngineConfig.max_seqs' default: the chat and the API server's agents together
+PARALLEL_DEFAULT = DEFAULT_MAX_SEQS   # EngineConfig.max_seqs' default: the chat and the API server's agents together
 
 
 def parallel_conversations(value) -> int:

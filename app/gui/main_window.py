@@ -147,6 +147,8 @@ class MainWindow(QMainWindow):
         self.models.libraryChanged.connect(self.refresh_models)
         self.models.folderChanged.connect(lambda d: self.settings.folder.setText(d))
         self.planner.loadRequested.connect(self._load_from_planner)
+        # the planner plans for the parallel conversations the next load takes (a change in Settings shows there)
+        self.settings.parallel.valueChanged.connect(self.planner.seqs.setValue)
         self.settings.themeChanged.connect(lambda mode: apply_theme(QApplication.instance(), mode))
         self.settings.folderChosen.connect(self.models.set_folder)
         self.settings.remoteChosen.connect(self._use_remote)

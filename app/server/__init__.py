@@ -11,6 +11,7 @@ import threading
 
 from app.cli_options import add_spec_args
 from app.server.security import ServerSettings, SettingsError
+from engine.types import DEFAULT_MAX_SEQS
 
 __all__ = ["add_serve_args", "run_serve", "create_app", "start_server", "ServerSettings", "SettingsError"]
 
@@ -33,7 +34,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=18080, help="port (default 18080)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted API key (repeatable; also HIVEJET_API_KEY, comma-separated)")
-    p.add_argument("--agents", type=int, default=16, metavar="N", help="conversations run at once (default 16)")
+    p.add_argument("--agents", type=int, default=DEFAULT_MAX_SEQS, metavar="N",
+                   help=f"conversations run at once (default {DEFAULT_MAX_SEQS})")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="waiting requests beyond the running ones; more get 429 (default 64)")
     p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=0, metavar="N",

@@ -20,6 +20,7 @@ HF's Qwen3_5VisionPatchMerger (`nn.GELU()`); llama.cpp uses its tanh approximati
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -202,6 +203,13 @@ class VisionEncoder:
 
     def encode(self, prep: PreparedImage) -> torch.Tensor:
         raise NotImplementedError
+
+    @functools.cached_property
+    def facts(self) -> dict:
+        """engine/vision/mmproj.py mmproj_info's facts of this projector, from its header (kept in memory:
+        the file is not read again, even after close)."""
+        from engine.vision.mmproj import mmproj_facts
+        return mmproj_facts(self.file)
 
     def close(self) -> None:
         self._tensors = []

@@ -204,13 +204,13 @@ def test_long_prompt_pacing_setting_applies_at_load(win, qtbot, smollm2_path):
 
 def test_parallel_conversations_setting_applies_at_load(win, qtbot, smollm2_path):
     """Settings' parallel conversations reach the engine at the next load (EngineConfig.max_seqs; 16 by
-    default, a broken stored value loads the default); a load from the planner uses the plan's parallel
-    chats and keeps them as the setting."""
+    default, a broken stored value loads the default) and the planner plans for them at once; a load from the
+    planner uses the plan's parallel chats and keeps them as the setting."""
     with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
         win.load_model(str(smollm2_path))
     assert win.ctl.engine.config.max_seqs == 16 and win.planner.seqs.value() == 16
     win.settings.parallel.setValue(3)
-    assert win.store.get_setting("parallel") == 3
+    assert win.store.get_setting("parallel") == 3 and win.planner.seqs.value() == 3   # the planner follows
     with qtbot.waitSignal(win.ctl.loaded, timeout=60000):
         win.load_model(str(smollm2_path))
     assert win.ctl.engine.config.max_seqs == 3

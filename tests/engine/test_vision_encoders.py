@@ -78,6 +78,9 @@ def test_f16_mmproj_close_to_f32(files):
     assert max_diff(a, b) / a.abs().max().item() < 1e-2
     info = mmproj_info(p16)
     assert info["projector"] == "qwen3vl_merger" and info["n_bytes"] < mmproj_info(files["mm_qwen"])["n_bytes"]
+    e16.close()
+    assert e16.facts == info and e16.facts["workspace_bytes"] > 0   # (from the header in memory, after close)
+    e32.close()
 
 
 def _engine(files, arch, **kw):
