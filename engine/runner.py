@@ -970,17 +970,23 @@ class Runner(AttentionMixin, KeyPrepMixin):
         positions need first (PoolFullError when the pool cannot give them, before anything is written).
         hidden: every row's output-normed hidden state [n, n_embd] goes to `self.hidden` (the MTP block's
         input, engine/spec/mtp.py), its states at the model's capture_layers to `self.features` (DFlash).
-        inputs: the tokens hold images (PromptInputs for all of them): they run eagerly as one chunk (an
-        image attended both ways is never cut; M-RoPE positions are not start..); the prefix grid hashes
-        inputs.keys instead of the token ids (image placeholders do not say what the rows hold), or without
-        keys the slot leaves the grid. prompt_end: where this slot's prompt ends (0: unknown), so that host
+        inputs: the tokens belong to a prompt with images (PromptInputs for all of them): rows holding an image
+        run eagerly as one chunk (an image attended both ways is never cut; M-RoPE positions are not start..);
+        rows of text alone (no image rows, positions start.. plus one rope delta: _text_rope_delta) run as
+        text prompts do, through the padded pass's graphs, with the slot's rope delta; either way the prefix
+        grid hashes inputs.keys instead of the token ids (image placeholders do not say what the rows hold),
+        or without keys the slot leaves the grid. prompt_end: where this slot's prompt ends (0: unknown), so that host
         checkpoints skip the chunk ends a re-sent prompt cannot use (_grid_step)."""
         self._check_slot(slot)
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         n = len(tokens)
+        text_delta = None    # a text-only chunk of a prompt with images: its rope delta (the padded pass takes it)
         if inputs is not None:
             self._check_inputs(inputs, n)
-            chunk = max(chunk, n)
+            if self.padded_prefill and n <= chunk:
+                text_delta = self._text_rope_delta(inputs, start, n)
+            if text_delta is None:
+                chunk = max(chunk, n)
         if start + n > self.max_ctx:
             raise ValueError(f"{start + n} tokens do not fit the runner's context of {self.max_ctx}")
         self._check_free(self.blocks_needed(slot, start, start + n) - (self.held_alone(slot) if start == 0 else 0))
@@ -992,11 +998,13 @@ class Runner(AttentionMixin, KeyPrepMixin):
             live = self._begin_piece(slot, start + lo, start + hi)
             self.sync_tables()
             rows = chunk_rows(hi - lo, chunk)
-            if inputs is None and self.rope_delta is not None:
-                self.rope_delta[slot] = 0       # (text after a parked conversation with images: plain positions)
+            if self.rope_delta is not None and (inputs is None or text_delta is not None):
+                # text after a parked conversation with images: plain positions; text in a prompt with images:
+                # its positions' delta (the padded pass adds each slot's: PaddedBatch)
+                self.rope_delta[slot] = text_delta or 0
             flag = PREFILL_ROWS.set(rows)      # prompt rows: the prefill matmul, padded to `rows` rows
             try:
-                if self.padded_prefill and inputs is None:
+                if self.padded_prefill and (inputs is None or text_delta is not None):
                     x = self._prefill_graph(rows).run([(slot, tokens[lo:hi], start + lo)])[0]
                 else:
                     pos = torch.arange(start + lo, start + hi, device=self.device)
@@ -1028,6 +1036,22 @@ class Runner(AttentionMixin, KeyPrepMixin):
             self.hidden = normed[0] if len(normed) == 1 else torch.cat(normed)
             self.features = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
         return torch.cat(outs)
+
+    def _text_rope_delta(self, inputs: PromptInputs, start: int, n: int) -> int | None:
+        """For n rows at start of a prompt with images that hold no image (no image rows, none attended both
+        ways, RoPE positions start.. plus one delta on every axis): that delta, which the padded pass can add
+        (0 where there are no M-RoPE positions). None for rows that must run eagerly."""
+        if inputs.embeds is not None or inputs.bidirectional:
+            return None
+        p = inputs.positions
+        if p is None:
+            return 0
+        plain = torch.arange(start, start + n)
+        p = p.reshape(n, -1).to(torch.long).cpu()
+        delta = int(p[0, 0]) - start
+        if (delta and self.rope_delta is None) or not torch.equal(p, (plain + delta)[:, None].expand_as(p)):
+            return None
+        return delta
 
     def _check_inputs(self, inputs: PromptInputs, n: int) -> None:
         p, e = inputs.positions, inputs.embeds

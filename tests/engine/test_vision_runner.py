@@ -58,6 +58,50 @@ def test_image_request_on_slots_matches_one_pass(files, model):
 
 
 @pytest.mark.parametrize("model", ["qwen35", "gemma3"])
+def test_text_rows_of_an_image_prompt_take_the_padded_pass(files, model, monkeypatch):
+    """With the padded prompt pass (on the GPU: its CUDA graphs; here eagerly, padded_prefill=True), the chunks
+    of an image prompt that hold text alone take it (Qwen: with the slot's rope delta, M-RoPE positions past
+    an image), the others run eagerly; the tokens and log-probabilities stay one pass by hand's."""
+    init, deltas = Runner.__init__, []
+    text_delta = Runner._text_rope_delta
+
+    def padded(self, *a, **kw):
+        kw.setdefault("padded_prefill", True)
+        init(self, *a, **kw)
+    monkeypatch.setattr(Runner, "__init__", padded)
+    monkeypatch.setattr(Runner, "_text_rope_delta", lambda self, *a: deltas.append(text_delta(self, *a)) or deltas[-1])
+    req = dict(messages=chat("Say something about these, and then some more about both of them.", 2),
+               images=[png(64, 48, 1), png(30, 50, 2)], sampling=SamplingParams(**GREEDY, logprobs=0))
+    with engine(files, model, **SLOTS) as eng:
+        assert eng.runner.padded_prefill
+        got, lps = _stream(eng.submit(Request(**req)))
+        ref, ref_lps = _manual_greedy(eng, Request(**req), 6)
+    assert got == ref and np.allclose(lps, ref_lps, atol=1e-3), (lps, ref_lps)
+    assert None in deltas                                          # image chunks: eager
+    taken = [d for d in deltas if d is not None]
+    assert taken and (any(taken) if model == "qwen35" else set(taken) == {0})   # text chunks: the padded pass
+
+
+def test_text_rope_delta_only_for_rows_without_images(files):
+    """Runner._text_rope_delta: plain positions plus one delta on every axis, no image rows, none attended
+    both ways; and a delta only where the runner keeps one per slot."""
+    with engine(files, "qwen35", **SLOTS) as eng:
+        r = eng.runner
+        plain = torch.arange(10, 14)
+        assert r._text_rope_delta(PromptInputs(None, None, None, 0), 10, 4) == 0
+        assert r._text_rope_delta(PromptInputs((plain - 3)[:, None].expand(-1, 3), None, None, -3), 10, 4) == -3
+        assert r._text_rope_delta(PromptInputs(plain - 3, None, None, -3), 10, 4) == -3
+        bent = (plain - 3)[:, None].repeat(1, 3)
+        bent[2, 1] += 1                                            # an image row's (t, h, w)
+        assert r._text_rope_delta(PromptInputs(bent, None, None, -3), 10, 4) is None
+        emb = (torch.tensor([0]), torch.zeros(1, eng.model.spec.n_embd))
+        assert r._text_rope_delta(PromptInputs(None, emb, None, 0), 10, 4) is None
+        assert r._text_rope_delta(PromptInputs(None, None, [(10, 12)], 0), 10, 4) is None
+        r.rope_delta = None
+        assert r._text_rope_delta(PromptInputs(plain - 3, None, None, -3), 10, 4) is None
+
+
+@pytest.mark.parametrize("model", ["qwen35", "gemma3"])
 def test_images_beside_text(files, model):
     """An image request and a text request in the same steps give what each gives alone, and so does the
     image request again after both were parked (Qwen: a recurrent model reuses a parked conversation only
