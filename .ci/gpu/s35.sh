@@ -11,6 +11,8 @@
 #   run 2: `bench decode` with llama-bench in the same call (depths 0 and 23000, rows 1..64), PREFETCH set by
 #          the caller (the default otherwise)
 #   run 3: bench agents, all five scenarios, with the defaults; then llama-server's scenario 1
+#   run 4: text chunks of image prompts through the padded pass's graphs: the vision GPU tests, the prompt
+#          chunks' and pieces' GPU tests, the runner's graph and greedy tests
 source .ci/gpu/env.sh
 OUT=$(realpath "$OUT")
 m27_start
@@ -39,6 +41,11 @@ if [ "$1" = 2 ]; then
     env ${PREFETCH:+HIVEJET_PREFETCH_AHEAD=$PREFETCH} timeout 300 python3 -u -m app.cli bench decode \
         -m /tmp/m27.gguf --llamacpp /tmp --json "$OUT/decode27b_llamacpp.json" 2>&1 \
         | grep -v Warn | tail -24
+fi
+if [ "$1" = 4 ]; then
+    TESTS_SECONDS=400 tests_into gpu_tests_vision.txt tests/engine/test_vision_runner.py \
+        tests/engine/test_runner_prefill.py tests/engine/test_runner_pieces.py tests/engine/test_runner.py \
+        -k "not smollm2 and not gemma3_real and not equals_cpu[gemma3]"
 fi
 if [ "$1" = 3 ]; then
     agents hivejet 330

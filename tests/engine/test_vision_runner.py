@@ -233,6 +233,26 @@ def test_image_request_on_the_gpu(files, model):
         assert [h.result()[1] for h in hs] == ref
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["qwen35", "gemma3"])
+def test_image_prompt_text_chunks_in_graphs_on_the_gpu(files, model, monkeypatch):
+    """device="cuda": the chunks of an image prompt that hold text alone run through the captured padded pass
+    (Qwen: with the slot's rope delta past the images); the greedy tokens stay the CPU path's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    req = dict(messages=chat("Say something about these, and then some more about both of them.", 2),
+               images=[png(64, 48, 1), png(30, 50, 2)], sampling=SamplingParams(**GREEDY))
+    with engine(files, model) as eng:
+        ref = eng.submit(Request(**req)).result()[1]
+    deltas, text_delta = [], Runner._text_rope_delta
+    monkeypatch.setattr(Runner, "_text_rope_delta", lambda self, *a: deltas.append(text_delta(self, *a)) or deltas[-1])
+    with engine(files, model, device="cuda", max_seqs=2, prefill_chunk=16, ctx_size=256) as eng:
+        assert eng.runner.padded_prefill
+        assert eng.submit(Request(**req)).result()[1] == ref
+    taken = [d for d in deltas if d is not None]
+    assert None in deltas and taken and (any(taken) if model == "qwen35" else set(taken) == {0})
+
+
 def test_image_chunk_longer_than_a_step_runs_beside_decoding(files, tmp_path, monkeypatch):
     """GPU path's scheduling: a Gemma image of 64 tokens (read whole) is longer than a step's room (prefill
     chunks of 16, steps of 16 rows): it runs as the step's first chunk beside another request's decode rows
