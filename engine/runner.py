@@ -883,10 +883,14 @@ class Runner(AttentionMixin, KeyPrepMixin):
         capture: the graph's buffer, kept with it)."""
         b = SlotBatch(self, positions, slots, decode=True)
         b.waves, b.centers = waves, centers
-        if self.rope_delta is not None:
-            b.rope_positions = positions + self.rope_delta.index_select(0, slots)
+        b.rope_positions = self.rope_positions(positions, slots)
         self._step_hidden = h = self._normed(self._hidden(tokens, b))
         return self.model.lm_head(h)
+
+    def rope_positions(self, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """Rows' RoPE positions where they are not their positions: each plus its slot's rope delta (M-RoPE
+        after images: decode rows, and the padded prompt pass's text rows); None without rope offsets."""
+        return None if self.rope_delta is None else positions + self.rope_delta.index_select(0, slots)
 
     def _draft_waves(self, slots: list[int], positions: list[int]) -> list[list[int]] | None:
         """Recurrent models, a step with several rows of one slot (a token and its drafts, at consecutive

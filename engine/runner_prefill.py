@@ -148,9 +148,7 @@ class PaddedBatch(SlotBatch):
         inp = graph.inp
         super().__init__(graph.runner, inp.positions, inp.slots, decode=False)
         self.graph, self.valid, self.keep, self.pieces = graph, inp.valid, inp.keep, inp.pieces
-        delta = graph.runner.rope_delta
-        if delta is not None:   # (M-RoPE: text rows after images are rotated at positions + the slot's delta)
-            self.rope_positions = inp.positions + delta.index_select(0, inp.slots)
+        self.rope_positions = graph.runner.rope_positions(inp.positions, inp.slots)
 
     def attend(self, il, q, k, v, scale, window):
         return self.graph.split(il, q, k, v, scale, window)

@@ -65,18 +65,16 @@ def pacing_share(value) -> float:
     return v if 0 < v <= 1 else 0.5
 
 
-PARALLEL_DEFAULT = DEFAULT_MAX_SEQS   # EngineConfig.max_seqs' default: the chat and the API server's agents together
-
-
-def parallel_conversations(value) -> int:
-    """A stored "parallel conversations" setting as EngineConfig.max_seqs: an integer 1..64, else the
-    default (a hand-edited or broken setting never stops a load)."""
+def parallel_conversations(store) -> int:
+    """The store's "parallel conversations" setting as EngineConfig.max_seqs (the chat and the API server's
+    agents together): an integer 1..64, else the default (a hand-edited or broken setting never stops a load)."""
+    value = store.get_setting("parallel", DEFAULT_MAX_SEQS)
     try:
         v = int(value)
         whole = not isinstance(value, bool) and float(value) == v
     except (TypeError, ValueError):
-        return PARALLEL_DEFAULT
-    return v if whole and 1 <= v <= 64 else PARALLEL_DEFAULT
+        return DEFAULT_MAX_SEQS
+    return v if whole and 1 <= v <= 64 else DEFAULT_MAX_SEQS
 
 
 def spec_config(choice: str, model: str) -> tuple[str, str | None]:
@@ -116,7 +114,7 @@ class EngineController(QObject):
 
     # ----- loading -----
     def load(self, model: str, ctx_size: int = 0, kv_cache: str | None = None, mmproj: str | None = "auto",
-             spec: str = "off", prefill_share: float = 0.5, max_seqs: int = PARALLEL_DEFAULT) -> None:
+             spec: str = "off", prefill_share: float = 0.5, max_seqs: int = DEFAULT_MAX_SEQS) -> None:
         """Load in the background. kv_cache: the KV cache type for K and V (the planner's pick; None = f16).
         mmproj: the vision projector ("auto": the one beside the model; a projector that does not fit the model
         is dropped with a note, and the model loads without vision). spec: speculative decoding, a Settings

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QFrame, QHBox
 
 from app import gpu as gpu_mod
 from app.gui.chat import ChatPage
-from app.gui.controller import PARALLEL_DEFAULT, EngineController, pacing_share, parallel_conversations
+from app.gui.controller import EngineController, pacing_share, parallel_conversations
 from app.gui.models_page import ModelsPage
 from app.gui.monitor_page import MonitorPage
 from app.gui.planner_page import PlannerPage
@@ -129,8 +129,7 @@ class MainWindow(QMainWindow):
         self.stack = QStackedWidget()
         self.chat = ChatPage(self.store, self.ctl)
         self.models = ModelsPage(self.store, vram_getter=self._vram)
-        self.planner = PlannerPage(parallel=parallel_conversations(self.store.get_setting("parallel",
-                                                                                           PARALLEL_DEFAULT)))
+        self.planner = PlannerPage(parallel=parallel_conversations(self.store))
         self.monitor = MonitorPage(self.ctl, self.store)
         self.server = ServerPage(self.store, self.ctl)
         self.settings = SettingsPage(self.store)
@@ -231,7 +230,7 @@ class MainWindow(QMainWindow):
         self.ctl.load(model, ctx_size, kv_cache=kv_cache, mmproj="auto",
                       spec=str(self.store.get_setting("spec", "off")),
                       prefill_share=pacing_share(self.store.get_setting("prefill_share", 0.5)),
-                      max_seqs=parallel_conversations(self.store.get_setting("parallel", PARALLEL_DEFAULT)))
+                      max_seqs=parallel_conversations(self.store))
 
     def _load_from_planner(self, path: str, ctx: int, kv: str, n_seqs: int):
         # the plan's parallel chats are what loads (its memory was planned for them), now and later

@@ -62,9 +62,8 @@ class SettingsPage(QWidget):
         self.spec.setToolTip("Draft tokens checked by the model in the same step: greedy output stays the same "
                              "and sampled output keeps its distribution, on the CPU and on the GPU.")
         form.addRow("Speculative decoding (next load)", self.spec)
-        from app.gui.controller import PARALLEL_DEFAULT, parallel_conversations
-        self.parallel = QSpinBox(minimum=1, maximum=64,
-                                 value=parallel_conversations(store.get_setting("parallel", PARALLEL_DEFAULT)))
+        from app.gui.controller import parallel_conversations
+        self.parallel = QSpinBox(minimum=1, maximum=64, value=parallel_conversations(store))
         self.parallel.valueChanged.connect(lambda v: store.set_setting("parallel", v))
         self.parallel.setToolTip("Conversations advanced together: the chat and agents through the local server. "
                                  "Each holds its own state on the GPU (157 MB for a 27B Qwen3.5), so fewer leave "
