@@ -26,10 +26,10 @@ import json
 import time
 from pathlib import Path
 
-EDIT_FILE = Path(__file__).resolve().parent / "prefix.py"
+EDIT_FILE = Path(__file__).resolve().parents[1] / "prefix.py"
 
 
-WARMUP_FILE = Path(__file__).resolve().parent / "pacing.py"   # (another file: the n-gram pool learns nothing)
+WARMUP_FILE = Path(__file__).resolve().parents[1] / "pacing.py"   # (another file: the n-gram pool learns nothing)
 
 
 def _prompt(path: Path = EDIT_FILE, old: str = "common_prefix", new: str = "shared_prefix") -> list[dict]:
@@ -164,7 +164,7 @@ def dflash_costs(model: str, device: str = "cuda", drafter: str | None = None, p
     from engine.runner import Runner
     from engine.sampling import Sampler, SamplingParams
     from engine.spec.dflash import DFlashConfig, DFlashDrafter, DraftRequest, load_drafter, propose
-    from engine.spec.dflash_synth import synthetic_drafter
+    from engine.tools.synth_dflash import synthetic_drafter
     m = open_model(model)
     try:
         if drafter:

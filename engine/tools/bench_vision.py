@@ -1,4 +1,4 @@
-"""Time the vision tower on one image: `python -m engine.vision.bench [--mmproj FILE] [--size 1024x768]
+"""Time the vision tower on one image: `python -m engine.tools.bench_vision [--mmproj FILE] [--size 1024x768]
 [--device cuda]`. Without --mmproj it writes a synthetic projector of a real model's shape first
 (default: Qwen3.5-27B's, 1152 wide x 27 blocks, F16). Reports preprocessing and encoder time
 (median of --repeat runs after one warm-up), the patch and token counts."""
@@ -46,7 +46,7 @@ def bench(mmproj: str, width: int, height: int, device: str = "cpu", repeat: int
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.vision.bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m engine.tools.bench_vision", description=__doc__)
     ap.add_argument("--mmproj", help="projector file (default: a synthetic one, see --preset)")
     ap.add_argument("--preset", default="qwen35-27b", help="synthetic projector shape: qwen35-27b or gemma3-4b")
     ap.add_argument("--size", default="1024x768", help="image size WxH")
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         path = a.mmproj
         if path is None:
-            from engine.vision.synth_mmproj import write_mmproj
+            from engine.tools.synth_mmproj import write_mmproj
             proj = "gemma3" if a.preset.startswith("gemma3") else "qwen3vl_merger"
             path = str(Path(d) / "mmproj.gguf")
             write_mmproj(path, proj, a.preset, weight_type="F16")

@@ -457,7 +457,7 @@ def _metadata(cfg: SynthConfig, seed: int) -> dict[str, Any]:
         Keys.General.ARCHITECTURE: a,
         Keys.General.TYPE: "model",
         Keys.General.NAME: f"HiveJet synthetic {a} {cfg.preset}" + (" mtp" if cfg.mtp else ""),
-        Keys.General.DESCRIPTION: "random weights written by hivejet synth (engine/synth.py); not a trained model",
+        Keys.General.DESCRIPTION: "random weights written by hivejet synth (engine/tools/synth.py); not a trained model",
         Keys.General.FILE_TYPE: int(_FILE_TYPE[cfg.weight_type]),
         Keys.General.QUANTIZATION_VERSION: gguf.GGML_QUANT_VERSION,
         "hivejet.synth.preset": cfg.preset,
@@ -915,7 +915,7 @@ def run_synth(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.synth", description="write a synthetic GGUF model")
+    p = argparse.ArgumentParser(prog="python -m engine.tools.synth", description="write a synthetic GGUF model")
     add_synth_args(p)
     return run_synth(p.parse_args(argv))
 

@@ -1,7 +1,7 @@
 """Synthetic DFlash drafters for tests, written both ways a drafter is published: a z-lab-style
 directory (config.json + model.safetensors) and the GGUF port (engine/spec/dflash.py reads both).
 
-`synthetic_drafter(target, derived=True)` builds a drafter for a synthetic target (engine/synth.py)
+`synthetic_drafter(target, derived=True)` builds a drafter for a synthetic target (engine/tools/synth.py)
 that actually predicts something, so tests see drafts both accepted and rejected. The synthetic
 targets' untied embeddings are large next to what their random layers add, so their next token is
 largely a function of the current one: logits ~ output . norm(embedding(x_p)). The derived drafter

@@ -2,14 +2,14 @@
 
 - `write_mmproj(path, projector, preset)`: an mmproj GGUF in llama.cpp's layout (clip.* keys and
   v.* / mm.* tensor names as convert_hf_to_gguf.py writes them for Qwen3.5/Qwen3-VL and Gemma 3).
-  Presets: ``tiny`` (milliseconds; pairs with engine.synth's tiny models, n_embd 128) and the real
+  Presets: ``tiny`` (milliseconds; pairs with engine.tools.synth's tiny models, n_embd 128) and the real
   shapes ``qwen35-27b`` (Qwen3.5-27B's vision tower, 1152 wide, 27 blocks, patch 16, output 5120) and
   ``gemma3-4b`` (SigLIP-so400m at 896 px, output 2560) for timing the encoder.
-- `write_vlm(path, arch)`: a tiny qwen35 or gemma3 language model (engine.synth's tiny layout)
+- `write_vlm(path, arch)`: a tiny qwen35 or gemma3 language model (engine.tools.synth's tiny layout)
   whose vocabulary also holds the image tokens its prompts need, with an image-aware chat template
-  (or engine.synth's plain ChatML one, `template="chatml"`, which knows nothing of images).
+  (or engine.tools.synth's plain ChatML one, `template="chatml"`, which knows nothing of images).
 
-Usage: python -m engine.vision.synth_mmproj OUT.gguf --projector qwen3vl_merger [--preset qwen35-27b]
+Usage: python -m engine.tools.synth_mmproj OUT.gguf --projector qwen3vl_merger [--preset qwen35-27b]
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def write_mmproj(path, projector: str, preset: str = "tiny", *, seed: int = 0, w
     try:
         w.add_type(gguf.GGUFType.MMPROJ)
         w.add_name(f"HiveJet synthetic {projector} {preset}")
-        w.add_description("random weights written by engine/vision/synth_mmproj.py; not a trained model")
+        w.add_description("random weights written by engine/tools/synth_mmproj.py; not a trained model")
         w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if wt == "F32" else gguf.LlamaFileType.MOSTLY_F16))
         w.add_clip_has_vision_encoder(True)
         w.add_clip_projector_type(projector)
@@ -219,10 +219,10 @@ def vision_chat_template(arch: str) -> str:
 
 
 def write_vlm(path, arch: str, *, seed: int = 0, weight_type: str = "F32", template: str = "vision") -> dict:
-    """engine.synth's tiny `arch` model (qwen35 or gemma3) with the image tokens appended to its
+    """engine.tools.synth's tiny `arch` model (qwen35 or gemma3) with the image tokens appended to its
     vocabulary (CONTROL tokens, so templates and prompts can name them) and, by default, an
     image-aware chat template."""
-    from engine import synth
+    from engine.tools import synth
     if arch not in VISION_TOKENS:
         raise ValueError(f"no vision tokens defined for {arch!r} (choose from {', '.join(VISION_TOKENS)})")
     cfg = synth.config_for(arch, "tiny", weight_type=weight_type)
@@ -270,7 +270,7 @@ def write_vlm(path, arch: str, *, seed: int = 0, weight_type: str = "F32", templ
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.vision.synth_mmproj", description="write a synthetic mmproj GGUF")
+    ap = argparse.ArgumentParser(prog="python -m engine.tools.synth_mmproj", description="write a synthetic mmproj GGUF")
     ap.add_argument("output")
     ap.add_argument("--projector", required=True, choices=PROJECTORS)
     ap.add_argument("--preset", default="tiny")

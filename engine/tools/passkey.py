@@ -1,7 +1,7 @@
 """Long-context retrieval with a compressed KV cache: a passkey hidden in filler text (the prompt
 of llama.cpp's examples/passkey), greedy answer, for each cache type.
 
-    python -m engine.kv.passkey -m gemma3-270m --tokens 8192 16384 --depths 0.1 0.3 0.5 0.7 0.9
+    python -m engine.tools.passkey -m gemma3-270m --tokens 8192 16384 --depths 0.1 0.3 0.5 0.7 0.9
 
 For one context length, the prompt up to the first depth is read once per cache type and forked
 (the pool shares its blocks) for every depth, so only each trial's remainder is computed again.

@@ -2,8 +2,8 @@
 scenario runs and reports numbers (speed is measured on the GPU machine, not asserted here)."""
 from __future__ import annotations
 
-from engine.bench_agents import bench_agents, print_agents
-from engine.synth import write_synthetic
+from engine.tools.bench_agents import bench_agents, print_agents
+from engine.tools.synth import write_synthetic
 
 
 def test_bench_agents_runs_every_scenario(tmp_path, capsys):

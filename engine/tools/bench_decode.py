@@ -92,6 +92,15 @@ def _profile_step(runner, B: int, pos: int) -> list[dict]:
     return rows[:25]
 
 
+def copy_bandwidth(torch, nbytes: int) -> float:
+    """Bytes per second a device-to-device copy of `nbytes` moves (read + write): the card's streaming rate."""
+    from triton.testing import do_bench
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200)
+    return 2 * nbytes / (ms * 1e-3)  # read + write
+
+
 def run_llama_bench(llamacpp: str, model: str, depths, n_prompt: int, n_gen: int) -> list[dict]:
     exe = os.path.join(llamacpp, "llama-bench")
     cmd = [exe, "-m", model, "-ngl", "99", "-fa", "1", "-p", str(n_prompt), "-n", str(n_gen),
@@ -127,8 +136,7 @@ def bench_decode(model_path: str, depths=(0, 23000), rows=ROWS, n_prompt: int = 
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(res, f, indent=1)
-    from engine.bench import _copy_bandwidth
-    res["copy_tbps"] = _copy_bandwidth(torch, 1 << 30) / 1e12        # read + write, like a weight stream
+    res["copy_tbps"] = copy_bandwidth(torch, 1 << 30) / 1e12        # read + write, like a weight stream
     t0 = time.perf_counter()
     model = open_model(model_path)
     V = model.spec.vocab_size

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from engine.bench_spec import measure, modelled
-from engine.synth import write_synthetic
+from engine.tools.bench_spec import measure, modelled
+from engine.tools.synth import write_synthetic
 
 
 ROWS = [dict(rows=1, ms=20.0, tok_s=50.0, vs_1row=1.0), dict(rows=4, ms=21.0, tok_s=190.0, vs_1row=1.05),
@@ -23,7 +23,7 @@ def test_modelled_speedup_uses_the_row_table():
 def test_plot_rows(tmp_path):
     from PIL import Image
 
-    from engine.bench_decode import plot_rows
+    from engine.tools.bench_decode import plot_rows
     out = tmp_path / "rows.png"
     plot_rows(dict(rows=ROWS, model="m.gguf", device="test"), str(out))
     assert Image.open(out).size == (760, 440)
@@ -44,8 +44,8 @@ def test_verify_costs_run_on_the_runner(tmp_path):
     """`hivejet bench spec --verify-rows` on the CPU with tiny models (llama: rows of one slot; qwen35: the
     delta-rule waves and cut_back): every configuration is timed, the k = 0 step is the base, and every
     step starts from the same state (the drafts are cut back: the pool is as after the prompts)."""
-    from engine.bench_spec import verify_costs
-    from engine.synth import write_synthetic
+    from engine.tools.bench_spec import verify_costs
+    from engine.tools.synth import write_synthetic
     for arch in ("llama", "qwen35"):
         path = tmp_path / f"{arch}.gguf"
         write_synthetic(path, arch, "tiny", seed=2)

@@ -1,7 +1,7 @@
 """Make the turbo codecs' tables: resources/codebooks/turbo_codebooks.npz (+ .json with how).
 
-    python -m kernels.kvcodec.train_codebooks                      # what the stored file was made with
-    python -m kernels.kvcodec.train_codebooks --synthetic          # TCQ trained on Gaussian samples instead
+    python -m engine.tools.train_codebooks                      # what the stored file was made with
+    python -m engine.tools.train_codebooks --synthetic          # TCQ trained on Gaussian samples instead
 
 1. Rotation signs: two vectors of 128 random signs from numpy's default_rng(seed).
 2. Lloyd-Max centroids (2, 3, 4 bits) for one coordinate of a uniformly random unit vector in R^128,
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     signs2 = rng.choice(np.array([-1, 1], np.int8), GROUP)
     rot = Rotation(torch.from_numpy(signs1), torch.from_numpy(signs2))
     out: dict[str, np.ndarray] = {"signs1": signs1, "signs2": signs2}
-    meta: dict = {"command": "python -m kernels.kvcodec.train_codebooks " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta: dict = {"command": "python -m engine.tools.train_codebooks " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "seed": args.seed, "python": sys.version.split()[0], "torch": torch.__version__, "mse": {}}
     for bits in (2, 3, 4):
         c, mse = lloyd_max(1 << bits)

@@ -1,7 +1,7 @@
 """The KV cache quality table of docs/KV_CACHE.md: `hivejet perplexity` with each cache type against
 our own f16-cache run (its full log-probs saved in llama.cpp's binary --kl-divergence-base format).
 
-    python -m engine.kv.quality --out /tmp/kvq [--models demo gemma3-270m] [--texts gpl3 heapq_py]
+    python -m engine.tools.kv_quality --out /tmp/kvq [--models demo gemma3-270m] [--texts gpl3 heapq_py]
 
 Runs, per model and text: the f16 base (`--save-kl-divergence-base`), then every cache type with
 `-ctk T -ctv T` (plus mixes) against it; ctx 256, 6 chunks, -b 256 like ../shared/reference.
@@ -11,9 +11,8 @@ printed as markdown.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,17 +24,22 @@ TYPES = [("q8_0", "q8_0"), ("turbo4", "turbo4"), ("turbo3", "turbo3"), ("turbo3_
 SHORT = {"demo": "SmolLM2-135M", "gemma3-270m": "Gemma-3-270M"}
 
 
+KEY_SETTINGS: dict[str, object] = {}   # SequenceKV class settings for the child runs (--plain-keys, --smooth-clamp)
+
+
 def _run(args: list[str], out: Path) -> str:
-    from app.cli import main
+    """`hivejet ARGS` in a child process, as a user runs it (the tools do not import the app), with
+    KEY_SETTINGS applied to SequenceKV there first."""
     if out.exists():
         return out.read_text()
-    buf, err = io.StringIO(), io.StringIO()
     t0 = time.time()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-        rc = main(args)
-    if rc != 0:
-        raise RuntimeError(f"hivejet {' '.join(args)} failed: {err.getvalue()[-2000:]}")
-    text = buf.getvalue() + f"\n# {time.time() - t0:.0f} s: hivejet {' '.join(args)}\n"
+    child = ("import sys\nfrom engine.kv import SequenceKV\n"
+             + "".join(f"SequenceKV.{k} = {v!r}\n" for k, v in KEY_SETTINGS.items())
+             + "from app.cli import main\nsys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"hivejet {' '.join(args)} failed: {r.stderr[-2000:]}")
+    text = r.stdout + f"\n# {time.time() - t0:.0f} s: hivejet {' '.join(args)}\n"
     out.write_text(text)
     return text
 
@@ -65,12 +69,10 @@ def main(argv=None) -> int:
     types = [tuple(t.split(":")) if ":" in t else (t, t) for t in args.types] if args.types else TYPES
     suffix = ""
     if args.plain_keys:
-        from engine.kv import SequenceKV
-        SequenceKV.PRECONDITION_KEYS = False
+        KEY_SETTINGS["PRECONDITION_KEYS"] = False
         suffix = ".plain"
     if args.smooth_clamp is not None:
-        from engine.kv import SequenceKV
-        SequenceKV.SMOOTH_CLAMP = args.smooth_clamp
+        KEY_SETTINGS["SMOOTH_CLAMP"] = args.smooth_clamp
         suffix += f".c{args.smooth_clamp:g}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

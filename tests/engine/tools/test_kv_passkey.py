@@ -1,11 +1,11 @@
-"""Passkey retrieval (engine/kv/passkey.py): the forked trials equal fresh runs of the same prompt,
+"""Passkey retrieval (engine/tools/passkey.py): the forked trials equal fresh runs of the same prompt,
 and, slow, a 2K-token version of docs/KV_CACHE.md's long-context test with every cache type."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kv.passkey import build_prompt, run_passkey, summary
+from engine.tools.passkey import build_prompt, run_passkey, summary
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ import pytest
 
 from app.cli import main
 from engine.gguf.reader import GGUFFile
-from engine.perplexity import make_chunks
+from engine.tools.perplexity import make_chunks
 from engine.tokenizer import Tokenizer
 
 LLAMA_CPP_PPL = {("smollm2", "gpl3"): 19.4707, ("smollm2", "heapq_py"): 25.8065,
@@ -54,7 +54,7 @@ def test_perplexity_llamacpp_binary_base(tmp_path, smollm2_path, reference_dir):
     """llama.cpp's binary --kl-divergence-base format is read too: write one from the npz's top-64
     (the rest of the vocabulary at the -16 floor llama.cpp ignores) and compare one chunk."""
     from engine.models import open_model
-    from engine.perplexity import load_base, perplexity
+    from engine.tools.perplexity import load_base, perplexity
     d = np.load(reference_dir / "smollm2.gpl3.top64.npz")
     n_ctx, n_vocab, n_chunk = 256, 49152, 1
     first = n_ctx // 2

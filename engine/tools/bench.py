@@ -9,9 +9,9 @@ Scenarios:
           table: one decode step with 1, 2, 4, .., 64 rows (sequences). With --llamacpp DIR, llama-bench
           from DIR runs on the same GGUF in the same run and both are printed side by side.
   agents  coding agents against `hivejet serve` and llama-server (same client, same run):
-          engine/bench_agents.py.
+          engine/tools/bench_agents.py.
   spec    speculative decoding on a code-edit workload (any device), and the speedup modelled from a
-          decode result's row table (engine/bench_spec.py).
+          decode result's row table (engine/tools/bench_spec.py).
   plot    a PNG of a decode result's row-scaling table (`hivejet bench plot RESULT.json OUT.png`), or of
           agents results, the servers of all given files in one chart
           (`hivejet bench plot A.json B.json OUT.png`).
@@ -23,7 +23,7 @@ import json
 import shlex
 import sys
 
-# (name, N, K): the Q4_K matrices of a Qwen3.5-27B Q4_K_M (engine/synth.py's 27b-q4_k_m preset)
+# (name, N, K): the Q4_K matrices of a Qwen3.5-27B Q4_K_M (engine/tools/synth.py's 27b-q4_k_m preset)
 SHAPES_27B = [
     ("ffn_gate/up", 17408, 5120),
     ("ffn_down", 5120, 17408),
@@ -35,14 +35,6 @@ SHAPES_27B = [
 ROWS = [1, 2, 4, 8, 16, 32, 64]
 
 
-def _copy_bandwidth(torch, nbytes: int) -> float:
-    from triton.testing import do_bench
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200)
-    return 2 * nbytes / (ms * 1e-3)  # read + write
-
-
 def bench_matmul(rows=ROWS, shapes=SHAPES_27B) -> dict:
     import torch
     from gguf import GGMLQuantizationType as QT
@@ -52,7 +44,8 @@ def bench_matmul(rows=ROWS, shapes=SHAPES_27B) -> dict:
     if not torch.cuda.is_available():
         raise RuntimeError("the matmul benchmark needs a CUDA GPU")
     dev = torch.cuda.get_device_name()
-    copy_bw = _copy_bandwidth(torch, 1 << 30)
+    from engine.tools.bench_decode import copy_bandwidth
+    copy_bw = copy_bandwidth(torch, 1 << 30)
     results = []
     for name, n, k in shapes:
         raw = torch.randint(0, 256, (n * k // 256 * 144,), dtype=torch.uint8, device="cuda")
@@ -121,7 +114,7 @@ def run_bench(args) -> int:
             with open(path) as f:
                 loaded.append(json.load(f))
         if all("results" in r for r in loaded):   # agents: the servers of every file in one chart
-            from engine.bench_agents import plot_agents
+            from engine.tools.bench_agents import plot_agents
             merged = {name: res for r in loaded for name, res in r["results"].items()}
             try:
                 plot_agents(merged, args.paths[-1], f"hivejet bench agents, {loaded[0].get('model', '')}")
@@ -132,27 +125,27 @@ def run_bench(args) -> int:
         if len(loaded) != 1 or "rows" not in loaded[0]:
             print("bench plot: give one decode result, or agents results", file=sys.stderr)
             return 2
-        from engine.bench_decode import plot_rows
+        from engine.tools.bench_decode import plot_rows
         plot_rows(loaded[0], args.paths[-1])
         return 0
     if args.scenario == "agents":
         if not args.model:
             print("hivejet bench agents needs -m MODEL.gguf", file=sys.stderr)
             return 2
-        from engine.bench_agents import bench_agents, print_agents
+        from engine.tools.bench_agents import bench_agents, print_agents
         res = bench_agents(args.model, llamacpp=args.llamacpp, device=args.device, servers=args.servers,
                            json_path=args.json, agents=tuple(args.agents), gen=args.n_gen, context=args.context,
                            long_prompt=args.long_prompt, duration=args.duration,
                            scenarios=tuple(args.scenarios), serve_args=tuple(shlex.split(args.serve_args)))
         print_agents(res)
     elif args.scenario == "spec":
-        from engine.bench_spec import run
+        from engine.tools.bench_spec import run
         res = run(args)
     elif args.scenario == "decode":
         if not args.model:
             print("hivejet bench decode needs -m MODEL.gguf", file=sys.stderr)
             return 2
-        from engine.bench_decode import bench_decode, print_decode
+        from engine.tools.bench_decode import bench_decode, print_decode
         res = bench_decode(args.model, depths=args.depths, rows=args.rows, n_prompt=args.n_prompt,
                            n_gen=args.n_gen, llamacpp=args.llamacpp, profile=args.profile, json_path=args.json)
         print_decode(res)

@@ -1,4 +1,4 @@
-"""engine/synth.py: synthetic GGUF models (layout, values, determinism, CLI, optional llama.cpp check)."""
+"""engine/tools/synth.py: synthetic GGUF models (layout, values, determinism, CLI, optional llama.cpp check)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from engine import synth
+from engine.tools import synth
 from engine.gguf.reader import GGUFFile
 
 TINY_CASES = [("llama", False), ("gemma3", False), ("qwen2", False), ("qwen3", False),
@@ -338,7 +338,7 @@ def test_tokenizer_roundtrip(tiny_files):
 
 def test_engine_runs_tiny_models(tiny_files):
     from engine.models import ARCHITECTURES, open_model
-    from engine.perplexity import perplexity
+    from engine.tools.perplexity import perplexity
     from engine.tokenizer import Tokenizer
     text = "The quick brown fox jumps over the lazy dog. " * 20
     for arch in sorted(set(ARCHITECTURES) & set(synth.ARCHS)):
