@@ -50,11 +50,11 @@ Every number comes from the GGUF header (nothing is loaded):
   - CUDA context, cuBLAS/Triton handles: 400 MiB (`CUDA_CONTEXT_BYTES`; outside torch's allocator);
   - CUDA graphs' memory pool for the decode shapes and a small prompt chunk's graph: 384 MiB
     (`CUDA_GRAPH_BYTES`; reserved, mostly not allocated between steps; the 64-row chunk's graph reserved
-    124 MiB more on the 27B, H200, twentieth session); the prompt chunk's graphs
+    124 MiB more on the 27B, H200); the prompt chunk's graphs
     (engine/runner_prefill.py) share that pool and keep the chunk's activations below in it;
   - with several slots, the prompt pieces' pass graphs (several agents' short prompts in one pass of up to
     256 rows, engine/runner.py: prefill_pieces): five 256-row passes' activations
-    (``piece_graph_bytes``; 395 MiB on the 27B, where they reserved 390 on the H200, thirtieth session;
+    (``piece_graph_bytes``; 395 MiB on the 27B, where they reserve 390 on the H200;
     counted whenever a plan has several slots, as the engine's default has them; `serve --no-shared-passes`
     leaves that memory to the KV cache, and `plan --no-shared-passes` plans for it);
   - activations of one prefill chunk: ``step_tokens * (4 * n_embd + 3 * n_ff + q_dim + 2 * kv_dim) * 4``
@@ -132,14 +132,14 @@ MIN_DEVICE_CHECKPOINTS = 8
 HOST_CHECKPOINTS = 32
 HOST_CHECKPOINT_BYTES = 4 << 30
 # the prompt pieces' pass graphs (several slots' short prompts in one pass, up to PIECE_PASS_ROWS rows) in
-# 256-row passes' activations: 984 against 594 MiB of prompt graphs on the 27B, H200, thirtieth session
+# 256-row passes' activations: 984 against 594 MiB of prompt graphs on the 27B, H200 (docs/PERFORMANCE.md)
 PIECE_GRAPH_PASSES = 5
 STEP_TOKENS = 512
 LOGIT_ROWS_PER_SEQ = 4
 
 
 # The prompt chunk `prefill_chunk=0` picks (H200, synthetic 27B, a 20K prompt beside three decoding agents,
-# docs/PERFORMANCE.md, twenty-first session: its first token after 12.0 s at 256, 9.05 s at 512, 7.94 s at
+# docs/PERFORMANCE.md: its first token after 12.0 s at 256, 9.05 s at 512, 7.94 s at
 # 1024; llama-server 8.88 s). The larger chunk only where it costs little: on a 24 GiB card 1024 takes a
 # third of the 27B's KV pool (activation_bytes), 512 takes 3.7 % more than 256 did.
 PREFILL_CHUNK = 512

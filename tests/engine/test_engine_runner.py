@@ -238,7 +238,7 @@ def test_backed_off_drafters_overlap_steps(tmp_path, device, monkeypatch):
 
 
 # --- tokens chosen on the device, and the next step launched before the host streams them ------------------
-# (engine/sample_device.py; EngineConfig.device_sampling / overlap_steps; docs/ARCHITECTURE.md, GPU path)
+# (engine/sample_device.py; EngineConfig.device_sampling / overlap_steps; docs/ARCHITECTURE.md, Decode step graphs)
 
 def _outcome(h):
     """Everything a client sees of a request: text, ids, finish reason, stop string, usage, and how many

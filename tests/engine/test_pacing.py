@@ -104,8 +104,8 @@ def test_steps_still_running_count_at_their_usual_time():
 @pytest.mark.parametrize("runner", [False, True], ids=["cpu_engine", "runner"])
 def test_a_whole_chunk_fits_beside_the_decode_rows(tmp_path, runner):
     """step_tokens = prefill_chunk: a prompt arriving while another sequence generates still advances a
-    whole chunk per step beside the decode row (before, the chunk waited for a step without decode rows,
-    so a long prompt starved until every other sequence had finished), with the same tokens."""
+    whole chunk per step beside the decode row (a chunk that waited for a step without decode rows would
+    starve a long prompt until every other sequence had finished), with the same tokens."""
     from engine.tools.synth import write_synthetic
     path = tmp_path / "llama.gguf"
     write_synthetic(path, "llama", "tiny", seed=3)
