@@ -47,7 +47,8 @@ ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "1") != "0" \
 # use): a suspect of the thirtieth session's race, measured not to be it and 0.5 % slower (thirty-second session)
 WAIT_FIRST = os.environ.get("HIVEJET_PDL_ENTER", "trigger") == "wait"
 # which kernels launch with PDL when it is on: "all", "matmul" (the packed decode matmul and its sums only) or
-# "small" (every other kernel): how the thirty-second session told which kernels brought the race (.ci/gpu/s30.sh 3)
+# "small" (every other kernel): how the thirty-second session told which kernels brought the race
+# (docs/decisions/programmatic-dependent-launch.md)
 KERNELS = os.environ.get("HIVEJET_PDL_KERNELS", "all")
 
 
