@@ -12,6 +12,9 @@
 #   bash .ci/gpu/bench.sh card24 [ARGS]       the engine as on a 24 GiB card: three agents beside a 20K prompt,
 #                                             the prompt regenerated and followed up (engine24.py)
 #   bash .ci/gpu/bench.sh pieces              k short prompts one pass each against one pass for all (pieces_timing.py)
+#   bash .ci/gpu/bench.sh repeat [VAR=VALUE ...]
+#                                             a 32-token prompt prefilled again, in another slot, among others, as a
+#                                             shared-pass piece, eagerly: the same bits? (prefill_repeat.py)
 #   bash .ci/gpu/bench.sh spec                bench spec on the 27B with a random MTP block (drafts never accepted):
 #                                             verify-step and drafter costs, then off / ngram / mtp end to end
 #   bash .ci/gpu/bench.sh vision              the Qwen3.5-27B vision tower (synthetic F16) on a 1024x768 image
@@ -47,6 +50,10 @@ case "$what" in
         m27_start; m27_wait
         timeout 300 python3 -u .ci/gpu/pieces_timing.py /tmp/m27.gguf 32 512 2>&1 | grep -v Warn | tail -20
         ;;
+    repeat)
+        m27_start; m27_wait
+        env "$@" timeout 300 python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf 32 2>&1 | grep -v Warn | tail -20
+        ;;
     spec)
         python3 -c "import os; from engine.synth import write_synthetic as w
 w('/tmp/m27mtp.part.gguf', 'qwen35', '27b-q4_k_m', mtp=True, threads=16); os.replace('/tmp/m27mtp.part.gguf', '/tmp/m27mtp.gguf')"
@@ -59,6 +66,6 @@ w('/tmp/m27mtp.part.gguf', 'qwen35', '27b-q4_k_m', mtp=True, threads=16); os.rep
         timeout 300 python3 -u -m engine.vision.bench --device cuda --size 1024x768 2>&1 | grep -v Warn | tail -10
         ;;
     *)
-        echo "usage: bash .ci/gpu/bench.sh decode|steps|kv-types|ctx200k|card24|pieces|spec|vision [ARGS]"; exit 2
+        echo "usage: bash .ci/gpu/bench.sh decode|steps|kv-types|ctx200k|card24|pieces|repeat|spec|vision [ARGS]"; exit 2
         ;;
 esac
