@@ -19,7 +19,7 @@ turbo4, turbo3_tcq. The cache before the depth is NOT prefilled (128K x 4 types 
 head and an outlier channel, as real keys have; rotated K types get segment centers as a prefill would),
 which is what a decode step reads; its speed does not depend on the values. No memory cap in this mode.
 
-The model is generated at /tmp/m27.gguf first when missing (as .ci/gpu/bench27b.sh does).
+The model is generated at /tmp/m27.gguf first when missing (as .ci/gpu/env.sh: m27_start does).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ mkdir -p "$HIVEJET_MODELS"
 # The synthetic 27B at /tmp/m27.gguf (14 s on 16 cores): `m27_start` begins writing it in the background
 # (beside the tests), `m27_wait` waits for it; nothing when it is already there. It is written under
 # another name and renamed when whole, and a writer already running (started by a script that sourced
-# this before: bench27b.sh inside an sNN.sh call) is waited for rather than joined, so nothing reads or
+# this before: bench.sh inside a call that started it) is waited for rather than joined, so nothing reads or
 # writes half a file.
 M27_PID=
 m27_writing() { pgrep -f "m27.part.gguf" >/dev/null; }

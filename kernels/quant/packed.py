@@ -930,7 +930,7 @@ def _split_for(n_tiles: int, steps: int, n_sm: int, waves: int) -> int:
 
 def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, waves: dict | None = None) -> dict:
     """Launch settings from the weight's shape only (never from M: batch invariance), measured on the
-    H200 (.ci/gpu/diag_tiled.py, docs/PERFORMANCE.md). The tile is the weight's (tile_n x tile_k).
+    H200 (docs/decisions/tiled-weight-layout.md). The tile is the weight's (tile_n x tile_k).
     prefill: the rows a prompt chunk is padded to (0: decode rows); a small prompt chunk (at most
     SMALL_PROMPT_ROWS rows) takes the decode settings with all its rows in one block of x (small_prompt).
     decode rows (M <= 64): memory-bound; 4 warps (8 with a high plane: registers), 4 pipeline stages
@@ -969,11 +969,12 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
         # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K end to end only, slower): 4 warps, 3 stages, the
         # weight tile as the dot's first operand, in registers: with the 4-bit plane in fragment order that
         # holds for the high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared
-        # memory, 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124; .ci/gpu/sweep_tile_k.py --hi,
-        # --q4; Q5_K not measured). 4 stages for the 4-bit-only types' projections
+        # memory, 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124;
+        # docs/perf/sweep_fragment_order_hi_h200.json, sweep_fragment_order_q4_h200.json; Q5_K not measured).
+        # 4 stages for the 4-bit-only types' projections
         # back to a hidden size of at most DEEP_PIPELINE_MAX_N (the split-K'd ones streaming long runs of K:
         # Q4_K 5120x17408 30.7 -> 28.4 us, 5120x6144 13.4 -> 12.7; on 6272x5120 and 16512x5120, and with a
-        # high plane, 3 stages measured faster; .ci/gpu/sweep_tile_k.py --stages, same bits either way)
+        # high plane, 3 stages measured faster; docs/perf/sweep_stages_h200.json, same bits either way)
         deep = p.hi_bits == 0 and p.n <= DEEP_PIPELINE_MAX_N
         cfg = dict(block_m=16, num_warps=4, num_stages=4 if deep else 3, swap_ab=True, split_k=split)
         cap = DECODE_MAXNREG.get(p.tile_n)
@@ -1290,7 +1291,8 @@ _CONFIGS: dict = {}
 # (Only 256-value tiles load by TMA: weights that keep their scale codes, HIVEJET_PACKED_CODES=1, and
 # 128-row ones under HIVEJET_PACKED_TILE_K=256; 64-row ones with fp16 scales keep the tile in registers,
 # tuned_config. With the planes in fragment order, "hi" with the tile in shared memory runs Q6_K
-# 5120x17408 in 87 us against 37 at the default 128-value tiles, .ci/gpu/sweep_tile_k.py --hi; the tile
+# 5120x17408 in 87 us against 37 at the default 128-value tiles,
+# docs/perf/sweep_fragment_order_q6_high_plane_h200.json; the tile
 # in registers was not measured at 128 x 256 values, where it needs ~220 registers.)
 TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
@@ -1313,7 +1315,7 @@ SMALL_PROMPT_ROWS = int(os.environ.get("HIVEJET_SMALL_PROMPT_ROWS", "64"))
 if SMALL_PROMPT_ROWS and (SMALL_PROMPT_ROWS < 16 or SMALL_PROMPT_ROWS & (SMALL_PROMPT_ROWS - 1)):
     raise ValueError(f"HIVEJET_SMALL_PROMPT_ROWS={SMALL_PROMPT_ROWS}: a power of two, at least 16 (or 0)")
 # what small prompt chunks change in the decode settings, per weight class (weight_class): picked by
-# .ci/gpu/small_prompt.py on the H200 over the 27B's matrices at 64 rows (docs/PERFORMANCE.md:
+# .ci/gpu/small_prompt.py on the H200 over the 27B's matrices at 64 rows (docs/perf/small_prompt_chunks_h200.json:
 # 4 warps, 3 stages, the weight tile as the dot's first operand; a chunk's matmuls 15.7 ms against 40.1 for
 # dequantize + cuBLAS padded to 256 rows, 21.8 with the decode rows' 16-row blocks); "int8" (Q8_0) was not
 # measured and keeps its decode settings. HIVEJET_SMALL_PROMPT_CONFIG (JSON, same form) replaces it.
@@ -1346,8 +1348,8 @@ def _by_tile_rows(env: str, default: str) -> dict[int, int]:
 
 # split-K's target for decode rows, in programs per SM, by tile rows (tuned_config: the smallest split that
 # gives at least this many). 64-row tiles at 8 rather than 4: a 27B decode step on the H200 8.35 -> 8.21 ms
-# at one row, 9.07 -> 8.61 at four (`hivejet bench decode --depths 0 --rows 1 4 16` with each
-# HIVEJET_DECODE_WAVES, docs/PERFORMANCE.md). HIVEJET_DECODE_WAVES="128:8,64:8"
+# at one row, 9.07 -> 8.61 at four (docs/decisions/split-k-target-8-programs-per-sm.md).
+# HIVEJET_DECODE_WAVES="128:8,64:8"
 # (tile rows: programs per SM) overrides.
 DECODE_WAVES = _by_tile_rows("HIVEJET_DECODE_WAVES", "128:8,64:8")
 # the same for small prompt chunks (small_prompt): the targets SMALL_PROMPT_CONFIG was picked with (64-row tiles
@@ -1356,7 +1358,7 @@ DECODE_WAVES = _by_tile_rows("HIVEJET_DECODE_WAVES", "128:8,64:8")
 SMALL_PROMPT_WAVES = _by_tile_rows("HIVEJET_SMALL_PROMPT_WAVES", "128:8,64:4")
 # a cap on the decode matmul's registers per thread by tile rows (packed_matmul's maxnreg), so that more
 # programs share an SM: 128-row tiles need ~141 (3 programs of 4 warps per SM), capped at 128 without a spill
-# (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (.ci/gpu/sweep_regs.py --shapes 3);
+# (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_register_cap_h200.json);
 # 64-row tiles gained nothing from caps of 80 / 72 / 64. HIVEJET_DECODE_MAXNREG="128:128,64:80" (tile rows:
 # registers; "" for none) overrides.
 DECODE_MAXNREG = _by_tile_rows("HIVEJET_DECODE_MAXNREG", "128:128")
