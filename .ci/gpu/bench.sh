@@ -55,7 +55,7 @@ case "$what" in
         env "$@" timeout 300 python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf 32 2>&1 | grep -v Warn | tail -20
         ;;
     spec)
-        python3 -c "import os; from engine.synth import write_synthetic as w
+        python3 -c "import os; from engine.tools.synth import write_synthetic as w
 w('/tmp/m27mtp.part.gguf', 'qwen35', '27b-q4_k_m', mtp=True, threads=16); os.replace('/tmp/m27mtp.part.gguf', '/tmp/m27mtp.gguf')"
         timeout 250 python3 -u -m app.cli bench spec -m /tmp/m27mtp.gguf --device cuda --verify-rows \
             --json "$OUT/spec_verify.json" 2>&1 | grep -v Warn | tail -20
@@ -63,7 +63,7 @@ w('/tmp/m27mtp.part.gguf', 'qwen35', '27b-q4_k_m', mtp=True, threads=16); os.rep
             --json "$OUT/spec_modes.json" 2>&1 | grep -v Warn | tail -10
         ;;
     vision)
-        timeout 300 python3 -u -m engine.vision.bench --device cuda --size 1024x768 2>&1 | grep -v Warn | tail -10
+        timeout 300 python3 -u -m engine.tools.bench_vision --device cuda --size 1024x768 2>&1 | grep -v Warn | tail -10
         ;;
     *)
         echo "usage: bash .ci/gpu/bench.sh decode|steps|kv-types|ctx200k|card24|pieces|repeat|spec|vision [ARGS]"; exit 2

@@ -18,7 +18,7 @@ M27_PID=
 m27_writing() { pgrep -f "m27.part.gguf" >/dev/null; }
 m27_start() {
     [ -f /tmp/m27.gguf ] || m27_writing && return
-    python3 -c "import os; from engine.synth import write_synthetic as w
+    python3 -c "import os; from engine.tools.synth import write_synthetic as w
 w('/tmp/m27.part.gguf', 'qwen35', '27b-q4_k_m', threads=16); os.replace('/tmp/m27.part.gguf', '/tmp/m27.gguf')" \
         > /tmp/gen.log 2>&1 &
     M27_PID=$!
