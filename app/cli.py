@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type for V (same choices)")
     q.add_argument("--save-kl-divergence-base", default=None, metavar="FILE",
                    help="write this run's log-probs as a llama.cpp-format KL-divergence base file")
-    q.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (engine/runner.py)")
+    q.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (engine/runner/runner.py)")
     q.set_defaults(func=cmd_perplexity)
 
     t = sub.add_parser("tokenize", help="print token ids like llama-tokenize")

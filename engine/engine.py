@@ -82,7 +82,7 @@ class EngineConfig:
                                     # waits (its KV recomputed later)
     resident_tokens: int = 32768    # tokens of finished conversations kept for follow-ups and shared
                                     # prefixes (both paths); 0 turns prefix reuse off
-    static_slots: bool = False      # step through engine/runner.py (what device="cuda" does) on any device;
+    static_slots: bool = False      # step through engine/runner/runner.py (what device="cuda" does) on any device;
                                     # on the CPU this tests the GPU path's scheduling without a GPU
     ctx_pool_tokens: int = 0        # GPU path: tokens of the one KV pool all sequences share (one may use
                                     # it all); 0: as much as fits in 90 % of the GPU memory left after the
@@ -306,7 +306,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
             self.model.close()
             raise EngineError(f"{path.name} has no MTP (NextN) block: use --spec ngram or off")
         self._ngram_pool = SharedNgramPool()
-        self.runner = None            # engine/runner.py: the GPU path (static KV/state slots, CUDA graphs)
+        self.runner = None            # engine/runner/runner.py: the GPU path (static KV/state slots, CUDA graphs)
         self._resident = ResidentCache(config.resident_tokens)
         self._pool_tokens = None      # the CPU pool's token limit (None on the GPU path)
         self._dflash = None           # engine/spec/dflash.py: the DFlash drafter

@@ -1,5 +1,5 @@
 """Memory plan: how much GPU memory a model needs at a given context length and KV cache types,
-as the GPU path (engine/runner.py) allocates it.
+as the GPU path (engine/runner/runner.py) allocates it.
 
     total = weights + KV cache + per-slot state + workspace (+ vision projector, the MTP block's KV,
             a DFlash drafter)
@@ -12,7 +12,7 @@ Every number comes from the GGUF header (nothing is loaded):
   they are, vectors as float32
   (qwen35's conv kernels also once more as float32). All tensors count, including the token embedding
   and the MTP block. (`ModelFacts.weight_bytes` stays the file's own byte count.)
-* **KV cache**: one pool of `n_seqs x ctx` tokens that all sequences share (engine/runner.py: blocks of
+* **KV cache**: one pool of `n_seqs x ctx` tokens that all sequences share (engine/runner/runner.py: blocks of
   16 tokens handed out as sequences grow; one sequence may use up to min(training context, the whole
   pool), so `ctx` is the context per sequence when all of them are equally long), in every attention
   layer (sliding-window layers too; the MTP block's KV is not in this pool: `Plan.mtp`), K and V of
@@ -51,9 +51,9 @@ Every number comes from the GGUF header (nothing is loaded):
   - CUDA graphs' memory pool for the decode shapes and a small prompt chunk's graph: 384 MiB
     (`CUDA_GRAPH_BYTES`; reserved, mostly not allocated between steps; the 64-row chunk's graph reserved
     124 MiB more on the 27B, H200); the prompt chunk's graphs
-    (engine/runner_prefill.py) share that pool and keep the chunk's activations below in it;
+    (engine/runner/prefill.py) share that pool and keep the chunk's activations below in it;
   - with several slots, the prompt pieces' pass graphs (several agents' short prompts in one pass of up to
-    256 rows, engine/runner.py: prefill_pieces): five 256-row passes' activations
+    256 rows, engine/runner/runner.py: prefill_pieces): five 256-row passes' activations
     (``piece_graph_bytes``; 395 MiB on the 27B, where they reserve 390 on the H200;
     counted whenever a plan has several slots, as the engine's default has them; `serve --no-shared-passes`
     leaves that memory to the KV cache, and `plan --no-shared-passes` plans for it);
@@ -116,13 +116,13 @@ ROTATED_TYPES = ("turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")   # h
 ROTATION_GROUP = 128
 KEY_SEGMENT = 256            # positions per key center (engine/kv/sequence.py: SequenceKV.SEGMENT)
 SLOT_BLOCK_TOKENS = 16       # the runner's block size (its scratch slot holds one block)
-DECODED_PIECE_TOKENS = 8192     # engine/runner_attention.py DECODED_PIECE (tests check they agree)
+DECODED_PIECE_TOKENS = 8192     # engine/runner/attention.py DECODED_PIECE (tests check they agree)
 CONTEXTS = (8192, 16384, 32768, 65536, 131072, 204800, 262144)
 KV_BLOCK_TOKENS = 256
 
 CUDA_CONTEXT_BYTES = 400 * MiB
 CUDA_GRAPH_BYTES = 384 * MiB   # (256 for the decode graphs, 128 for the 64-row prompt chunk's)
-PIECE_PASS_ROWS = 256          # engine/runner.py PIECE_PASS_ROWS (tests check they agree)
+PIECE_PASS_ROWS = 256          # engine/runner/runner.py PIECE_PASS_ROWS (tests check they agree)
 # recurrent-state checkpoints (EngineConfig.checkpoint_memory): "auto" keeps the default ones on the device
 # when 2 % of the KV cache holds at least MIN_DEVICE_CHECKPOINTS, else in pinned host memory, up to
 # HOST_CHECKPOINTS in an eighth of the RAM and at most HOST_CHECKPOINT_BYTES (engine/scheduler_gpu.py)
@@ -367,7 +367,7 @@ def kv_bytes_per_token(facts: ModelFacts, kv_type: str, kv_type_v: str | None = 
 
 def runner_kv_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | None = None, n_slots: int = 1) -> int:
     """The GPU path's KV: `n_slots` slots of `ctx` tokens (rounded up to its 16-token blocks) in every
-    attention layer of the main model, plus the scratch slot's one block (engine/runner.py)."""
+    attention layer of the main model, plus the scratch slot's one block (engine/runner/runner.py)."""
     if not facts.attn_layers:
         return 0
     per = facts.gpu_attn_layers * _token_bytes(facts, kv_type, kv_type_v)
@@ -377,7 +377,7 @@ def runner_kv_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | 
 
 def prep_bytes(facts: ModelFacts, ctx: int, kv_type: str) -> int:
     """One slot's key preconditioning (rotated K types): per attention layer, float32 weights and one
-    center per 256 positions, [n_head_kv, head_dim] each, and a segment count (engine/runner.py:
+    center per 256 positions, [n_head_kv, head_dim] each, and a segment count (engine/runner/runner.py:
     slot_prep_bytes)."""
     if kv_type not in ROTATED_TYPES or not facts.attn_layers:
         return 0
@@ -409,7 +409,7 @@ def _row_bytes(facts: ModelFacts) -> int:
 
 
 def piece_graph_bytes(facts: ModelFacts, max_seqs: int, shared_passes: bool = True) -> int:
-    """The graph pool the prompt pieces' passes add (engine/runner.py: prefill_pieces); none with one slot,
+    """The graph pool the prompt pieces' passes add (engine/runner/runner.py: prefill_pieces); none with one slot,
     where every prompt runs alone, or with the shared passes off (`serve --no-shared-passes`)."""
     if max_seqs <= 1 or not shared_passes:
         return 0
@@ -418,7 +418,7 @@ def piece_graph_bytes(facts: ModelFacts, max_seqs: int, shared_passes: bool = Tr
 
 def prompt_attention_bytes(facts: ModelFacts, ctx: int, kv_type: str, kv_type_v: str | None = None) -> int:
     """What a prompt chunk's attention over `ctx` positions holds at once on the GPU path
-    (engine/runner_attention.py): f16/bf16 K and V gathered into one contiguous copy of one layer's
+    (engine/runner/attention.py): f16/bf16 K and V gathered into one contiguous copy of one layer's
     context; the compressed types decoded a piece of DECODED_PIECE_TOKENS keys at a time (float32
     decode, its rotation back, the un-preconditioned keys, and their fp16 copy: 14 bytes a value);
     f32 caches are read in place."""

@@ -1,4 +1,4 @@
-"""The GPU path's scheduling: one step of engine/runner.py's slots for the Engine (a mixin of it).
+"""The GPU path's scheduling: one step of engine/runner/runner.py's slots for the Engine (a mixin of it).
 
 Slots and the one KV pool they share (_open_runner, _fit_pool), admission into a slot with parked
 conversations and shared prefixes (_take_slot), pool room, eviction and pre-emption before a step
@@ -86,7 +86,7 @@ RECURRENT_DRAFTERS = 4
 
 
 class RunnerScheduler:
-    """The Engine's GPU-path (engine/runner.py) methods; Engine inherits them."""
+    """The Engine's GPU-path (engine/runner/runner.py) methods; Engine inherits them."""
 
     def _open_runner(self) -> None:
         """Put the model on the device with one slot per concurrent sequence and ONE KV pool they share:
@@ -165,7 +165,7 @@ class RunnerScheduler:
                 self.runner.capture([b for b in BUCKETS if b <= top])
                 if self._runner_spec_kinds() and c.spec_max_drafts > 0:   # (drafts of recurrent models: graphs of their own)
                     self.runner.capture_drafting(1 + c.spec_max_drafts)
-                self.runner.capture_prefill(c.prefill_chunk)   # (prompt chunks: engine/runner_prefill.py)
+                self.runner.capture_prefill(c.prefill_chunk)   # (prompt chunks: engine/runner/prefill.py)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 self.model.close()
                 raise EngineError(f"cannot capture the CUDA graphs on {c.device}: {e}") from None

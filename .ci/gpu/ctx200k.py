@@ -1,4 +1,4 @@
-"""On the GPU machine: the synthetic Qwen3.5-27B Q4_K_M at long context through engine/runner.py.
+"""On the GPU machine: the synthetic Qwen3.5-27B Q4_K_M at long context through engine/runner/runner.py.
 
     source .ci/gpu/env.sh
     python3 -u .ci/gpu/ctx200k.py ctx200k [--budget S]   -> $OUT/ctx200k.json

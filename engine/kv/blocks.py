@@ -1,6 +1,6 @@
 """Host-side bookkeeping of paged KV blocks: a free list and a reference count per block, so that
 sequences with a common prefix reference the same blocks and a block returns to the free list when its
-last user lets go. Used by the GPU path's shared pool (engine/runner.py: every attention layer uses the
+last user lets go. Used by the GPU path's shared pool (engine/runner/runner.py: every attention layer uses the
 same block ids) and by the CPU path's layer groups (engine/kv/pool.py, which grow it). Nothing here
 touches the device, so a step never waits on the host's allocation decisions (they are made before the
 step is launched).

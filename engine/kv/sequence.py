@@ -273,7 +273,7 @@ class SequenceKV:
         T, H, D = q.shape
         hkv = c.shape[1]
         qg = q.float()[..., :c.shape[2]].reshape(T, hkv, H // hkv, -1)
-        # (wide: the bits the runner's correction has, engine/runner_keyprep.py, whatever the CPU's instruction set)
+        # (wide: the bits the runner's correction has, engine/runner/keyprep.py, whatever the CPU's instruction set)
         bias = wide_einsum("tkgd,skd->tkgs", qg, c)
         return bias.reshape(T, H, c.shape[0]), self.SEGMENT
 

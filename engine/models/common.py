@@ -26,7 +26,7 @@ from kernels.quant import (activations_like_llamacpp, block_mins, check_supporte
                            matmul_row_invariant, matmul_tiles, quantized_matmul_ref)
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
-# While the GPU path runs prompt rows (engine/runner.py's prefill): the chunk size, to which matmuls pad
+# While the GPU path runs prompt rows (engine/runner/runner.py's prefill): the chunk size, to which matmuls pad
 # the rows of their prefill product (kernels/quant/packed.py: matmul_tuned; a small chunk, at most
 # SMALL_PROMPT_ROWS, takes the packed kernel instead); 0 for decode rows
 PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
@@ -35,7 +35,7 @@ PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows
 # matmul adds them and a separate activation kernel follows (to measure one against the other)
 GATED_SUMS = os.environ.get("HIVEJET_GATED_SUMS", "1") != "0"
 # whether a GPU step fuses per-head work: the DeltaNet's output norm with its SiLU gate (head_rms_norm_silu),
-# and in decode rows the attention's q/k norms and rope with the K/V write (HeadPrep, engine/runner_attention.py);
+# and in decode rows the attention's q/k norms and rope with the K/V write (HeadPrep, engine/runner/attention.py);
 # HIVEJET_FUSED_HEADS=0: separate launches (to measure one against the other)
 FUSED_HEADS = os.environ.get("HIVEJET_FUSED_HEADS", "1") != "0"
 # whether a GPU step's embedding rows come from one Triton launch (kernels/quant/packed.py: packed_rows) rather
@@ -102,7 +102,7 @@ class Weight:
     def n_in(self) -> int:
         return self.shape[-1]
 
-    gpu = None  # the matrix on the GPU (engine/runner.py): a PackedWeight, or a float tensor for F32/F16/BF16
+    gpu = None  # the matrix on the GPU (engine/runner/runner.py): a PackedWeight, or a float tensor for F32/F16/BF16
 
     @property
     def input_dtype(self) -> torch.dtype | None:
@@ -376,7 +376,7 @@ class Rope:
 class HeadPrep:
     """What an attention layer does to its q and k heads before attending: an RMSNorm per head (weights
     q_norm / k_norm; None: no norm), then `rope` with the step's (cos, sin). `apply` does it; a GPU decode
-    step does it inside the kernel that writes K and V (engine/runner_attention.py)."""
+    step does it inside the kernel that writes K and V (engine/runner/attention.py)."""
 
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -427,7 +427,7 @@ class Batch:
     positions: torch.Tensor = field(init=False)
     offsets: list[int] = field(init=False)
     rope: dict = field(init=False, default_factory=dict)  # cos/sin tables, filled by the model's prepare()
-    slots = None  # set by engine/runner.py's SlotBatch: rows live in the runner's static KV/state slots
+    slots = None  # set by engine/runner/runner.py's SlotBatch: rows live in the runner's static KV/state slots
     rope_positions = None  # and (M-RoPE models) the RoPE positions where they are not `positions`
 
     def __post_init__(self):
@@ -542,7 +542,7 @@ class DecoderModel:
     def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
                scale: float, window: int = 0) -> torch.Tensor:
         """Write each chunk's k, v into its KV and attend its queries over everything stored."""
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py)
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner/runner.py)
             return batch.attend(il, q, k, v, scale, window)
         outs = []
         for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
@@ -559,7 +559,7 @@ class DecoderModel:
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """attend() for q and k as the projection made them: `prep` (their norms and rope) first. gate
         [n, H, Dv]: the output times sigmoid(gate) (Qwen3.5's gated attention), in out_dtype."""
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py): maybe all in its kernels
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner/runner.py): maybe all in its kernels
             out = batch.attend_prepared(il, q, k, v, prep, scale, window, gate, out_dtype)
             if out is not None:
                 return out
@@ -610,7 +610,7 @@ class DecoderModel:
     device = torch.device("cpu")
 
     def to_device(self, device) -> None:
-        """Move the model to `device` once (weights repacked for the GPU kernels; engine/runner.py
+        """Move the model to `device` once (weights repacked for the GPU kernels; engine/runner/runner.py
         runs it there). The CPU copy of the weights stays the memory-mapped file."""
         device = torch.device(device)
         for st in self.stacks:      # first, a stack at a time: each stack's parts are packed, stacked and

@@ -320,7 +320,7 @@ class Qwen35Model(DecoderModel):
         Hv, D = self.n_v_heads, self.d_state
         # qkv [n, conv_dim], z [n, Hv * D], beta and alpha's products [n, Hv]
         qkv, z, beta_x, alpha_x = L["ssm_in"].matmul(h)
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner.py): it makes the gates
+        if batch.slots is not None:  # a GPU step over static slots (engine/runner/runner.py): it makes the gates
             o = batch.delta_net(il, self, L, qkv, alpha_x, beta_x)
         else:
             g, beta = gdn_gates(alpha_x, beta_x, L["dt"].dense, L["a"].dense)   # [n, Hv]: log decay <= 0, beta
@@ -348,7 +348,7 @@ class Qwen35Model(DecoderModel):
         """One sequence's m consecutive rows through the conv and the delta rule, from `state`
         (conv window [K-1, conv_dim], S [Hv, D, D]; None: zeros). Returns o [m, Hv, D] and the new state.
         keep: the rows of [conv window; qkv] that make the new window (default the last K-1; a padded
-        prompt chunk, engine/runner_prefill.py, keeps those ending at its last real row)."""
+        prompt chunk, engine/runner/prefill.py, keeps those ending at its last real row)."""
         m = qkv.shape[0]
         Hv, D, K = self.n_v_heads, self.d_state, self.spec.ssm_d_conv
         if state is None:
@@ -397,7 +397,7 @@ class Qwen35Model(DecoderModel):
 
     def delta_net_pieces(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          conv_states: torch.Tensor, S: torch.Tensor, pieces) -> torch.Tensor:
-        """A padded pass's rows, several slots' pieces (engine/runner_prefill.py: PromptPieces), through the
+        """A padded pass's rows, several slots' pieces (engine/runner/prefill.py: PromptPieces), through the
         conv and the delta rule: each piece from its slot's conv window and state in conv_states [n_slots,
         K-1, conv_dim] and S [n_slots, Hv, D, D], which it updates in place. g and beta are 0 on padding
         rows. Returns o [rows, Hv, D]. The GPU: the windows gathered and the delta rule in one launch for

@@ -4,7 +4,7 @@ Scenarios:
   matmul  the first 4-bit Triton matmul (kernels/quant/q4_gemm.py, not the GPU path's packed kernel, which
           .ci/gpu/matmul_shapes.py and `decode --profile` time) on the 27B model's Q4_K shapes, rows M =
           1..64: time per call, weight bytes streamed per second, against the card's copy bandwidth.
-  decode  a model on the GPU through engine/runner.py (CUDA graphs): pp512 and tg128 at each depth
+  decode  a model on the GPU through engine/runner/runner.py (CUDA graphs): pp512 and tg128 at each depth
           (0 and 23000 by default, like `llama-bench -p 512 -n 128 -d 0,23000`), and the row-scaling
           table: one decode step with 1, 2, 4, .., 64 rows (sequences). With --llamacpp DIR, llama-bench
           from DIR runs on the same GGUF in the same run and both are printed side by side.

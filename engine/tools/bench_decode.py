@@ -1,4 +1,4 @@
-"""`hivejet bench decode`: a model on the GPU through engine/runner.py, llama.cpp beside it.
+"""`hivejet bench decode`: a model on the GPU through engine/runner/runner.py, llama.cpp beside it.
 
 - pp{n_prompt} at each depth: time to prefill n_prompt tokens after `depth` tokens already in the cache
   (the median of PP_REPS runs, each run's figure kept too);

@@ -122,7 +122,7 @@ def make_chunks(tokens: list[int], n_ctx: int, n_chunks: int, bos_id: int | None
 def _chunk_logprobs(model, chunk: np.ndarray, first: int, n_batch: int, cache_type_k: str | None = None,
                     cache_type_v: str | None = None, runner=None) -> torch.Tensor:
     """Log-softmax [n_ctx - 1 - first, vocab] of a fresh-context evaluation, fed n_batch at a time
-    (through `runner`, engine/runner.py, when given: the GPU path, slot 0)."""
+    (through `runner`, engine/runner/runner.py, when given: the GPU path, slot 0)."""
     n_ctx = len(chunk)
     if runner is not None:
         logits = runner.prefill(0, torch.from_numpy(chunk), chunk=n_batch, all_logits=True)
@@ -198,7 +198,7 @@ def perplexity(model, tokenizer, text: str | None = None, n_ctx: int = 512, n_ch
                save_base: str | Path | None = None, runner=None) -> PerplexityResult:
     """llama-perplexity's numbers. cache_type_k/v: the KV cache types (default: the model's);
     save_base: also write this run's log-probs as a KL-divergence base file for later runs;
-    runner: evaluate through engine/runner.py (the GPU path) instead of the model's CPU forward."""
+    runner: evaluate through engine/runner/runner.py (the GPU path) instead of the model's CPU forward."""
     t0 = time.time()
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     if base is not None:

@@ -1,6 +1,6 @@
 """A prompt chunk's attention over a contiguous float K/V with torch's FlashAttention-2 kernel; and the
 same over several pieces of keys (`attention_lse` per piece, `merge_attention` to combine them), which
-engine/runner_attention.py uses for compressed caches decoded a piece at a time.
+engine/runner/attention.py uses for compressed caches decoded a piece at a time.
 
 The chunk's T queries sit at positions end - T .. end - 1 and see every earlier key (causal inside
 the chunk, aligned to the bottom right: query i sees keys 0 .. end - T + i), optionally only the last

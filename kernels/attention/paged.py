@@ -18,7 +18,7 @@ Both take a sliding window (keys with p - p' < window) and qwen35's output gate 
 The query must be given as the keys were stored: engine/kv's SequenceKV centers and smooths keys
 of rotated cache types per sequence, so its `prep_query(layer, q)` (q times the channel weights)
 is what goes in, with `score_bias(layer, q)` (q . the center of each key segment, added to the
-score of every key of that segment). engine/runner.py keeps the centers of every slot in one buffer and
+score of every key of that segment). engine/runner/runner.py keeps the centers of every slot in one buffer and
 makes a decode step's table with `segment_bias` (Triton, row by row).
 """
 from __future__ import annotations
@@ -235,7 +235,7 @@ if triton is not None:
 def segment_bias(q: torch.Tensor, centers: torch.Tensor, slots: torch.Tensor, block_s: int = 32) -> torch.Tensor:
     """The score correction of per-segment key centers for one query per row: q [B, H, D] (original
     domain), centers [n_slots, n_seg, Hkv, D] float32, slots [B] -> [B, H, n_seg] with
-    out[b, i, s] = q[b, i] . centers[slots[b], s, i // G] (engine/runner.py; SequenceKV.score_bias on
+    out[b, i, s] = q[b, i] . centers[slots[b], s, i // G] (engine/runner/runner.py; SequenceKV.score_bias on
     the CPU path). Triton, one program per (row, KV head, segment block): a row's numbers do not
     depend on the other rows."""
     B, H, D = q.shape
@@ -276,7 +276,7 @@ def _check(k_cache, v_cache, codec_k, codec_v, q_st_dim):
 
 
 # the decode kernel's launch: keys per tile, warps, pipeline stages, fewest keys per split-K program;
-# and what engine/runner.py asks for on CUDA: the most split-K programs per row and KV head, the dots'
+# and what engine/runner/runner.py asks for on CUDA: the most split-K programs per row and KV head, the dots'
 # input precision
 DECODE_CONFIG = dict(block_t=16, num_warps=4, num_stages=1, min_keys=64, max_split=64, dot="f16")
 # K and V both fp16/bf16 rows, read with 16-byte loads: longer tiles, pipelined (H200, 27B shape, inside

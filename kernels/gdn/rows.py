@@ -1,5 +1,5 @@
 """The gated delta rule over a short run of one sequence's tokens in one Triton launch (a small prompt chunk
-on the GPU: a short request, a follow-up's new tokens; engine/runner.py chunk_rows).
+on the GPU: a short request, a follow-up's new tokens; engine/runner/runner.py chunk_rows).
 
 The chunkwise-parallel form (engine/models/qwen35.py: delta_rule_chunked) is what long chunks need, but on a
 64-row chunk it is ~80 small torch and cuBLAS kernels a layer (triangular solves, batched products, masks,
@@ -14,7 +14,7 @@ beta [T, H], S [H, D, D] float32. Rows with g = 0 and beta = 0 (a padded chunk's
 The result is the recurrence's in float32 (`delta_rule_recurrent`), not the chunked form's rounding.
 
 `delta_rule_pieces` is the same launch over several sequences' runs laid one after another (a padded prompt
-pass that holds several slots' pieces, engine/runner_prefill.py): one more program axis for the piece, each
+pass that holds several slots' pieces, engine/runner/prefill.py): one more program axis for the piece, each
 piece's state read from and written back to its slot in place, the layout read from device buffers (so a
 captured pass serves every layout). `delta_rule_rows` is its one-piece case (scalars, no layout buffers).
 """
@@ -105,7 +105,7 @@ def delta_rule_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       states: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, block_v: int = 16,
                       num_warps: int = 4) -> torch.Tensor:
     """Several sequences' runs in one launch (a prompt pass holding several slots' small pieces,
-    engine/runner_prefill.py): piece p is rows cu[p] .. cu[p + 1] of q, k, v, g, beta [T, H, ...] and runs
+    engine/runner/prefill.py): piece p is rows cu[p] .. cu[p + 1] of q, k, v, g, beta [T, H, ...] and runs
     from the state of slot slots[p] in `states` [n_slots, H, D, D] (float32, contiguous), which it updates in
     place. Pieces with no rows change nothing (a pass's unused pieces: slots and cu are fixed-size device
     buffers, so a captured pass serves every layout). Returns o [T, H, D] float32; rows in no piece are

@@ -1,4 +1,4 @@
-"""The Engine stepping through engine/runner.py (the GPU path's static slots), on the CPU with the
+"""The Engine stepping through engine/runner/runner.py (the GPU path's static slots), on the CPU with the
 real demo model: same greedy tokens as the CPU path, several requests at once in one decode call,
 slots freed and reused, chunked prompts, clear errors. On a GPU the same with device="cuda"."""
 from __future__ import annotations
@@ -504,7 +504,7 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
     until every request is in, so that later steps have several arrivals to group.)"""
     import threading
 
-    import engine.runner as runner_mod
+    import engine.runner.runner as runner_mod
     from engine.engine import Engine as Eng
     from engine.runner import Runner
     from engine.tools.synth import write_synthetic
@@ -552,7 +552,7 @@ def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
     """The GPU path's pool fit leaves room for the pieces' pass graphs (the planner's piece_graph_bytes)
     when the runner will capture them: several slots, the pieces on (HIVEJET_PROMPT_PIECES and
     EngineConfig.shared_prompt_passes), and for qwen35 the rows kernel on."""
-    import engine.runner as runner_mod
+    import engine.runner.runner as runner_mod
     from engine import planner as P
     from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"

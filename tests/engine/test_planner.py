@@ -51,7 +51,7 @@ def test_qwen35_27b_layout(q27):
 
 
 def test_prompt_pieces_graphs_counted_with_several_slots(q27):
-    """The prompt pieces' pass graphs (engine/runner.py: prefill_pieces) count in the workspace of a plan for
+    """The prompt pieces' pass graphs (engine/runner/runner.py: prefill_pieces) count in the workspace of a plan for
     several sequences, about the 390 MiB they reserved on the 27B, and not in a one-sequence plan."""
     from engine.runner import PIECE_PASS_ROWS
     assert P.PIECE_PASS_ROWS == PIECE_PASS_ROWS
@@ -273,7 +273,7 @@ def test_cli_one_plan(q27, capsys):
 def test_prompt_attention_workspace_matches_the_runner():
     """The planner's prompt-attention allowance uses the runner's piece size, and counts what each cache
     type's path holds: a gathered f16 context, 8192-key decoded pieces, nothing for f32."""
-    from engine.runner_attention import DECODED_PIECE
+    from engine.runner.attention import DECODED_PIECE
     assert P.DECODED_PIECE_TOKENS == DECODED_PIECE
     f = P.ModelFacts(path="x", name="x", arch="llama", weight_bytes=0, file_bytes=0, context_length=1 << 17,
                      n_embd=64, n_ff=128, vocab_size=100, n_head=4, head_dim=16, attn_layers=[(32, 32, 0)] * 2)

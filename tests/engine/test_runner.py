@@ -1,4 +1,4 @@
-"""engine/runner.py: steps over static slots give the model's own results (CPU: torch references;
+"""engine/runner/runner.py: steps over static slots give the model's own results (CPU: torch references;
 GPU: Triton kernels and CUDA graphs), a row's logits do not depend on the other rows or on the
 bucket it was padded to, and bad requests get clear errors."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.kv.sequence import SequenceKV
 from engine.runner import Runner
+from engine.runner.keyprep import KeyPreconditioner
 from kernels.kvcodec import CACHE_TYPES, get_codec
 
 TINY_SEED = 5   # the synthetic models' weights (the `tiny` fixture: conftest.py)
@@ -316,7 +317,7 @@ def test_decoded_prefill_matches_paged_attention(tiny, short_segments, monkeypat
     logits: pieces of 16 keys, so a 45-token prompt in chunks of 16 merges up to three pieces; the
     preconditioned rotated keys (centers of segments of SEG keys) and gemma3's sliding-window layers
     (left to the paged path) included."""
-    import engine.runner_attention as A
+    import engine.runner.attention as A
     monkeypatch.setattr(A, "DECODED_PIECE", 16)
     model = open_model(tiny(arch))
     try:
@@ -398,19 +399,19 @@ def test_rows_of_one_step_each_match_cpu_path(tiny, short_segments, arch, kt, vt
 
 def test_decode_steps_make_centers_only_when_a_row_needs_one(tiny, short_segments, monkeypatch):
     """The host's copy of which segments have key centers follows the device's through prefill, decode,
-    a prefix copy and a reset; a decode step runs _decode_centers only when one of its rows is in a
+    a prefix copy and a reset; a decode step runs decode_centers only when one of its rows is in a
     segment without a center (a row at a segment's first position)."""
     model = open_model(tiny("llama"))
     try:
         V = model.spec.vocab_size
         runner = Runner(model, device="cpu", n_slots=3, max_ctx=96, cache_type_k="turbo3", cache_type_v="q8_0")
         calls = []
-        real = Runner._decode_centers
-        monkeypatch.setattr(Runner, "_decode_centers", lambda self, *a: (calls.append(1), real(self, *a)))
+        real = KeyPreconditioner.decode_centers
+        monkeypatch.setattr(KeyPreconditioner, "decode_centers", lambda self, *a: (calls.append(1), real(self, *a)))
 
         def same():
             for kp in runner.kprep.values():
-                assert kp.ncent.tolist()[:3] == runner._ncent[:3]
+                assert kp.ncent.tolist()[:3] == runner.keys.ncent[:3]
         runner_greedy(runner, [prompt(45, 1, V), prompt(37, 2, V)], 1)      # steps at 45 and 37
         same()
         assert not calls                       # segments of SEG positions: 45 and 37 are inside made ones
@@ -424,7 +425,7 @@ def test_decode_steps_make_centers_only_when_a_row_needs_one(tiny, short_segment
         same()
         runner.reset(0)
         same()
-        assert runner._ncent[0] == 0
+        assert runner.keys.ncent[0] == 0
     finally:
         model.close()
 
@@ -434,14 +435,14 @@ def _slot_state(runner) -> tuple[list, list[int]]:
     the host's copy of which segments have key centers."""
     ts = list(runner.conv_state.values()) + list(runner.ssm_state.values())
     ts += [t for kp in runner.kprep.values() for t in kp.tensors()]
-    return [(t, t.clone()) for t in ts], list(runner._ncent)
+    return [(t, t.clone()) for t in ts], list(runner.keys.ncent)
 
 
 def _restore(runner, state) -> None:
     tensors, ncent = state
     for t, saved in tensors:
         t.copy_(saved)
-    runner._ncent[:] = ncent
+    runner.keys.ncent[:] = ncent
 
 
 @pytest.mark.parametrize("arch,kt,vt", [("llama", "turbo4", "turbo2"), ("qwen35", "q8_0", "turbo3"),
@@ -472,13 +473,13 @@ def test_triton_path_in_the_interpreter(tiny, monkeypatch, arch, kt, vt):
 
 
 def _greedy_off_and_on(tiny, monkeypatch, arch, switch, kernel, n_new, **runner_kw):
-    """The runner's Triton path (the interpreter) decoding one prompt greedily with engine/runner_attention.py's
+    """The runner's Triton path (the interpreter) decoding one prompt greedily with engine/runner/attention.py's
     `switch` off, then on. Returns both runs' (tokens, logits), how often kernels/attention/kv_write.py's
     `kernel` ran in each, and the model's attention layers."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the interpreter is for machines without a GPU")
-    import engine.runner_attention as ra
+    import engine.runner.attention as ra
     import kernels.attention.kv_write as kw
     calls = []
     real = getattr(kw, kernel)
@@ -501,10 +502,10 @@ def _greedy_off_and_on(tiny, monkeypatch, arch, switch, kernel, n_new, **runner_
 
 @pytest.mark.parametrize("arch,kt,vt", [("llama", "f16", "f16"), ("qwen35", "f16", "f32")])
 def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
-    """HIVEJET_KV_WRITE_KERNEL (engine/runner_attention.py): float caches' new K and V written by one Triton
+    """HIVEJET_KV_WRITE_KERNEL (engine/runner/attention.py): float caches' new K and V written by one Triton
     kernel give the logits of the casts and index_copy_ it replaces, bit for bit (the runner's Triton path in
     the interpreter, prompt chunks and decode rows)."""
-    import engine.runner_attention as ra
+    import engine.runner.attention as ra
     monkeypatch.setattr(ra, "FUSED_HEADS", False)     # (decode rows would take norm_rope_write_kv instead)
     outs, counts, _ = _greedy_off_and_on(tiny, monkeypatch, arch, "KV_WRITE_KERNEL", "write_kv_rows", 6,
                                          cache_type_k=kt, cache_type_v=vt)
@@ -516,7 +517,7 @@ def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
 
 @pytest.mark.parametrize("arch,kt", [("qwen3", "f16"), ("qwen35", "f32"), ("gemma3", "f16"), ("llama", "f16")])
 def test_fused_heads_in_decode_rows(tiny, monkeypatch, arch, kt):
-    """HIVEJET_FUSED_HEADS (engine/runner_attention.py): decode rows over a float cache norm and rope q and k
+    """HIVEJET_FUSED_HEADS (engine/runner/attention.py): decode rows over a float cache norm and rope q and k
     and write K and V in one kernel (kernels/attention/kv_write.py: norm_rope_write_kv), qwen35's output gate
     in the attention's merge kernel; prompt chunks keep the separate path. The same greedy tokens as without
     it, the logits within float32 rounding (the CPU's separate path norms and ropes in torch; the interpreter
@@ -627,7 +628,7 @@ def test_capture_guard_collects_once_per_batch(monkeypatch):
     the collector off inside, on again after, and left off when it was off."""
     import gc
 
-    from engine import runner as R
+    from engine.runner import batch as R
     calls = []
     monkeypatch.setattr(R.gc, "collect", lambda *a: calls.append(1) or 0)
     assert gc.isenabled()
@@ -650,7 +651,7 @@ def test_capture_guard_collects_once_per_batch(monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 def test_captures_survive_dead_runners_graphs(tiny):
-    """engine/runner.py capture_guard: collecting first and not during a capture keeps a dead runner's
+    """engine/runner/runner.py capture_guard: collecting first and not during a capture keeps a dead runner's
     graphs from invalidating a new runner's captures (torch 2.11 stopped collecting before captures)."""
     model = open_model(tiny("llama"))
     try:

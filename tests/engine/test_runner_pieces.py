@@ -1,4 +1,4 @@
-"""Several slots' short prompt pieces in one padded pass (engine/runner.py: prefill_pieces; engine/runner_prefill.py:
+"""Several slots' short prompt pieces in one padded pass (engine/runner/runner.py: prefill_pieces; engine/runner/prefill.py:
 PromptPieces): each piece gets the logits, KV and recurrent state its own prefill gives it, bit for bit (on the
 CPU too: pieces start at multiples of 16 rows and padding rows are the same in every pass), whatever the other
 pieces are; the grouping into passes; bad input and a full pool change nothing."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.runner as runner_mod
+import engine.runner.runner as runner_mod
 from engine.kv.pool import PoolFullError
 from engine.kv.sequence import SequenceKV
 from engine.models import open_model

@@ -1,4 +1,4 @@
-"""The GPU path's one shared KV pool (engine/runner.py + engine/kv/blocks.py; engine/engine.py's runner
+"""The GPU path's one shared KV pool (engine/runner/runner.py + engine/kv/blocks.py; engine/engine.py's runner
 path), on the CPU through Runner(device="cpu") and EngineConfig(static_slots=True) with tiny synthetic
 models: one sequence may hold most of the pool while others stay short; a common prefix is shared by
 reference (refcounts, copy-on-write); parked conversations are evicted when the pool fills, then the newest

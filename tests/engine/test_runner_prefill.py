@@ -1,4 +1,4 @@
-"""The padded prompt chunk (engine/runner_prefill.py): every chunk run as `chunk` rows with padding, the
+"""The padded prompt chunk (engine/runner/prefill.py): every chunk run as `chunk` rows with padding, the
 slot's recurrent state through a device index, attention split out of the model's code. On the CPU it
 must give the plain prefill's logits bit for bit (the same kernels on the real rows; padding rows change
 no state); on a GPU its captured segments must give the eager padded chunk's logits bit for bit.
@@ -38,7 +38,7 @@ def test_padded_chunks_equal_plain_chunks(tiny, arch, ct, chunk, monkeypatch):
     """Prompts whose last chunk is partial (padding rows), a follow-up at a position inside a chunk,
     two slots used one after another (the device slot index): the same logits as unpadded chunks.
     turbo3: key preconditioning (segments of 8) on the real rows only. Chunks of 128: pieces of at most
-    64 tokens run as small prompt chunks of 64 rows (engine/runner.py: chunk_rows), longer ones as 128."""
+    64 tokens run as small prompt chunks of 64 rows (engine/runner/runner.py: chunk_rows), longer ones as 128."""
     monkeypatch.setattr(SequenceKV, "SEGMENT", 8)
     monkeypatch.setattr(SequenceKV, "SEG_MIN_KEYS", 4)
     model = open_model(tiny(arch))

@@ -1,4 +1,4 @@
-"""Prefix sharing on the GPU path (engine/runner.py: find_prefix, copy_prefix, share_prefix, state
+"""Prefix sharing on the GPU path (engine/runner/runner.py: find_prefix, copy_prefix, share_prefix, state
 checkpoints; engine/engine.py: _take_slot), on the CPU through static slots and tiny synthetic models.
 
 A request whose prompt starts like another slot's (running or parked) gets that prefix copied into its own

@@ -160,7 +160,7 @@ def test_mtp_state_resumes_and_forks(mtp_model):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("oracle", [False, True])
 def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
-    """The GPU path (engine/runner.py's slots, on the CPU as in CI, and on CUDA) drafts with the MTP block from the
+    """The GPU path (engine/runner/runner.py's slots, on the CPU as in CI, and on CUDA) drafts with the MTP block from the
     runner's hidden rows: greedy output equals decoding without drafts, with several sequences at once;
     a follow-up request continues its parked conversation's MTP cache and another conversation with the
     same first chunk forks it; with nothing parked the MTP pool is empty again. oracle: the random block's

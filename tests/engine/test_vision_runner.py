@@ -1,4 +1,4 @@
-"""Image requests on the GPU path's scheduling (engine/runner.py's static slots, here on the CPU through
+"""Image requests on the GPU path's scheduling (engine/runner/runner.py's static slots, here on the CPU through
 EngineConfig(static_slots=True)): the tokens and log-probabilities of one pass by hand (M-RoPE positions and
 the rope delta of the decode rows after images for Qwen3.5, two-way image spans for Gemma 3), beside text
 requests in the same steps, prefixes reused with images compared by content (follow-ups on both paths,

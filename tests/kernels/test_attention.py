@@ -269,7 +269,7 @@ def test_decode_precision_option(precision):
 
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"gqa{h[0] // h[1]}-d{h[2]}")
 def test_segment_bias_matches_einsum(heads):
-    """The decode steps' score-correction table from a slot-indexed centers buffer (engine/runner.py)
+    """The decode steps' score-correction table from a slot-indexed centers buffer (engine/runner/runner.py)
     equals SequenceKV.score_bias's einsum; a row's numbers do not depend on the other rows."""
     from kernels.attention.paged import segment_bias
     H, hkv, d = heads

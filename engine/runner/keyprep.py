@@ -3,17 +3,19 @@ engine/kv/sequence.py's SequenceKV.kprep, for every slot in static device buffer
 (k - c_s) / w (c_s: the center of the key's segment of SEGMENT positions, w: per-channel smoothing weights
 from the slot's first chunk), queries are multiplied by w, and attention adds q . c_s to each key's score.
 Decode rows make a segment's center on the device (no host decision: the step stays one CUDA graph).
-`KeyPrepMixin` holds the Runner's methods for it (engine/runner.py)."""
+`KeyPreconditioner` holds every layer's buffers and the rule; the runner owns one (`Runner.keys`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engine.kv.pool import rope_key_pairs
+from engine.kv.sequence import SequenceKV
 from kernels.quant.ref import wide_einsum
 
 if TYPE_CHECKING:
-    from engine.runner import SlotBatch
+    from engine.runner.batch import SlotBatch
 
 
 def _sum_rows(x: torch.Tensor) -> torch.Tensor:
@@ -45,11 +47,77 @@ class KeyPrep:
         return [self.w, self.centers, self.ncent]
 
 
-class KeyPrepMixin:
-    """Runner methods: the preconditioned keys and queries of a batch's rows, the centers a prompt chunk
-    or a decode row makes, the smoothing weights of a slot's first chunk."""
+class KeyPreconditioner:
+    """Every attention layer's key preconditioning for the runner's slots (rotated K cache types only: `layers`
+    is empty otherwise), with the rule's constants (engine/kv/sequence.py's, so that both paths follow the same
+    rule) and the host's copy of ncent. read_keys(cache, slots, positions): the stored keys there, decoded
+    (the runner's pool reader)."""
 
-    def _precondition(self, kp: KeyPrep, b: SlotBatch, q, k):
+    def __init__(self, model, attn_layers, n_slots: int, max_ctx: int, block_size: int, rotated: bool,
+                 triton: bool, read_keys: Callable, device: torch.device):
+        s, S = model.spec, SequenceKV
+        self.segment, self.seg_min_keys, self.prep_min_tokens = S.SEGMENT, S.SEG_MIN_KEYS, S.PREP_MIN_TOKENS
+        self.smooth_clamp = S.SMOOTH_CLAMP
+        self.n_seg = max(1, -(-max_ctx // self.segment))
+        self.block_size, self.triton, self.read_keys = block_size, triton, read_keys
+        self.layers: dict[int, KeyPrep] = {}
+        if rotated and S.PRECONDITION_KEYS:
+            for il in attn_layers:
+                r = model.kv_rope(il)
+                partner = rope_key_pairs(s.head_dim, *r, horizon=s.context_length) if r is not None else None
+                self.layers[il] = KeyPrep(n_slots, self.n_seg, s.n_head_kv, s.head_dim, partner, device)
+            self._seg_offsets = torch.arange(-self.segment, 0, device=device)
+        # the host's copy of KeyPrep.ncent (the same for every layer): a decode step makes centers only
+        # when one of its rows is in a segment without one (decode_centers costs a pass over SEGMENT
+        # stored keys per row and layer: ~3 ms of a 27B step at 23K on the H200)
+        self.ncent = [0] * n_slots
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for kp in self.layers.values() for t in kp.tensors()]
+
+    def reset(self, slot: int) -> None:
+        """slot starts over at position 0: no smoothing, no centers."""
+        for kp in self.layers.values():
+            kp.w[slot] = 1.0
+            kp.ncent[slot] = 0
+        self.ncent[slot] = 0
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """dst takes src's smoothing weights and the centers of the segments src's first n positions reach;
+        later segments' centers are cleared (dst makes its own from its own keys, as a cold run would)."""
+        n_seg = -(-n // self.segment)
+        for kp in self.layers.values():
+            if src != dst:
+                kp.w[dst].copy_(kp.w[src])
+                kp.centers[dst, :n_seg].copy_(kp.centers[src, :n_seg])
+            kp.centers[dst, n_seg:].zero_()
+            kp.ncent[dst] = kp.ncent[src].clamp_max(n_seg)
+        self.ncent[dst] = min(self.ncent[src], n_seg)
+
+    def draft_room(self, pos: int, most: int) -> int:
+        """How many draft rows may follow a row at `pos` in one decode step: inside one segment that already
+        has its center (a row at a segment's first position makes the center from the keys before it, which
+        the rows of its own step have not written yet); `most` without preconditioning."""
+        if not self.layers:
+            return most
+        seg = self.segment
+        return 0 if pos % seg == 0 else seg - 1 - pos % seg
+
+    def needs_centers(self, slots: list[int], positions: list[int], n_slots: int) -> bool:
+        """Whether a decode step has a row in a segment whose key center is not made yet (then the step
+        makes it, decode_centers); the host's copy of ncent follows what the step does on the device."""
+        if not self.layers:
+            return False
+        need = False
+        for s, p in zip(slots, positions):
+            if 0 <= s < n_slots:
+                seg = p // self.segment
+                if seg >= self.ncent[s]:
+                    need = True
+                    self.ncent[s] = seg + 1
+        return need
+
+    def precondition(self, kp: KeyPrep, b: SlotBatch, q, k):
         """The rows' keys as stored ((k - c) / w), the queries as the stored keys need them (q * w), and
         the score correction q . c_s for every segment s of the row's slot (SequenceKV._prep_keys,
         prep_query, score_bias)."""
@@ -83,7 +151,7 @@ class KeyPrepMixin:
             return (start - window + 1).clamp_min(0) // bs * bs
         return max(0, start - window + 1) // bs * bs
 
-    def _decode_centers(self, kp: KeyPrep, kc, b: SlotBatch, window) -> None:
+    def decode_centers(self, kp: KeyPrep, kc, b: SlotBatch, window) -> None:
         """A decode row at the first position of a segment that has no center yet makes it, as
         SequenceKV does for a chunk that brings fewer than SEG_MIN_KEYS keys of the segment: the mean
         of the stored keys of the previous SEGMENT positions (decoded, un-preconditioned); segment 0
@@ -97,7 +165,7 @@ class KeyPrepMixin:
         if window:
             valid &= prev >= self._first_kept(pos, window)[:, None]
         prev = prev.clamp_min(0)
-        K = self._stored_keys(kp, kc, slots[:, None], prev)                 # [B, SEG, Hkv, D]
+        K = self.stored_keys(kp, kc, slots[:, None], prev)                 # [B, SEG, Hkv, D]
         if window:
             cnt = valid.sum(1)
             cand = _sum_rows(K * valid[..., None, None]) / cnt.clamp_min(1)[:, None, None]
@@ -110,7 +178,7 @@ class KeyPrepMixin:
         kp.centers[slots, seg] = torch.where(new[:, None, None], cand, kp.centers[slots, seg])
         kp.ncent[slots] = torch.maximum(kp.ncent.index_select(0, slots), seg + 1)
 
-    def _prefill_kprep(self, kp: KeyPrep, kc, b: SlotBatch, q, k, window) -> None:
+    def prefill_kprep(self, kp: KeyPrep, kc, b: SlotBatch, q, k, window) -> None:
         """A prefill chunk's segment centers and, for the slot's first chunk, its smoothing weights:
         SequenceKV._add_centers and _first_kprep over the slot's buffers. Which segments already have a
         center is known on the device only (ncent), so the choice is a torch.where."""
@@ -129,7 +197,7 @@ class KeyPrepMixin:
                 cand = self._recent_key_mean(kp, kc, slot, s * SEG, start, kf, window)
             kp.centers[slot, s] = torch.where(kp.ncent[slot] > s, kp.centers[slot, s], cand)
         kp.ncent[slot] = torch.clamp_min(kp.ncent[slot], (end - 1) // SEG + 1)
-        self._ncent[slot] = max(self._ncent[slot], (end - 1) // SEG + 1)
+        self.ncent[slot] = max(self.ncent[slot], (end - 1) // SEG + 1)
         if start == 0 and n >= self.prep_min_tokens:
             self._smoothing_weights(kp, slot, q, kf - kp.centers[slot, b.positions.long() // SEG])
 
@@ -140,17 +208,17 @@ class KeyPrepMixin:
         parts = []
         lo2 = max(lo, self._first_kept(start, window))
         if lo2 < start:
-            parts.append(self._stored_keys(kp, kc, slot, torch.arange(lo2, start, device=kf.device)))
+            parts.append(self.stored_keys(kp, kc, slot, torch.arange(lo2, start, device=kf.device)))
         if pos > start:
             parts.append(kf[max(0, lo - start):pos - start])
         if sum(p.shape[0] for p in parts) == 0:
             return kp.centers[slot, pos // self.segment - 1].clone()
         return torch.cat(parts).mean(0)
 
-    def _stored_keys(self, kp: KeyPrep | None, kc, slots, pos: torch.Tensor) -> torch.Tensor:
+    def stored_keys(self, kp: KeyPrep | None, kc, slots, pos: torch.Tensor) -> torch.Tensor:
         """The keys stored at (slot, position) pairs, decoded and un-preconditioned (stored (k - c) / w
         times w plus the center of the position's segment): [..., Hkv, D]."""
-        K = self._read_rows(kc, self.codec_k, self.spec.head_dim, slots, pos)
+        K = self.read_keys(kc, slots, pos)
         if kp is None:
             return K
         return K * kp.w[slots] + kp.centers[slots, pos // self.segment]

@@ -10,7 +10,7 @@ A `Runner` owns, for up to `n_slots` sequences, everything a step touches:
   may reach `max_ctx` positions (up to the whole pool). Slots with a common prefix reference the same
   blocks (copy_prefix); a shared block is copied before it is written (copy-on-write).
 - for rotated K types (turbo*), each slot's key preconditioning per attention layer
-  (engine/runner_keyprep.py), as engine/kv/sequence.py does it on the CPU path: channel smoothing
+  (engine/runner/keyprep.py), as engine/kv/sequence.py does it on the CPU path: channel smoothing
   weights w [Hkv, D] made from the slot's first chunk, a center per SEGMENT (256) positions [n_seg,
   Hkv, D], and how many segments have a center. The codec stores (k - c_seg) / w; the query is
   multiplied by w and the score of a key of segment s gets q . c_s added (`seg_bias` of the attention
@@ -26,7 +26,7 @@ once per row-count bucket (1, 2, 4, .., 64) as a CUDA graph and replayed: one la
 of ~20 per layer. Everything a decode step decides per row (the new segment center of a row that is
 the first of a segment, the row's center and weights) is computed on the device with torch.where /
 index_put, never by the host. Prefill (a chunk of one sequence) runs through the same model code, on
-CUDA as graphs between its attention layers (engine/runner_prefill.py). On the CPU the same code runs
+CUDA as graphs between its attention layers (engine/runner/prefill.py). On the CPU the same code runs
 with the torch references (no graphs), which is how the tests check the slot logic without a GPU.
 
 Every kernel of a step reduces in an order fixed by the weights' shapes and the row's own position,
@@ -38,24 +38,23 @@ checkpoint (enable_checkpoints); the result is bit for bit a cold run's (tests/e
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv.blocks import BlockAllocator
-from engine.kv.pool import PoolFullError, rope_key_pairs
-from engine.kv.sequence import SequenceKV
+from engine.kv.pool import PoolFullError
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
-from engine.runner_attention import AttentionMixin
-from engine.runner_checkpoints import StateCheckpoints
-from engine.runner_keyprep import KeyPrep, KeyPrepMixin
+from engine.runner.attention import AttentionMixin
+from engine.runner.batch import DecodeGraph, PrefixMatch, PromptInputs, SlotBatch, capture_guard
+from engine.runner.checkpoints import StateCheckpoints
+from engine.runner.sizes import (attn_layers, preconditions_keys, slot_bytes_per_token, slot_fixed_bytes,  # noqa: F401
+                                 slot_prep_bytes, state_checkpoint_bytes)
+from engine.runner.keyprep import KeyPreconditioner
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.gdn import gdn_decode, gdn_gates
@@ -66,7 +65,7 @@ from kernels.quant import packed
 log = logging.getLogger("hivejet.engine")
 
 if TYPE_CHECKING:
-    from engine.runner_prefill import PrefillGraph
+    from engine.runner.prefill import PrefillGraph
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HOST_CHECKPOINT_STRIDE = 4   # host-memory checkpoints: every 4th prompt chunk end (and each prompt's last: _grid_step)
@@ -79,38 +78,6 @@ PROMPT_PIECES_ON = os.environ.get("HIVEJET_PROMPT_PIECES", "1") != "0"
 # the most rows such a pass has (its matmuls cost about one small chunk's per 64 rows, the rest of the pass is
 # paid once: longer passes gain little more, and each size is a graph of its own)
 PIECE_PASS_ROWS = 256
-
-
-class DecodeGraph(NamedTuple):
-    """A captured decode step: its static inputs (tokens, positions, slots) and outputs (logits, the rows'
-    output-normed hidden states, and their hidden states at the model's capture_layers or None)."""
-    graph: object
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    features: torch.Tensor | None
-
-
-@contextlib.contextmanager
-def capture_guard():
-    """Around a CUDA graph's capture: CUDA graphs left in dead reference cycles (a closed runner's, a
-    failed request's traceback) are destroyed when Python's garbage collector reaches them, and one
-    destroyed while another graph is being captured invalidates that capture
-    (cudaErrorStreamCaptureInvalidated: torch 2.11 no longer collects before capturing). So collect
-    first and keep the collector off until the capture has ended. Nested in another guard (a batch of
-    captures: Runner.capture, capture_drafting, capture_prefill) it does not collect again: one collect
-    per batch (each takes a full pass over the heap)."""
-    was_on = gc.isenabled()
-    if was_on:
-        gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
 
 
 def chunk_rows(n: int, chunk: int) -> int:
@@ -137,56 +104,6 @@ def _wave_bucket(waves: list | None) -> int:
     return 0 if waves is None else 1 << (len(waves) - 1).bit_length()
 
 
-def _attn_layers(spec) -> list[int]:
-    return [il for il in range(spec.n_layer) if not spec.is_recurrent(il)]
-
-
-def _types(cache_type_k: str, cache_type_v: str | None) -> tuple[str, str]:
-    kt = cache_type_name(cache_type_k)
-    return kt, cache_type_name(cache_type_v or kt)
-
-
-def preconditions_keys(cache_type_k: str) -> bool:
-    """Whether a K cache type gets the per-slot key preconditioning (rotated types)."""
-    return get_codec(cache_type_k).rotated and SequenceKV.PRECONDITION_KEYS
-
-
-def slot_bytes_per_token(model: DecoderModel, cache_type_k: str = "f16", cache_type_v: str | None = None) -> int:
-    """KV bytes one token of one slot takes (all attention layers, K and V; rotated types pad each head
-    to a multiple of 128 values). The per-slot state that does not grow per token is `slot_fixed_bytes`."""
-    kt, vt = _types(cache_type_k, cache_type_v)
-    s, ck, cv = model.spec, get_codec(kt), get_codec(vt)
-    return len(_attn_layers(s)) * s.n_head_kv * (ck.row_bytes(s.head_dim) + cv.row_bytes(s.head_dim_v))
-
-
-def slot_prep_bytes(model: DecoderModel, cache_type_k: str = "f16", max_ctx: int = 0) -> int:
-    """Key preconditioning bytes of one slot (rotated K types; the scratch slot has them too): per
-    attention layer float32 weights [Hkv, D], centers [ceil(max_ctx / SEGMENT), Hkv, D], a segment count."""
-    if not preconditions_keys(cache_type_name(cache_type_k)):
-        return 0
-    s = model.spec
-    n_seg = max(1, -(-max_ctx // SequenceKV.SEGMENT))
-    return len(_attn_layers(s)) * (4 * s.n_head_kv * s.head_dim * (1 + n_seg) + 8)
-
-
-def state_checkpoint_bytes(model: DecoderModel) -> int:
-    """Bytes of one slot's recurrent states (qwen35: float32 conv windows and delta-rule states; 0 for
-    models without recurrent layers): what one slot and one state checkpoint (enable_checkpoints) take."""
-    s = model.spec
-    n = 0
-    for il in range(s.n_layer):
-        if s.is_recurrent(il):
-            n += 4 * ((s.ssm_d_conv - 1) * model.conv_dim + model.n_v_heads * model.d_state * model.d_state)
-    return n
-
-
-def slot_fixed_bytes(model: DecoderModel, cache_type_k: str = "f16", cache_type_v: str | None = None,
-                     max_ctx: int = 0) -> int:
-    """Device bytes of one slot's state besides its KV: qwen35's recurrent states (float32 conv
-    windows and delta-rule states) and the key preconditioning (`slot_prep_bytes`)."""
-    return state_checkpoint_bytes(model) + slot_prep_bytes(model, cache_type_k, max_ctx)
-
-
 def _digest(prev: bytes, tokens) -> bytes:
     """The hash of a prefix, chained chunk by chunk: the previous prefix's digest and the next chunk's ids."""
     ids = torch.as_tensor(tokens, dtype=torch.long).numpy().tobytes()
@@ -201,97 +118,7 @@ def prefix_digests(tokens, chunk: int, upto: int) -> list[bytes]:
     return out
 
 
-@dataclass
-class PrefixMatch:
-    """What Runner.find_prefix found: copy slot `src`'s first n positions; recurrent models take their
-    states after n positions from `state`, a slot whose states are at n (int) or a checkpoint key."""
-    src: int
-    n: int
-    state: object = None
-
-
-@dataclass
-class PromptInputs:
-    """What a prompt chunk with images gives the model besides its token ids (engine/vision/prompt.py's
-    VisionPrompt.chunk_inputs, for the rows of one prefill call): RoPE positions [n] or [n, 3] (M-RoPE; None:
-    start..start+n), (row indices, float rows [k, n_embd]) replacing those rows' token embeddings, spans
-    [lo, hi) of positions attended both ways, and the slot's rope delta (the generated tokens' RoPE position
-    minus their index: M-RoPE models after images, Runner(rope_offsets=True)); keys: the rows' ids as the
-    prefix grid hashes them (images by content: VisionPrompt.prefix_keys; None: the slot leaves the grid)."""
-
-    positions: torch.Tensor | None = None
-    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-    bidirectional: list[tuple[int, int]] | None = None
-    rope_delta: int = 0
-    keys: list[int] | None = None
-
-
-class SlotBatch:
-    """Stands in for engine.models.common.Batch in a runner step: rows live in runner slots.
-    decode: row r is slot slots[r]'s next token at positions[r]. prefill: all rows are one slot's
-    chunk at positions start.. (the slot and start given as Python ints)."""
-
-    chunks = ()
-    valid: torch.Tensor | None = None   # a padded prompt chunk (engine/runner_prefill.py): 1 real row, 0 padding
-    keep: torch.Tensor | None = None    # and the rows that make its new conv window (qwen35)
-    pieces = None                       # and its pieces' layout (runner_prefill.PromptPieces)
-    # a prompt chunk with images (PromptInputs): RoPE positions where they are not `positions` (M-RoPE; decode
-    # rows of a slot after images: positions + its rope delta), rows taking image embeddings, and position
-    # spans attended both ways (Gemma 3)
-    rope_positions: torch.Tensor | None = None
-    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-    bidirectional: list[tuple[int, int]] | None = None
-
-    def __init__(self, runner: "Runner", positions: torch.Tensor, slots: torch.Tensor, decode: bool,
-                 slot: int = -1, start: int = 0):
-        self.runner, self.positions, self.slots, self.decode = runner, positions, slots, decode
-        self.slot, self.start = slot, start
-        self.rope: dict = {}
-        self._pool: dict = {}
-        self.waves: torch.Tensor | None = None   # drafts: [W, rows] each row's slot in its wave, else -1
-        self.centers = True     # decode: make the key centers of rows at a new segment (Runner._needs_centers)
-
-    def rows(self) -> torch.Tensor:
-        """Each row's place in the pool's caches (the same for every layer: computed once per step)."""
-        if "rows" not in self._pool:
-            self._pool["rows"] = self.runner._rows(self.slots.long(), self.positions.long())
-        return self._pool["rows"]
-
-    def tables(self) -> torch.Tensor:
-        """The decode rows' block tables [rows, max_blocks] (once per step)."""
-        if "tables" not in self._pool:
-            self._pool["tables"] = self.runner.block_table.index_select(0, self.slots.long())
-        return self._pool["tables"]
-
-    def lengths(self) -> torch.Tensor:
-        """The decode rows' key counts, int32 (positions + 1; once per step)."""
-        if "lengths" not in self._pool:
-            self._pool["lengths"] = (self.positions + 1).to(torch.int32)
-        return self._pool["lengths"]
-
-    def attend(self, il, q, k, v, scale, window):
-        return self.runner._attend(self, il, q, k, v, scale, window)
-
-    def attend_prepared(self, il, q, k, v, prep, scale, window, gate=None, out_dtype=None):
-        """DecoderModel.attend_heads' GPU shortcut: decode rows over a float cache do the norms and rope
-        (engine/models/common.py: HeadPrep) in the kernel that writes K and V, the output gate in the
-        attention's merge kernel. None where that does not apply (the model preps and attends as usual)."""
-        if not self.decode:
-            return None
-        return self.runner._attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype)
-
-    def state_slots(self) -> torch.Tensor:
-        """The decode rows' recurrent-state slots, padding rows -1 (no state update; once per step)."""
-        if "state_slots" not in self._pool:
-            r = self.runner
-            self._pool["state_slots"] = torch.where(self.slots == r.scratch, -1, self.slots)
-        return self._pool["state_slots"]
-
-    def delta_net(self, il, model, L, qkv, alpha_x, beta_x):
-        return self.runner._delta_net(self, il, model, L, qkv, alpha_x, beta_x)
-
-
-class Runner(AttentionMixin, KeyPrepMixin):
+class Runner(AttentionMixin):
     """cache_type sets K and V; cache_type_k / cache_type_v set each (f16 when neither is given).
     prefill_dot: the input precision of the Triton prefill attention's dot products on CUDA ("tf32":
     tensor cores, 10-bit mantissa, what the f16 cache's fused attention uses too; "ieee": full fp32,
@@ -342,7 +169,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         total_slots = n_slots + 1
         # attention layers' K/V, per layer: the pool's blocks, then the scratch slot's one block
         self.k, self.v = {}, {}
-        for il in _attn_layers(s):
+        for il in attn_layers(s):
             shape = (self.n_blocks + 1, block_size, s.n_head_kv)
             self.k[il] = torch.zeros(shape + (self.codec_k.row_bytes(s.head_dim),), dtype=torch.uint8, device=dev)
             self.v[il] = torch.zeros(shape + (self.codec_v.row_bytes(s.head_dim_v),), dtype=torch.uint8, device=dev)
@@ -354,23 +181,11 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._dev_len = [0] * n_slots           # entries the device row holds that are not scratch
         self.block_table = torch.full((total_slots, self.max_blocks), self.scratch_block, dtype=torch.int32,
                                       device=dev)
-        # key preconditioning of rotated K types (the constants are engine/kv/sequence.py's, read here
-        # so that both paths follow the same rule)
-        S = SequenceKV
-        self.segment, self.seg_min_keys, self.prep_min_tokens = S.SEGMENT, S.SEG_MIN_KEYS, S.PREP_MIN_TOKENS
-        self.smooth_clamp = S.SMOOTH_CLAMP
-        self.n_seg = max(1, -(-self.max_ctx // self.segment))
-        self.kprep: dict[int, KeyPrep] = {}
-        if self.codec_k.rotated and S.PRECONDITION_KEYS:
-            for il in self.k:
-                r = model.kv_rope(il)
-                partner = rope_key_pairs(s.head_dim, *r, horizon=s.context_length) if r is not None else None
-                self.kprep[il] = KeyPrep(total_slots, self.n_seg, s.n_head_kv, s.head_dim, partner, dev)
-            self._seg_offsets = torch.arange(-self.segment, 0, device=dev)
-        # the host's copy of KeyPrep.ncent (the same for every layer): a decode step makes centers only
-        # when one of its rows is in a segment without one (_decode_centers costs a pass over SEGMENT
-        # stored keys per row and layer: ~3 ms of a 27B step at 23K on the H200)
-        self._ncent = [0] * total_slots
+        # key preconditioning of rotated K types (engine/runner/keyprep.py)
+        self.keys = KeyPreconditioner(model, list(self.k), total_slots, self.max_ctx, block_size,
+                                      self.codec_k.rotated, self.triton, self._read_keys, dev)
+        self.kprep = self.keys.layers            # (attention layer -> KeyPrep; empty without preconditioning)
+        self.segment, self.n_seg = self.keys.segment, self.keys.n_seg
         # per slot (and the scratch slot, 0), what its decode rows add to their positions for RoPE
         self.rope_delta = torch.zeros(total_slots, dtype=torch.long, device=dev) if rope_offsets else None
         # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
@@ -399,7 +214,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self._step_features: torch.Tensor | None = None
         self._graph_pool = None
         # prompt chunks padded to the chunk size and, with graphs, captured between attention layers
-        # (engine/runner_prefill.py); default: with the decode graphs
+        # (engine/runner/prefill.py); default: with the decode graphs
         self.padded_prefill = self.graphs_enabled if padded_prefill is None else padded_prefill
         self._prefill_graphs: dict[int, PrefillGraph] = {}   # chunk size -> its graphs
         # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): all
@@ -428,7 +243,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def state_bytes(self) -> int:
         """Recurrent states and key preconditioning buffers (all slots and the scratch slot)."""
         ts = list(self.conv_state.values()) + list(self.ssm_state.values())
-        ts += [t for kp in self.kprep.values() for t in kp.tensors()]
+        ts += self.keys.tensors()
         return sum(t.numel() * t.element_size() for t in ts)
 
     def checkpoint_bytes(self, host: bool = False) -> int:
@@ -446,10 +261,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.release(slot)
         for t in list(self.conv_state.values()) + list(self.ssm_state.values()):
             t[slot].zero_()
-        for kp in self.kprep.values():
-            kp.w[slot] = 1.0
-            kp.ncent[slot] = 0
-        self._ncent[slot] = 0
+        self.keys.reset(slot)
         self._live[slot] = 0
 
     # ----- the shared block pool -----
@@ -567,6 +379,10 @@ class Runner(AttentionMixin, KeyPrepMixin):
         the device block table (device ops only: fine inside a CUDA graph)."""
         bs = self.block_size
         return self.block_table[slots, pos // bs].long() * bs + pos % bs
+
+    def _read_keys(self, kc, slots, pos: torch.Tensor) -> torch.Tensor:
+        """The stored keys at (slot, position) pairs, decoded as stored: [..., Hkv, D]."""
+        return self._read_rows(kc, self.codec_k, self.spec.head_dim, slots, pos)
 
     def _read_rows(self, cache: torch.Tensor, codec, d: int, slots, pos: torch.Tensor) -> torch.Tensor:
         """The values stored at (slot, position) pairs of one layer's cache, decoded: [..., Hkv, d] in the
@@ -698,14 +514,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
             self._share_blocks(src, dst, n)
         else:
             self.truncate(dst, n)
-        n_seg = -(-n // self.segment)
-        for kp in self.kprep.values():
-            if src != dst:
-                kp.w[dst].copy_(kp.w[src])
-                kp.centers[dst, :n_seg].copy_(kp.centers[src, :n_seg])
-            kp.centers[dst, n_seg:].zero_()
-            kp.ncent[dst] = kp.ncent[src].clamp_max(n_seg)
-        self._ncent[dst] = min(self._ncent[src], n_seg)
+        self.keys.copy_prefix(src, dst, n)
         c, digests = self._grid[src]
         self._grid[dst] = (c, digests[:min(n // c, len(digests) - 1) + 1]) if c else (0, [b""])
         if src != dst or self._live[src] != n:
@@ -774,7 +583,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         if b.valid is not None:
             g, beta = g * b.valid[:, None], beta * b.valid[:, None]
         if b.pieces is not None:
-            # one or several slots' pieces, each through its own window and state (engine/runner_prefill.py)
+            # one or several slots' pieces, each through its own window and state (engine/runner/prefill.py)
             return model.delta_net_pieces(L, qkv, g, beta, cs, S, b.pieces)
         # a prompt chunk of one slot, its state read and written through a device index (so a captured
         # chunk serves every slot; a slot starting at 0 was reset to zeros)
@@ -867,10 +676,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         its center (a row at a segment's first position makes the center from the keys before it, which the
         rows of its own step have not written yet): none when pos starts a segment, else up to its end.
         Otherwise as many as a graph bucket holds."""
-        if not self.kprep:
-            return BUCKETS[-1]
-        seg = self.segment
-        return 0 if pos % seg == 0 else seg - 1 - pos % seg
+        return self.keys.draft_room(pos, BUCKETS[-1])
 
     @torch.inference_mode()
     def cut_back(self, slot: int, n: int) -> None:
@@ -1040,7 +846,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         return self._graph_of(self._pass_graphs, rows, self.prompt_pieces)
 
     def _graph_of(self, graphs: dict, rows: int, max_pieces: int) -> PrefillGraph:
-        from engine.runner_prefill import PrefillGraph   # (it builds on SlotBatch, from this module)
+        from engine.runner.prefill import PrefillGraph   # (it builds on SlotBatch, from this module)
         g = graphs.get(rows)
         if g is None:
             g = graphs[rows] = PrefillGraph(self, rows, capture=self.graphs_enabled, max_pieces=max_pieces)
@@ -1051,7 +857,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         SMALL_PROMPT_ROWS tokens, chunks longer than that) in order, as many to a pass as fit PIECE_PASS_ROWS
         rows (and the chunk's) at PIECE_ALIGN and prompt_pieces; every other piece alone (all of them alone
         when the pieces are off)."""
-        from engine.runner_prefill import piece_rows
+        from engine.runner.prefill import piece_rows
         small = packed.SMALL_PROMPT_ROWS
         on = self.prompt_pieces > 1 and 0 < small < chunk
         top = min(PIECE_PASS_ROWS, chunk)   # (the step's workspace is planned for a chunk's rows)
@@ -1098,7 +904,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
 
     def _piece_pass(self, pieces: list[tuple[int, torch.Tensor, int]], chunk: int) -> list[torch.Tensor]:
         """One padded pass of several slots' pieces (piece_passes made them fit): the last rows' logits."""
-        from engine.runner_prefill import piece_rows
+        from engine.runner.prefill import piece_rows
         lives = {}
         for sl, t, st in pieces:
             if st == 0:
@@ -1192,18 +998,8 @@ class Runner(AttentionMixin, KeyPrepMixin):
         return g.logits[:n]
 
     def _needs_centers(self, slots: list[int], positions: list[int]) -> bool:
-        """Whether a decode step has a row in a segment whose key center is not made yet (then the step
-        makes it, _decode_centers); the host's copy of ncent follows what the step does on the device."""
-        if not self.kprep:
-            return False
-        need = False
-        for s, p in zip(slots, positions):
-            if 0 <= s < self.n_slots:
-                seg = p // self.segment
-                if seg >= self._ncent[s]:
-                    need = True
-                    self._ncent[s] = seg + 1
-        return need
+        """Whether a decode step makes key centers (KeyPreconditioner.needs_centers)."""
+        return self.keys.needs_centers(slots, positions, self.n_slots)
 
     def _reserve_rows(self, slots: list[int], positions: list[int]) -> None:
         """The blocks a decode step's rows write into: all of them, or none and PoolFullError."""

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.runner import SlotBatch, capture_guard
+from engine.runner.batch import SlotBatch, capture_guard
 
 if TYPE_CHECKING:
-    from engine.runner import Runner
+    from engine.runner.runner import Runner
 
 log = logging.getLogger(__name__)
 

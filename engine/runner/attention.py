@@ -1,8 +1,8 @@
-"""Attention on the GPU path: how the Runner's rows attend over the paged KV pool (engine/runner.py).
+"""Attention on the GPU path: how the Runner's rows attend over the paged KV pool (engine/runner/runner.py).
 Decode rows: the paged Triton kernel (kernels/attention/paged.py) for every cache type, or its torch
 reference. Prompt chunks: FlashAttention over the slot's gathered K/V for float caches, over K/V decoded in
 pieces for compressed ones (CUDA), else the paged prefill kernel / its reference. The rows' new K/V are
-encoded into the pool first (and, for rotated K types, preconditioned: engine/runner_keyprep.py)."""
+encoded into the pool first (and, for rotated K types, preconditioned: engine/runner/keyprep.py)."""
 from __future__ import annotations
 
 import os
@@ -16,8 +16,8 @@ from kernels.attention.flash import attention_lse, flash_chunk_attention, flash_
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
 
 if TYPE_CHECKING:
-    from engine.runner import SlotBatch
-    from engine.runner_keyprep import KeyPrep
+    from engine.runner.batch import SlotBatch
+    from engine.runner.keyprep import KeyPrep
 
 DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
 # float caches: the rows' new K and V written into the pool by one Triton kernel (kernels/attention/kv_write.py)
@@ -47,10 +47,10 @@ class AttentionMixin:
         if kp is not None:
             if b.decode:
                 if b.centers:
-                    self._decode_centers(kp, kc, b, window)
+                    self.keys.decode_centers(kp, kc, b, window)
             else:
-                self._prefill_kprep(kp, kc, b, q, k, window)
-            k, q, bias = self._precondition(kp, b, q, k)
+                self.keys.prefill_kprep(kp, kc, b, q, k, window)
+            k, q, bias = self.keys.precondition(kp, b, q, k)
             seg_len = self.segment
         flat = b.rows()                                                # each row's place in the pool
         if self._kernel_writes(k.device):
@@ -152,7 +152,7 @@ class AttentionMixin:
         masked attention, causal and windowed as usual but for pairs of positions inside one span
         (kernels/attention/ref.py's causal_attention mask). Rare (an image's chunk), so not fused."""
         pos = torch.arange(b.start + q.shape[0], device=q.device)
-        K = self._stored_keys(kp, self.k[il], b.slot, pos)
+        K = self.keys.stored_keys(kp, self.k[il], b.slot, pos)
         V = self._read_rows(self.v[il], self.codec_v, self.spec.head_dim_v, b.slot, pos)
         dt = torch.float16 if q.is_cuda and "f32" not in (self.codec_k.name, self.codec_v.name) else torch.float32
         return self._masked_attention(q, K, V, b.start, scale, window, dt, b.bidirectional)
@@ -174,7 +174,7 @@ class AttentionMixin:
         while hi > 0:
             lo = max(0, hi - piece)
             pos = torch.arange(lo, hi, device=q.device)
-            K = self._stored_keys(kp, kc, b.slot, pos)
+            K = self.keys.stored_keys(kp, kc, b.slot, pos)
             V = self._read_rows(vc, self.codec_v, s.head_dim_v, b.slot, pos)
             acc = merge_attention(acc, attention_lse(qh, K.to(dt), V.to(dt), scale, causal=hi == end))
             hi = lo

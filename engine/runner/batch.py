@@ -1,0 +1,137 @@
+"""What a runner step is made of, as data: a step's rows in slots (SlotBatch, the stand-in for the model's
+Batch), a prompt chunk's inputs besides its ids (PromptInputs), a found shared prefix (PrefixMatch), a captured
+decode step (DecodeGraph), and the guard around CUDA graph captures."""
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+
+if TYPE_CHECKING:
+    from engine.runner.runner import Runner
+
+
+class DecodeGraph(NamedTuple):
+    """A captured decode step: its static inputs (tokens, positions, slots) and outputs (logits, the rows'
+    output-normed hidden states, and their hidden states at the model's capture_layers or None)."""
+    graph: object
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+
+
+@contextlib.contextmanager
+def capture_guard():
+    """Around a CUDA graph's capture: CUDA graphs left in dead reference cycles (a closed runner's, a
+    failed request's traceback) are destroyed when Python's garbage collector reaches them, and one
+    destroyed while another graph is being captured invalidates that capture
+    (cudaErrorStreamCaptureInvalidated: torch 2.11 no longer collects before capturing). So collect
+    first and keep the collector off until the capture has ended. Nested in another guard (a batch of
+    captures: Runner.capture, capture_drafting, capture_prefill) it does not collect again: one collect
+    per batch (each takes a full pass over the heap)."""
+    was_on = gc.isenabled()
+    if was_on:
+        gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+@dataclass
+class PrefixMatch:
+    """What Runner.find_prefix found: copy slot `src`'s first n positions; recurrent models take their
+    states after n positions from `state`, a slot whose states are at n (int) or a checkpoint key."""
+    src: int
+    n: int
+    state: object = None
+
+
+@dataclass
+class PromptInputs:
+    """What a prompt chunk with images gives the model besides its token ids (engine/vision/prompt.py's
+    VisionPrompt.chunk_inputs, for the rows of one prefill call): RoPE positions [n] or [n, 3] (M-RoPE; None:
+    start..start+n), (row indices, float rows [k, n_embd]) replacing those rows' token embeddings, spans
+    [lo, hi) of positions attended both ways, and the slot's rope delta (the generated tokens' RoPE position
+    minus their index: M-RoPE models after images, Runner(rope_offsets=True)); keys: the rows' ids as the
+    prefix grid hashes them (images by content: VisionPrompt.prefix_keys; None: the slot leaves the grid)."""
+
+    positions: torch.Tensor | None = None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    bidirectional: list[tuple[int, int]] | None = None
+    rope_delta: int = 0
+    keys: list[int] | None = None
+
+
+class SlotBatch:
+    """Stands in for engine.models.common.Batch in a runner step: rows live in runner slots.
+    decode: row r is slot slots[r]'s next token at positions[r]. prefill: all rows are one slot's
+    chunk at positions start.. (the slot and start given as Python ints)."""
+
+    chunks = ()
+    valid: torch.Tensor | None = None   # a padded prompt chunk (engine/runner/prefill.py): 1 real row, 0 padding
+    keep: torch.Tensor | None = None    # and the rows that make its new conv window (qwen35)
+    pieces = None                       # and its pieces' layout (runner_prefill.PromptPieces)
+    # a prompt chunk with images (PromptInputs): RoPE positions where they are not `positions` (M-RoPE; decode
+    # rows of a slot after images: positions + its rope delta), rows taking image embeddings, and position
+    # spans attended both ways (Gemma 3)
+    rope_positions: torch.Tensor | None = None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    bidirectional: list[tuple[int, int]] | None = None
+
+    def __init__(self, runner: Runner, positions: torch.Tensor, slots: torch.Tensor, decode: bool,
+                 slot: int = -1, start: int = 0):
+        self.runner, self.positions, self.slots, self.decode = runner, positions, slots, decode
+        self.slot, self.start = slot, start
+        self.rope: dict = {}
+        self._pool: dict = {}
+        self.waves: torch.Tensor | None = None   # drafts: [W, rows] each row's slot in its wave, else -1
+        self.centers = True     # decode: make the key centers of rows at a new segment (Runner._needs_centers)
+
+    def rows(self) -> torch.Tensor:
+        """Each row's place in the pool's caches (the same for every layer: computed once per step)."""
+        if "rows" not in self._pool:
+            self._pool["rows"] = self.runner._rows(self.slots.long(), self.positions.long())
+        return self._pool["rows"]
+
+    def tables(self) -> torch.Tensor:
+        """The decode rows' block tables [rows, max_blocks] (once per step)."""
+        if "tables" not in self._pool:
+            self._pool["tables"] = self.runner.block_table.index_select(0, self.slots.long())
+        return self._pool["tables"]
+
+    def lengths(self) -> torch.Tensor:
+        """The decode rows' key counts, int32 (positions + 1; once per step)."""
+        if "lengths" not in self._pool:
+            self._pool["lengths"] = (self.positions + 1).to(torch.int32)
+        return self._pool["lengths"]
+
+    def attend(self, il, q, k, v, scale, window):
+        return self.runner._attend(self, il, q, k, v, scale, window)
+
+    def attend_prepared(self, il, q, k, v, prep, scale, window, gate=None, out_dtype=None):
+        """DecoderModel.attend_heads' GPU shortcut: decode rows over a float cache do the norms and rope
+        (engine/models/common.py: HeadPrep) in the kernel that writes K and V, the output gate in the
+        attention's merge kernel. None where that does not apply (the model preps and attends as usual)."""
+        if not self.decode:
+            return None
+        return self.runner._attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype)
+
+    def state_slots(self) -> torch.Tensor:
+        """The decode rows' recurrent-state slots, padding rows -1 (no state update; once per step)."""
+        if "state_slots" not in self._pool:
+            r = self.runner
+            self._pool["state_slots"] = torch.where(self.slots == r.scratch, -1, self.slots)
+        return self._pool["state_slots"]
+
+    def delta_net(self, il, model, L, qkv, alpha_x, beta_x):
+        return self.runner._delta_net(self, il, model, L, qkv, alpha_x, beta_x)
