@@ -6,6 +6,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import codecs
 import logging
 import os
 import sys
@@ -65,6 +66,21 @@ def _stream(handle, out=None) -> object:
         elif isinstance(ev, FinishEvent):
             fin = ev
     return fin
+
+
+def _byte_replace(err: UnicodeDecodeError):
+    """One U+FFFD for the first byte of a malformed sequence, then decoding resumes at the next byte."""
+    return "\ufffd", err.start + 1
+
+
+codecs.register_error("hivejet-bytewise-replace", _byte_replace)
+
+
+def read_text_file(path: str | Path) -> str:
+    """A -f file as llama.cpp's tools read it: the bytes as they are (CR and CRLF stay, no newline
+    translation), decoded as UTF-8 with each byte that does not start a valid sequence becoming
+    U+FFFD, as llama.cpp's unicode_cpts_from_utf8 does."""
+    return Path(path).read_bytes().decode("utf-8", errors="hivejet-bytewise-replace")
 
 
 def cmd_generate(args) -> int:
@@ -146,7 +162,7 @@ def cmd_perplexity(args) -> int:
         if base is None:
             if not args.file:
                 raise ValueError("give -f FILE (or --kl-divergence-base FILE)")
-            text = Path(args.file).read_text(encoding="utf-8", errors="replace")
+            text = read_text_file(args.file)
 
         def progress(i, n, ppl):
             print(f"[{i}/{n}] {ppl:.4f}", file=sys.stderr)
@@ -172,7 +188,7 @@ def cmd_tokenize(args) -> int:
     from engine.tokenizer import Tokenizer
     if (args.file is None) == (args.prompt is None):
         raise ValueError("give exactly one of -f FILE or -p TEXT")
-    text = Path(args.file).read_text(encoding="utf-8") if args.file else args.prompt
+    text = read_text_file(args.file) if args.file else args.prompt
     f = GGUFFile(ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr)))
     try:
         tok = Tokenizer.from_metadata(f.metadata)
