@@ -109,12 +109,47 @@ def cmd_generate(args) -> int:
     return 0
 
 
+CHAT_COMMANDS = {"/help": "list these commands", "/reset": "forget the conversation and start over",
+                 "/quit": "leave (an empty line or Ctrl-D does too)"}
+
+
+def chat_command(line: str) -> str | None:
+    """The chat command a line is (a single word starting with "/"), or None for a message to the model."""
+    s = line.strip()
+    return s if s.startswith("/") and len(s.split()) == 1 and not s.startswith("//") else None
+
+
+def _chat_help() -> str:
+    return "commands:\n" + "\n".join(f"  {c:8s} {d}" for c, d in CHAT_COMMANDS.items())
+
+
+def _chat_reply(eng, msgs, args):
+    """Streams one reply to stdout; returns (its text, the FinishEvent or None when Ctrl-C stopped it)."""
+    from engine.types import FinishEvent, Request, TokenEvent
+    h = eng.submit(Request(messages=msgs, sampling=_sampling(args), session="terminal"))
+    pieces, fin = [], None
+    try:
+        for ev in h:
+            if isinstance(ev, TokenEvent):
+                pieces.append(ev.text)
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif isinstance(ev, FinishEvent):
+                fin = ev
+    except KeyboardInterrupt:
+        h.cancel()
+    print()
+    return "".join(pieces), fin
+
+
 def cmd_chat(args) -> int:
-    """Interactive terminal chat (the app's fallback when no GUI can start)."""
-    from engine.types import Request
+    """Interactive terminal chat (the app's fallback when no GUI can start). Lines that are a single word
+    starting with "/" are commands (/help lists them) and never reach the model; each reply ends with its
+    tokens, tok/s and time to first token on stderr."""
+    from app.reply_stats import reply_stats
     with _engine(args) as eng:
         print(f"HiveJet {__version__} - chatting with {eng.model_name} on {eng.config.device}. "
-              "Empty line or Ctrl-D to quit; /reset starts over.", file=sys.stderr)
+              "Empty line or Ctrl-D to quit; /help lists the commands.", file=sys.stderr)
         msgs = [{"role": "system", "content": args.system}] if args.system else []
         base = list(msgs)
         while True:
@@ -125,23 +160,34 @@ def cmd_chat(args) -> int:
                 break
             if not line.strip():
                 break
-            if line.strip() == "/reset":
+            cmd = chat_command(line)
+            if cmd == "/quit":
+                break
+            if cmd == "/reset":
                 msgs = list(base)
+                print("(conversation cleared: the next message starts a new one)", file=sys.stderr)
                 continue
+            if cmd is not None:
+                if cmd != "/help":
+                    print(f"unknown command {cmd}", file=sys.stderr)
+                print(_chat_help(), file=sys.stderr)
+                continue
+            if line.strip().startswith("//"):
+                line = line.strip()[1:]      # "//x" sends "/x"
             msgs.append({"role": "user", "content": line})
-            h = eng.submit(Request(messages=msgs, sampling=_sampling(args), session="terminal"))
-            pieces = []
-            try:
-                from engine.types import TokenEvent
-                for ev in h:
-                    if isinstance(ev, TokenEvent):
-                        pieces.append(ev.text)
-                        sys.stdout.write(ev.text)
-                        sys.stdout.flush()
-            except KeyboardInterrupt:
-                h.cancel()
-            print()
-            msgs.append({"role": "assistant", "content": "".join(pieces)})
+            text, fin = _chat_reply(eng, msgs, args)
+            if fin is not None:
+                note = reply_stats(fin)
+                if fin.reason == "error":
+                    print(f"[{note} · error: {fin.error}; the message was not kept]", file=sys.stderr)
+                    msgs.pop()
+                    continue
+                if fin.reason == "length":
+                    note += " · hit the max tokens limit (-n)"
+                print(f"[{note}]", file=sys.stderr)
+            else:
+                print("[stopped]", file=sys.stderr)
+            msgs.append({"role": "assistant", "content": text})
     return 0
 
 

@@ -99,3 +99,23 @@ def test_perplexity_reads_file_bytes(tmp_path):
     f = tmp_path / "crlf.txt"
     f.write_bytes(b"a\r\nb\r\xff")
     assert read_text_file(f) == "a\r\nb\r\ufffd"
+
+
+def test_terminal_chat_commands_and_reply_stats(smollm2_path, monkeypatch, capsys):
+    """/help lists the commands and /reset says it cleared the conversation; neither reaches the model.
+    Each reply ends with its tokens, tok/s and time to first token."""
+    from engine.engine import Engine
+    sent = []
+    submit = Engine.submit
+
+    def spy(self, req, *a, **k):
+        sent.append([m["content"] for m in req.messages])
+        return submit(self, req, *a, **k)
+    monkeypatch.setattr(Engine, "submit", spy)
+    lines = iter(["/help", "Say hi.", "/reset", "Again", "/quit", "never sent"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "-m", str(smollm2_path), "-n", "4", "--temp", "0", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "/reset" in err and "/help" in err and "/quit" in err and "conversation cleared" in err
+    assert sent == [["Say hi."], ["Again"]]       # no command went to the model, /reset forgot the first turn
+    assert err.count("4 tokens · ") == 2 and err.count(" tok/s · first token ") == 2
