@@ -3,9 +3,12 @@ by uvicorn in a thread, on/off, port, "allow other devices on my network" (binds
 the generated API key), base URL with copy buttons, editor settings to paste, and connected clients."""
 from __future__ import annotations
 
+import json
 import secrets
+import shlex
 import socket
 import threading
+from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
@@ -25,6 +28,12 @@ def server_factory():
         return create_app
     except ImportError:
         return None
+
+
+def shell_arg(s: str) -> str:
+    """`s` quoted for a command line: in double quotes, which bash, zsh, cmd and PowerShell all read the same
+    way, unless it holds characters that are special inside them (then POSIX single quotes)."""
+    return f'"{s}"' if not set(s) & set('"$`\\!%') else shlex.quote(s)
 
 
 def lan_address() -> str:
@@ -180,6 +189,16 @@ class ServerPage(QWidget):
         b.clicked.connect(lambda: self._copy(self.url.text()))
         urow.addWidget(b)
         lay.addLayout(urow)
+        mrow = QHBoxLayout()
+        mrow.addWidget(QLabel("Model id"))
+        self.model_id = QLineEdit()
+        self.model_id.setReadOnly(True)
+        self.model_id.setToolTip("The name clients send as \"model\" (GET /v1/models lists it)")
+        mrow.addWidget(self.model_id, 1)
+        b = QPushButton("Copy")
+        b.clicked.connect(lambda: self._copy(self.model_id.text()))
+        mrow.addWidget(b)
+        lay.addLayout(mrow)
         self.status = QLabel("Off.")
         self.status.setWordWrap(True)
         lay.addWidget(self.status)
@@ -220,16 +239,29 @@ class ServerPage(QWidget):
         host = lan_address() if self.lan.isChecked() else "127.0.0.1"
         return f"http://{host}:{self.port.value()}/v1"
 
+    def api_model_id(self) -> str:
+        """The id the server reports for the loaded model (app/server's model_id: the file name without .gguf),
+        which is what clients must send; the display name can differ from it."""
+        info = self.ctl.info
+        if info is None or info.remote or not info.path:
+            return "local-model"
+        return Path(info.path).stem
+
     def _update_texts(self):
         self.url.setText(self.base_url())
         key = self.key.text() if self.lan.isChecked() else (self.key.text() or "not-needed")
-        model = self.ctl.info.name if self.ctl.info else "local-model"
+        model = self.api_model_id()
+        self.model_id.setText(model)
         self.snippets.setPlainText(
-            f"# OpenAI-compatible clients\nOPENAI_BASE_URL={self.base_url()}\nOPENAI_API_KEY={key}\n\n"
-            f"# Continue (config.yaml)\nmodels:\n  - name: HiveJet\n    provider: openai\n    model: {model}\n"
+            f"# OpenAI-compatible clients\nOPENAI_BASE_URL={self.base_url()}\nOPENAI_API_KEY={key}\n"
+            f"# model id: {model}\n\n"
+            f"# Continue (config.yaml)\nmodels:\n  - name: HiveJet\n    provider: openai\n    model: {json.dumps(model)}\n"
             f"    apiBase: {self.base_url()}\n    apiKey: {key}\n\n"
-            f"# Aider\naider --openai-api-base {self.base_url()} --openai-api-key {key} --model openai/{model}\n\n"
-            f"# Python\nfrom openai import OpenAI\nclient = OpenAI(base_url=\"{self.base_url()}\", api_key=\"{key}\")\n")
+            f"# Aider\naider --openai-api-base {self.base_url()} --openai-api-key {shlex.quote(key)} "
+            f"--model {shell_arg('openai/' + model)}\n\n"
+            f"# Python\nfrom openai import OpenAI\nclient = OpenAI(base_url=\"{self.base_url()}\", api_key=\"{key}\")\n"
+            f"reply = client.chat.completions.create(model={json.dumps(model)}, messages=[{{\"role\": \"user\", "
+            f"\"content\": \"Hello\"}}])\n")
 
     def _toggled(self, on):
         if on:

@@ -243,3 +243,27 @@ def test_monitor_pool_and_draft_cards():
     on = dict(spec=dict(mode="mtp+ngram", drafters=dict(ngram=dict(drafted=200, accepted=50, acceptance=0.25),
                                                           mtp=dict(drafted=1000, accepted=730, acceptance=0.73))))
     assert draft_text(on) == "mtp: 73% of 1,000 drafts accepted<br>ngram: 25% of 200 drafts accepted"
+
+
+def test_snippets_carry_the_api_model_id_quoted(win, qtbot):
+    """The page shows the id clients must send (the one /v1/models lists, not the display name) and the
+    Aider line survives being pasted into a shell, even for an id with spaces."""
+    import shlex
+    import urllib.request
+    import json
+    from app.gui.server_page import shell_arg
+    port = free_port()
+    win.server.port.setValue(port)
+    win.server_switch.setChecked(True)
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+        served = json.loads(r.read())["data"][0]["id"]
+    assert win.server.model_id.text() == served and served != win.ctl.info.name
+    aider = next(l for l in win.server.snippets.toPlainText().splitlines() if l.startswith("aider "))
+    argv = shlex.split(aider)
+    assert argv[argv.index("--model") + 1] == "openai/" + served
+    assert f'"openai/{served}"' in aider
+    assert f'model: "{served}"' in win.server.snippets.toPlainText()
+    assert shlex.split("aider --model " + shell_arg("openai/My Model 7B")) == ["aider", "--model", "openai/My Model 7B"]
+    assert shlex.split("x " + shell_arg('a "b" $c')) == ["x", 'a "b" $c']
+    win.server_switch.setChecked(False)
