@@ -16,10 +16,12 @@ from PySide6.QtGui import QGuiApplication, QImage, QPixmap
 from PySide6.QtWidgets import (QApplication, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QLabel,
                                QLineEdit, QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QProgressBar,
                                QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QTextEdit,
-                               QVBoxLayout, QWidget)
+                               QToolButton, QVBoxLayout, QWidget)
 
+from app.gui.icons import icon, pixmap
 from app.gui.markdown_view import render
 from app.gui.theme import is_dark
+from app.reply_stats import reply_stats
 from app.store import Message, Store
 from engine.sampling import SamplingParams
 
@@ -89,6 +91,12 @@ def image_attachment(img: QImage, name: str = "pasted image.png") -> dict:
             "data": base64.b64encode(bytes(ba)).decode()}
 
 
+def file_icon_label() -> QLabel:
+    lab = QLabel()
+    lab.setPixmap(pixmap("file", 16))
+    return lab
+
+
 def attachment_pixmap(a: dict, size: int = 96) -> QPixmap:
     img = QImage.fromData(base64.b64decode(a["data"]))
     return QPixmap.fromImage(img).scaled(size, size, Qt.KeepAspectRatio, Qt.SmoothTransformation)
@@ -156,8 +164,9 @@ class MessageWidget(QFrame):
                     chip.setPixmap(attachment_pixmap(a))
                     chip.setToolTip(f"{a['name']} ({a.get('width')}x{a.get('height')})")
                 else:
-                    chip.setText(f"📄 {a['name']} · {len(a.get('text', ''))} chars")
+                    chip.setText(f"{a['name']} · {len(a.get('text', ''))} chars")
                     chip.setObjectName("Muted")
+                    row.addWidget(file_icon_label())
                 row.addWidget(chip)
             row.addStretch(1)
             lay.addLayout(row)
@@ -354,7 +363,7 @@ class ChatPage(QWidget):
         self.msg_layout.addStretch(1)
         self.scroll.setWidget(self.msg_host)
         cl.addWidget(self.scroll, 1)
-        self.empty = QLabel("Start a conversation: type a message below.\nAttach text files or images with 📎, "
+        self.empty = QLabel("Start a conversation: type a message below.\nAttach text files or images with Attach, "
                             "by dropping them here, or by pasting.")
         self.empty.setAlignment(Qt.AlignCenter)
         self.empty.setObjectName("Muted")
@@ -372,7 +381,7 @@ class ChatPage(QWidget):
         self.composer.attachRequested.connect(self._attach_any)
         cl.addWidget(self.composer)
         row = QHBoxLayout()
-        self.attach_button = QPushButton("📎 Attach")
+        self.attach_button = QPushButton(icon("attach"), "Attach")
         self.attach_button.clicked.connect(self._attach_dialog)
         row.addWidget(self.attach_button)
         self.context_bar = QProgressBar()
@@ -388,11 +397,11 @@ class ChatPage(QWidget):
         self.error_label.setObjectName("ErrorText")
         self.error_label.setWordWrap(True)
         row.addWidget(self.error_label, 2)
-        self.stop_button = QPushButton("■ Stop")
+        self.stop_button = QPushButton(icon("stop"), "Stop")
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
         row.addWidget(self.stop_button)
-        self.send_button = QPushButton("Send ➤")
+        self.send_button = QPushButton(icon("send", "#ffffff", None), "Send")
         self.send_button.setObjectName("Primary")
         self.send_button.clicked.connect(lambda: self.send())
         row.addWidget(self.send_button)
@@ -437,6 +446,7 @@ class ChatPage(QWidget):
         split.setSizes([230, 800, 260])
         split.setStretchFactor(1, 1)
         self._loading_settings = False
+        self._show_settings(*self._defaults())   # before any conversation: the values a new one gets
 
     # ----- conversations -----
     def reload_conversations(self, *_):
@@ -482,9 +492,13 @@ class ChatPage(QWidget):
         self.reload_conversations()
 
     def new_conversation(self) -> str:
-        defaults = self.store.get_setting("default_sampling", DEFAULT_SAMPLING)
-        c = self.store.create_conversation(sampling=dict(defaults),
-                                           system_prompt=self.store.get_setting("default_system_prompt", ""))
+        """A new conversation with Settings' defaults, or with what was set in the panel while no
+        conversation was open."""
+        if self.current_id is None and self._draft_edited:
+            system_prompt, sampling = self.system_edit.toPlainText(), self.sampling_dict()
+        else:
+            system_prompt, sampling = self._defaults()
+        c = self.store.create_conversation(sampling=dict(sampling), system_prompt=system_prompt)
         self.current_id = c.id
         self.reload_conversations()
         self.open_conversation(c.id)
@@ -502,6 +516,7 @@ class ChatPage(QWidget):
             else:
                 self._clear_messages()
                 self.title.setText("New chat")
+                self._show_settings(*self._defaults())
         self.reload_conversations()
 
     def open_conversation(self, cid: str):
@@ -509,9 +524,20 @@ class ChatPage(QWidget):
         if c is None:
             return
         self.current_id = cid
+        self._show_settings(c.system_prompt, c.sampling)
+        self.title.setText(c.title)
+        self.rebuild_messages()
+        self.conversationChanged.emit(cid)
+
+    def _defaults(self) -> tuple[str, dict]:
+        """A new conversation's system prompt and sampling: Settings' defaults over DEFAULT_SAMPLING."""
+        return (self.store.get_setting("default_system_prompt", ""),
+                {**DEFAULT_SAMPLING, **(self.store.get_setting("default_sampling", DEFAULT_SAMPLING) or {})})
+
+    def _show_settings(self, system_prompt: str, sampling: dict):
         self._loading_settings = True
-        s = {**DEFAULT_SAMPLING, **c.sampling}
-        self.system_edit.setPlainText(c.system_prompt)
+        s = {**DEFAULT_SAMPLING, **(sampling or {})}
+        self.system_edit.setPlainText(system_prompt)
         self.s_temp.setValue(float(s["temperature"]))
         self.s_top_p.setValue(float(s["top_p"]))
         self.s_top_k.setValue(int(s["top_k"]))
@@ -520,12 +546,13 @@ class ChatPage(QWidget):
         self.s_rep.setValue(float(s["repetition_penalty"]))
         self.s_seed.setValue(int(s.get("seed", -1)))
         self._loading_settings = False
-        self.title.setText(c.title)
-        self.rebuild_messages()
-        self.conversationChanged.emit(cid)
+        self._draft_edited = False
 
     def _save_settings(self, *_):
-        if self._loading_settings or not self.current_id:
+        if self._loading_settings:
+            return
+        if not self.current_id:     # no conversation yet: the panel's values go to the one the next message starts
+            self._draft_edited = True
             return
         self.store.update_conversation(self.current_id, system_prompt=self.system_edit.toPlainText(),
                                        sampling=self.sampling_dict())
@@ -630,10 +657,21 @@ class ChatPage(QWidget):
             if w is not None:
                 w.deleteLater()
         for i, a in enumerate(self.pending):
-            b = QPushButton(("🖼 " if a["kind"] == "image" else "📄 ") + a["name"] + "  ✕")
-            b.setToolTip("Remove this attachment")
-            b.clicked.connect(lambda _=False, i=i: self._remove_pending(i))
-            self.attach_row.insertWidget(self.attach_row.count() - 1, b)
+            chip = QFrame()
+            chip.setObjectName("AttachChip")
+            cl = QHBoxLayout(chip)
+            cl.setContentsMargins(6, 2, 2, 2)
+            kind = QLabel()
+            kind.setPixmap(pixmap("image" if a["kind"] == "image" else "file", 16))
+            cl.addWidget(kind)
+            cl.addWidget(QLabel(a["name"]))
+            rm = QToolButton()
+            rm.setIcon(icon("close"))
+            rm.setAutoRaise(True)
+            rm.setToolTip("Remove this attachment")
+            rm.clicked.connect(lambda _=False, i=i: self._remove_pending(i))
+            cl.addWidget(rm)
+            self.attach_row.insertWidget(self.attach_row.count() - 1, chip)
         self._update_vision_note()
 
     def _remove_pending(self, i):
@@ -641,18 +679,32 @@ class ChatPage(QWidget):
             self.pending.pop(i)
         self._refresh_pending()
 
-    def _update_vision_note(self):
-        has_img = any(a["kind"] == "image" for a in self.pending)
+    def _no_vision_reason(self) -> str | None:
+        """Why the loaded model cannot take images (None when it can)."""
         info = self.ctl.info
-        if has_img and not (info and info.vision):
-            reason = (info.vision_note if info and info.vision_note else
-                      f"{info.name if info else 'No model'} cannot see images: it has no vision projector (mmproj)")
-            self.vision_note.setText(f"⚠ {reason[:1].upper() + reason[1:]}. The image is kept with your message, but "
-                                     "the model only reads the text. Load a vision model with its mmproj file "
-                                     "beside it to ask about images.")
+        if info and info.vision and self.ctl.engine is not None:
+            return None
+        reason = (info.vision_note if info and info.vision_note else
+                  f"{info.name if info else 'No model'} cannot see images: it has no vision projector (mmproj)")
+        return reason[:1].upper() + reason[1:]
+
+    def _update_vision_note(self):
+        reason = self._no_vision_reason() if any(a["kind"] == "image" for a in self.pending) else None
+        if reason:
+            self.vision_note.setText(f"{reason}. A message with an image is not sent to it: remove the image "
+                                     "to send the text, or load a vision model with its mmproj file beside it.")
             self.vision_note.show()
         else:
             self.vision_note.hide()
+
+    def _refuse_images(self, attachments: list[dict]) -> bool:
+        """True (with a message; the typed text and attachments stay) when `attachments` hold an image the
+        loaded model cannot see, as the API server refuses such a request."""
+        reason = self._no_vision_reason() if any(a.get("kind") == "image" for a in attachments) else None
+        if reason:
+            self.error_label.setText(f"Not sent: {reason}. Remove the image, or load a vision model.")
+            self._update_vision_note()
+        return bool(reason)
 
     def dragEnterEvent(self, e):
         if e.mimeData().hasUrls() or e.mimeData().hasImage():
@@ -705,6 +757,8 @@ class ChatPage(QWidget):
         if not self.ctl.ready:
             self.error_label.setText("No model is loaded yet: pick one in the model menu at the top.")
             return False
+        if self._refuse_images(self.pending):
+            return False
         if not self.current_id:
             self.new_conversation()
         c = self.store.get_conversation(self.current_id)
@@ -738,6 +792,8 @@ class ChatPage(QWidget):
             return False
         m = self.store.get_message(mid)
         if m is None or m.role != "user" or not new_text.strip():
+            return False
+        if self._refuse_images(m.attachments):
             return False
         u = self.store.add_message(m.conversation_id, "user", new_text.strip(), m.parent_id, attachments=m.attachments)
         return self._start_reply(u.id)
@@ -809,9 +865,7 @@ class ChatPage(QWidget):
         state = {"stop": "complete", "length": "complete", "cancelled": "stopped", "error": "error"}.get(fin.reason,
                                                                                                        "complete")
         n = fin.usage.completion_tokens
-        status = f"{n} tokens"
-        if fin.timings.decode_tokens_per_s:
-            status += f" · {fin.timings.decode_tokens_per_s:.1f} tok/s"
+        status = reply_stats(fin)        # tokens · tok/s · first token, under the reply
         if fin.reason == "length":
             status += " · hit the max tokens limit"
         meta = dict(m.meta, status=status, finish=fin.reason, tokens=n)

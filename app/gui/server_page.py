@@ -1,6 +1,7 @@
 """Server page and switch: the local OpenAI-compatible API (app/server's create_app) served in-process
 by uvicorn in a thread, on/off, port, "allow other devices on my network" (binds 0.0.0.0 and requires
-the generated API key), base URL with copy buttons, editor settings to paste, and connected clients."""
+the generated API key), base URL and model id with copy buttons, editor settings to paste, connected clients
+and the recent requests (app/gui/request_log.py)."""
 from __future__ import annotations
 
 import json
@@ -8,12 +9,15 @@ import secrets
 import shlex
 import socket
 import threading
+import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QPlainTextEdit, QPushButton,
-                               QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QListWidget, QPlainTextEdit,
+                               QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from app.gui.request_log import RequestLog
 
 
 def server_factory():
@@ -54,6 +58,7 @@ class ServerController:
         self.engine = None      # the engine it serves
         self.host = "127.0.0.1"
         self.port = 0
+        self.log = RequestLog()
 
     @property
     def running(self) -> bool:
@@ -88,7 +93,7 @@ class ServerController:
             probe.close()
         except OSError as e:
             return f"Port {port} is in use or not allowed ({e.strerror}); choose another port."
-        cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
+        cfg = uvicorn.Config(self.log.attach(app), host=self.host, port=port, log_level="warning", access_log=False)
         self.server = uvicorn.Server(cfg)
         self.engine = engine
         self.port = port
@@ -212,6 +217,14 @@ class ServerPage(QWidget):
         lay.addWidget(QLabel("Connected clients"))
         self.clients = QListWidget()
         lay.addWidget(self.clients, 1)
+        lay.addWidget(QLabel("Recent requests"))
+        self.requests = QTableWidget(0, 5)
+        self.requests.setHorizontalHeaderLabels(["Time", "Request", "Status", "Tokens", "Duration"])
+        self.requests.horizontalHeader().setSectionResizeMode(1, QHeaderView.Stretch)
+        self.requests.verticalHeader().hide()
+        self.requests.setEditTriggers(QTableWidget.NoEditTriggers)
+        lay.addWidget(self.requests, 2)
+        self._log_version = -1
         self.timer = QTimer(self, interval=1000, timeout=self._refresh_clients)
         self.timer.start()
         self._update_texts()
@@ -312,7 +325,27 @@ class ServerPage(QWidget):
             self.switch.setChecked(False)
             self.status.setText("Stopped: the model it served was unloaded. Turn it on again once a model is loaded.")
 
+    def refresh_requests(self):
+        """The request log's newest 100 entries, newest first (time, method and route, status, tokens
+        generated (prompt tokens in the tooltip), duration)."""
+        log = self.srv.log
+        if log.version == self._log_version:
+            return
+        self._log_version = log.version
+        rows = log.recent(100)
+        self.requests.setRowCount(len(rows))
+        for r, e in enumerate(rows):
+            vals = [time.strftime("%H:%M:%S", time.localtime(e["time"])), f"{e['method']} {e['path']}",
+                    str(e["status"] or "-"), f"{e['tokens']:,}" if e["tokens"] or e["prompt_tokens"] else "",
+                    f"{e['ms'] / 1000:.2f} s" if e["ms"] >= 1000 else f"{e['ms']:.0f} ms"]
+            for c, v in enumerate(vals):
+                it = QTableWidgetItem(v)
+                if c == 3 and e["prompt_tokens"]:
+                    it.setToolTip(f"{e['prompt_tokens']:,} prompt tokens, {e['tokens']:,} generated")
+                self.requests.setItem(r, c, it)
+
     def _refresh_clients(self):
+        self.refresh_requests()
         cl = self.srv.clients()
         items = [self.clients.item(i).text() for i in range(self.clients.count())]
         if cl != items:

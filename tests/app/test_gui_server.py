@@ -267,3 +267,28 @@ def test_snippets_carry_the_api_model_id_quoted(win, qtbot):
     assert shlex.split("aider --model " + shell_arg("openai/My Model 7B")) == ["aider", "--model", "openai/My Model 7B"]
     assert shlex.split("x " + shell_arg('a "b" $c')) == ["x", 'a "b" $c']
     win.server_switch.setChecked(False)
+
+
+def test_request_log(win, qtbot):
+    """The server page lists recent requests: time, route, status, tokens generated, duration; a stream's
+    tokens and whole duration count too."""
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    win.server.port.setValue(port)
+    win.server_switch.setChecked(True)
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    client = openai.OpenAI(base_url=win.server.url.text(), api_key="not-needed", timeout=60, max_retries=0)
+    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+                                       temperature=0)
+    pieces = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Count"}],
+                                                 max_tokens=4, temperature=0, stream=True))
+    assert pieces
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nope", cast_to=object)
+    qtbot.waitUntil(lambda: win.server.requests.rowCount() >= 3, timeout=5000)
+    rows = [[win.server.requests.item(i, c).text() for c in range(5)] for i in range(win.server.requests.rowCount())]
+    assert rows[0][1] == "GET /v1/nope" and rows[0][2] == "404"
+    assert rows[1][1] == "POST /v1/chat/completions" and rows[1][2] == "200" and 1 <= int(rows[1][3]) <= 4
+    assert rows[2][1] == "POST /v1/chat/completions" and rows[2][3] == str(r.usage.completion_tokens)
+    assert rows[2][0].count(":") == 2 and rows[2][4].endswith(("ms", " s"))
+    win.server_switch.setChecked(False)
