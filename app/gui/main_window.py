@@ -170,6 +170,11 @@ class MainWindow(QMainWindow):
         new.setShortcut(QKeySequence.New)
         new.triggered.connect(lambda: (self.nav.setCurrentRow(0), self.chat.new_conversation()))
         self.addAction(new)
+        self.quit_action = QAction("Quit", self)
+        self.quit_action.setShortcut(QKeySequence("Ctrl+Q"))
+        self.quit_action.setShortcutContext(Qt.ApplicationShortcut)
+        self.quit_action.triggered.connect(self.close)
+        self.addAction(self.quit_action)
         self.statusBar().showMessage("Ready")
 
     def show_page(self, name: str):
