@@ -193,12 +193,17 @@ class MonitorPage(QWidget):
 def pool_text(st: dict) -> str:
     """The KV card: the GPU path's shared pool (tokens used of its size, blocks shared by several
     conversations, blocks parked conversations keep, long prompts' chunks held back for generating
-    conversations: engine/pacing.py, recurrent-state checkpoints), or the CPU path's resident conversations."""
+    conversations: engine/pacing.py, recurrent-state checkpoints), or the CPU path's pool (its fixed limit,
+    the tokens in use) and resident conversations."""
     kp = st.get("kv_pool")
     res = st.get("resident") or {}
     parked = f"{res.get('conversations', 0)} conversations kept for follow-ups ({res.get('tokens', 0):,} tokens)"
     if not kp:
         return f"CPU path · {parked}"
+    if kp.get("path") == "cpu":      # the CPU pool's fixed limit; its use includes the conversations kept
+        cap = max(kp.get("capacity_tokens") or 0, 1)
+        used = kp.get("used_tokens", 0)
+        return f"CPU path · {used:,} of {cap:,} tokens ({100 * used / cap:.1f}%)<br>{parked}"
     cap = max(kp.get("capacity_tokens") or 0, 1)
     used = kp.get("used_tokens", 0)
     pacing = st.get("prefill_pacing") or {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from urllib.parse import urlparse
@@ -45,6 +46,29 @@ def add_top_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("-c", "--ctx", type=int, default=0, help="context per conversation (default: the model's)")
     s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the engine's)")
     s.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one), cpu or cuda")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while agents run: stopped like Ctrl-C (streams broken off, temporary folders removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate_as_interrupt():
+    """Make SIGTERM raise Terminated in the main thread for the run's duration; returns the undo."""
+    fired = []
+
+    def on_term(signum, _frame):
+        if not fired:          # once: a second SIGTERM must not break off the clean stop the first started
+            fired.append(signum)
+            raise Terminated(signum)
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
+    except (ValueError, OSError, AttributeError):     # not the main thread, or no SIGTERM here
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, old)
 
 
 def _err(msg: str) -> None:
@@ -139,6 +163,7 @@ def run_top(args, console=None) -> int:
         _err(e)
         return 2
     server = None
+    restore = _terminate_as_interrupt()
     try:
         status, info = client.health()
         if status == "down":
@@ -157,6 +182,7 @@ def run_top(args, console=None) -> int:
                           test_timeout=args.test_timeout, test_runner=args.test_runner)
         run = AgentRun(client, tasks, args.run, cfg).start()
         view = not args.no_view and console.is_terminal
+        interrupted = None      # the signal that stopped the run (Ctrl-C, SIGTERM): the exit code says so
         try:
             if view:
                 poller = Poller(client, agents=lambda: run.statuses, gpu=False if args.no_gpu else None)
@@ -169,18 +195,22 @@ def run_top(args, console=None) -> int:
                     console.print(render(last, screen.sort, show_keys=False))
             else:
                 _plain_progress(run, out=console.file)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            interrupted = e.signum if isinstance(e, Terminated) else signal.SIGINT
             run.cancel()
         if not run.done():
             run.cancel()
-        run.wait(60)
+        run.wait(60)       # the agents' threads remove their temporary folders as they stop
         summary = run.summary()
         console.file.write("\n" + format_summary(summary) + "\n")
         console.file.flush()
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
+        if interrupted is not None:
+            return 128 + int(interrupted)          # 130 for Ctrl-C, 143 for SIGTERM, after the clean stop
         return 1 if summary["agents"] and all(a["state"] == "error" for a in summary["per_agent"]) else 0
     finally:
         if server is not None:
             server.stop()
+        restore()

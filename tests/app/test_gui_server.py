@@ -234,6 +234,9 @@ def test_monitor_pool_and_draft_cards():
     assert "not paced" in pool_text(dict(gpu, prefill_pacing=dict(share=1.0, chunks_held=0)))
     assert "1,234 chunks held back" in pool_text(dict(gpu, prefill_pacing=dict(share=0.5, chunks_held=1234)))
     assert "3 conversations kept" in pool_text(dict(kv_pool=None, resident=dict(conversations=3, tokens=9)))
+    cpu = dict(kv_pool=dict(path="cpu", capacity_tokens=40_000, used_tokens=10_000, resident_tokens=9000),
+               resident=dict(conversations=2, tokens=9000))
+    assert pool_text(cpu) == "CPU path · 10,000 of 40,000 tokens (25.0%)<br>2 conversations kept for follow-ups (9,000 tokens)"
     assert "checkpoints" not in pool_text(gpu)
     ck = dict(gpu, kv_pool=dict(gpu["kv_pool"], state_checkpoints=dict(kept=5, max=27, memory="host",
                                                                         bytes=5 * 157 << 20, evicted=0)))
