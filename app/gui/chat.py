@@ -7,26 +7,22 @@ message with alternatives shows ‹ n/m › to switch between them.
 """
 from __future__ import annotations
 
-import base64
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QBuffer, QByteArray, QIODevice, Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QImage, QPixmap
-from PySide6.QtWidgets import (QApplication, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QLabel,
-                               QLineEdit, QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QProgressBar,
-                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QTextEdit,
-                               QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QImage
+from PySide6.QtWidgets import (QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QLabel, QLineEdit,
+                               QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QProgressBar, QPushButton,
+                               QScrollArea, QSpinBox, QSplitter, QTextEdit, QToolButton, QVBoxLayout, QWidget)
 
+from app.gui.attachments import image_attachment, load_attachment, message_content
 from app.gui.icons import icon, pixmap
-from app.gui.markdown_view import render
-from app.gui.theme import is_dark
+from app.gui.message_widget import MessageWidget
 from app.reply_stats import reply_stats
 from app.store import Message, Store
 from engine.sampling import SamplingParams
 
-MAX_TEXT_ATTACHMENT = 2 << 20
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp"}
 DEFAULT_SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=40, min_p=0.05, max_tokens=1024,
                         repetition_penalty=1.0, seed=-1)
 
@@ -37,221 +33,6 @@ def sampling_params(d: dict) -> SamplingParams:
     return SamplingParams(max_tokens=int(s["max_tokens"]), temperature=float(s["temperature"]),
                           top_p=float(s["top_p"]), top_k=int(s["top_k"]), min_p=float(s["min_p"]),
                           repetition_penalty=float(s["repetition_penalty"]), seed=None if seed < 0 else seed)
-
-
-def content_for_model(m: Message) -> str:
-    """What the model reads for a message: its text plus the attached text files."""
-    parts = [m.content]
-    for a in m.attachments:
-        if a.get("kind") == "text":
-            parts.append(f"\n\n--- attached file: {a['name']} ---\n```\n{a['text']}\n```")
-    return "".join(parts)
-
-
-def message_content(m: Message, images: bool):
-    """A message as the model gets it: plain text, or (when the loaded model sees images and the message has
-    some) image parts carrying the PNG bytes followed by the text part (engine/vision's message format)."""
-    text = content_for_model(m)
-    imgs = [a for a in m.attachments if a.get("kind") == "image"] if images else []
-    if not imgs:
-        return text
-    return [{"type": "image", "image": base64.b64decode(a["data"])} for a in imgs] + [{"type": "text", "text": text}]
-
-
-def load_attachment(path: str | Path) -> dict:
-    """A file becomes an attachment dict; raises ValueError with a message for the user."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{p.name}: not a file")
-    if p.suffix.lower() in IMAGE_SUFFIXES:
-        img = QImage(str(p))
-        if img.isNull():
-            raise ValueError(f"{p.name}: not a readable image")
-        return image_attachment(img, p.name)
-    if p.stat().st_size > MAX_TEXT_ATTACHMENT:
-        raise ValueError(f"{p.name}: {p.stat().st_size // 1024} KB is more than the 2 MB limit for text files")
-    raw = p.read_bytes()
-    if b"\0" in raw[:8192]:
-        raise ValueError(f"{p.name}: not a text file (binary content)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{p.name}: not UTF-8 text") from None
-    return {"kind": "text", "name": p.name, "text": text}
-
-
-def image_attachment(img: QImage, name: str = "pasted image.png") -> dict:
-    if img.width() > 2048 or img.height() > 2048:
-        img = img.scaled(2048, 2048, Qt.KeepAspectRatio, Qt.SmoothTransformation)
-    ba = QByteArray()
-    buf = QBuffer(ba)
-    buf.open(QIODevice.WriteOnly)
-    img.save(buf, "PNG")
-    return {"kind": "image", "name": name, "mime": "image/png", "width": img.width(), "height": img.height(),
-            "data": base64.b64encode(bytes(ba)).decode()}
-
-
-def file_icon_label() -> QLabel:
-    lab = QLabel()
-    lab.setPixmap(pixmap("file", 16))
-    return lab
-
-
-def attachment_pixmap(a: dict, size: int = 96) -> QPixmap:
-    img = QImage.fromData(base64.b64decode(a["data"]))
-    return QPixmap.fromImage(img).scaled(size, size, Qt.KeepAspectRatio, Qt.SmoothTransformation)
-
-
-class AutoBrowser(QTextBrowser):
-    """A QTextBrowser as tall as its content; links `copy:N` copy code block N."""
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self.setOpenLinks(False)
-        self.setReadOnly(True)
-        self.setFrameShape(QFrame.NoFrame)
-        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
-        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
-        self.blocks: list[str] = []
-        self.anchorClicked.connect(self._anchor)
-        self.document().documentLayout().documentSizeChanged.connect(self._fit)
-
-    def set_markdown(self, text: str, dark: bool) -> None:
-        html, self.blocks = render(text, dark)
-        self.setHtml(html)
-        self._fit()
-
-    def _anchor(self, url):
-        s = url.toString()
-        if s.startswith("copy:"):
-            i = int(s.split(":", 1)[1])
-            if 0 <= i < len(self.blocks):
-                QGuiApplication.clipboard().setText(self.blocks[i])
-                w = self.window()
-                if hasattr(w, "statusBar"):
-                    w.statusBar().showMessage("Code copied to the clipboard", 2500)
-
-    def _fit(self, *_):
-        self.document().setTextWidth(max(self.viewport().width(), 50))
-        self.setFixedHeight(int(self.document().size().height()) + 6)
-
-    def resizeEvent(self, e):
-        super().resizeEvent(e)
-        self._fit()
-
-
-class MessageWidget(QFrame):
-    def __init__(self, page: "ChatPage", m: Message, n_sib: int, i_sib: int):
-        super().__init__()
-        self.page, self.message = page, m
-        self.setObjectName("MsgUser" if m.role == "user" else "MsgAssistant")
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(14, 10, 14, 8)
-        lay.setSpacing(4)
-        role = QLabel("You" if m.role == "user" else (m.meta.get("model") or "Assistant"))
-        role.setObjectName("MsgRole")
-        lay.addWidget(role)
-        self.view = AutoBrowser()
-        lay.addWidget(self.view)
-        self.editor: QPlainTextEdit | None = None
-        if m.attachments:
-            row = QHBoxLayout()
-            for a in m.attachments:
-                chip = QLabel()
-                if a.get("kind") == "image":
-                    chip.setPixmap(attachment_pixmap(a))
-                    chip.setToolTip(f"{a['name']} ({a.get('width')}x{a.get('height')})")
-                else:
-                    chip.setText(f"{a['name']} · {len(a.get('text', ''))} chars")
-                    chip.setObjectName("Muted")
-                    row.addWidget(file_icon_label())
-                row.addWidget(chip)
-            row.addStretch(1)
-            lay.addLayout(row)
-        bar = QHBoxLayout()
-        bar.setSpacing(2)
-        self.status = QLabel()
-        self.status.setObjectName("MsgStatus")
-        if n_sib > 1:
-            prev = QPushButton("‹")
-            prev.setObjectName("Link")
-            nxt = QPushButton("›")
-            nxt.setObjectName("Link")
-            lab = QLabel(f"{i_sib + 1}/{n_sib}")
-            lab.setObjectName("MsgStatus")
-            prev.setEnabled(i_sib > 0)
-            nxt.setEnabled(i_sib < n_sib - 1)
-            prev.clicked.connect(lambda: page.show_sibling(m.id, -1))
-            nxt.clicked.connect(lambda: page.show_sibling(m.id, +1))
-            bar.addWidget(prev)
-            bar.addWidget(lab)
-            bar.addWidget(nxt)
-        bar.addWidget(self.status)
-        bar.addStretch(1)
-        self.buttons: dict[str, QPushButton] = {}
-        actions = [("Copy", lambda: QGuiApplication.clipboard().setText(self.message.content))]
-        if m.role == "user":
-            actions.append(("Edit", self.start_edit))
-        else:
-            actions.append(("Regenerate", lambda: page.regenerate(m.id)))
-        actions.append(("Delete", lambda: page.delete_message(m.id)))
-        for name, fn in actions:
-            b = QPushButton(name)
-            b.setObjectName("Link")
-            b.clicked.connect(fn)
-            bar.addWidget(b)
-            self.buttons[name] = b
-        lay.addLayout(bar)
-        self.render()
-
-    def render(self, text: str | None = None, streaming: bool = False):
-        m = self.message
-        t = m.content if text is None else text
-        if streaming and not t:
-            t = "…"
-        self.view.set_markdown(t, is_dark(QApplication.instance()))
-        st = m.meta.get("status", "")
-        if streaming:
-            st = "generating…"
-        elif m.state == "interrupted":
-            st = "interrupted (the app stopped while this reply was being written)"
-        elif m.state == "stopped":
-            st = "stopped · " + st if st else "stopped"
-        elif m.state == "error":
-            st = "error: " + m.meta.get("error", "")
-        self.status.setText(st)
-        self.status.setObjectName("ErrorText" if m.state == "error" else "MsgStatus")
-
-    def start_edit(self):
-        if self.editor is not None:
-            return
-        self.editor = QPlainTextEdit(self.message.content)
-        self.editor.setMinimumHeight(80)
-        lay: QVBoxLayout = self.layout()
-        lay.insertWidget(2, self.editor)
-        self.view.hide()
-        row = QHBoxLayout()
-        send = QPushButton("Send")
-        send.setObjectName("Primary")
-        cancel = QPushButton("Cancel")
-        row.addStretch(1)
-        row.addWidget(cancel)
-        row.addWidget(send)
-        self._edit_row = QWidget()
-        self._edit_row.setLayout(row)
-        lay.insertWidget(3, self._edit_row)
-        send.clicked.connect(lambda: self.page.edit_and_resend(self.message.id, self.editor.toPlainText()))
-        cancel.clicked.connect(self.cancel_edit)
-        self.editor.setFocus()
-
-    def cancel_edit(self):
-        if self.editor is not None:
-            self.editor.deleteLater()
-            self._edit_row.deleteLater()
-            self.editor = None
-            self.view.show()
 
 
 class Composer(QTextEdit):
@@ -783,6 +564,9 @@ class ChatPage(QWidget):
             mid = next((m.id for m in reversed(thread) if m.role == "assistant"), None)
         m = self.store.get_message(mid) if mid else None
         if m is None or m.role != "assistant" or m.parent_id is None:
+            return False
+        asked = self.store.get_message(m.parent_id)
+        if asked is not None and self._refuse_images(asked.attachments):
             return False
         return self._start_reply(m.parent_id)
 
