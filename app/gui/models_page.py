@@ -288,6 +288,8 @@ class ModelsPage(QWidget):
         self._clear_repos()
         for m in suggested_models():
             text, ok = fits_badge(int(m["size_gib"] * (1 << 30)), vram, cpu)
+            if vram is None and cpu:
+                text = f"CPU mode: needs an NVIDIA GPU with {m['min_vram_gib']} GB"
             it = QListWidgetItem(f"{m['name']}\nabout {m['size_gib']} GB · {text}")
             it.setData(Qt.UserRole, {"suggestion": m["search"]})
             it.setToolTip(f"Search the Hub for {m['search']!r} and pick the {m['file_quant']} file")

@@ -129,3 +129,17 @@ def test_hub_tab_suggests_models_before_a_search(page, qtbot):
     with qtbot.waitSignal(page.bridge.searchDone, timeout=10000):
         page.repo_list.setCurrentRow(0)
     assert page.search_edit.text() == sug[0]["search"]
+
+
+def test_suggestions_in_cpu_mode_say_what_they_need(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("HIVEJET_MODELS", str(tmp_path / "models"))
+    from app.gui.models_page import ModelsPage, suggested_models
+    store = Store(tmp_path / "c.db")
+    try:
+        p = ModelsPage(store, vram_getter=lambda: (None, True))
+        qtbot.addWidget(p)
+        m = suggested_models()[-1]
+        assert p.repo_list.item(p.repo_list.count() - 1).text().endswith(
+            f"CPU mode: needs an NVIDIA GPU with {m['min_vram_gib']} GB")
+    finally:
+        store.close()
