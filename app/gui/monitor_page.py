@@ -26,7 +26,7 @@ def nice_top(v: float) -> float:
 class Sparkline(QWidget):
     """Total tok/s over the last `n` samples (one a second), with a y axis in tok/s and a time axis."""
 
-    def __init__(self, n=120, interval_s: float = 1.0):
+    def __init__(self, n=121, interval_s: float = 1.0):     # 121 samples a second apart: the last 120 s
         super().__init__()
         self.values = collections.deque(maxlen=n)
         self.interval_s = interval_s
@@ -56,7 +56,7 @@ class Sparkline(QWidget):
         top = ys[-1][0]
         p.setPen(text)
         p.drawText(QRectF(0, 2, self.width(), 18), Qt.AlignLeft | Qt.AlignVCenter,
-                   f"  total tok/s (all conversations), last {self.values.maxlen * self.interval_s:.0f} s · "
+                   f"  total tok/s (all conversations), last {(self.values.maxlen - 1) * self.interval_s:.0f} s · "
                    f"peak {max(self.values, default=0.0):.1f}")
         for v, lab in ys:
             y = r.bottom() - v / top * r.height()

@@ -1,13 +1,16 @@
 """The server page's log of recent requests: an ASGI wrapper around the local API that notes each HTTP
 request's time, method and route, status, duration (to the end of its body, a whole stream included)
 and the tokens its generations produced (the server reports each finished generation to its Metrics,
-in the request's own context, where the wrapper's record is reachable)."""
+in the request's own context, where the wrapper's record is reachable). Answered monitoring polls
+(GET /health, /slots, /metrics) are left out, as in `hivejet serve`'s access log."""
 from __future__ import annotations
 
 import collections
 import contextvars
 import threading
 import time
+
+from app.server.access_log import POLL_PATHS
 
 _record: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hivejet_request_record", default=None)
 
@@ -59,6 +62,8 @@ class RequestLog:
             finally:
                 _record.reset(token)
                 rec["ms"] = (time.monotonic() - t0) * 1000
+                if rec["method"] == "GET" and rec["path"] in POLL_PATHS and 200 <= rec["status"] < 400:
+                    return           # monitoring polls (hivejet top) would bury the requests that matter
                 with self._lock:
                     self.entries.append(rec)
                     self.version += 1

@@ -288,6 +288,9 @@ def test_request_log(win, qtbot):
     assert pieces
     with pytest.raises(openai.NotFoundError):
         client.get("/nope", cast_to=object)
+    import urllib.request
+    for path in ("/slots", "/metrics", "/health"):          # monitoring polls stay out of the log
+        urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30).read()
     qtbot.waitUntil(lambda: win.server.requests.rowCount() >= 3, timeout=5000)
     rows = [[win.server.requests.item(i, c).text() for c in range(5)] for i in range(win.server.requests.rowCount())]
     assert rows[0][1] == "GET /v1/nope" and rows[0][2] == "404"
