@@ -76,11 +76,15 @@ def _byte_replace(err: UnicodeDecodeError):
 codecs.register_error("hivejet-bytewise-replace", _byte_replace)
 
 
-def read_text_file(path: str | Path) -> str:
+def read_text_file(path: str | Path, drop_final_newline: bool = False) -> str:
     """A -f file as llama.cpp's tools read it: the bytes as they are (CR and CRLF stay, no newline
     translation), decoded as UTF-8 with each byte that does not start a valid sequence becoming
-    U+FFFD, as llama.cpp's unicode_cpts_from_utf8 does."""
-    return Path(path).read_bytes().decode("utf-8", errors="hivejet-bytewise-replace")
+    U+FFFD, as llama.cpp's unicode_cpts_from_utf8 does. drop_final_newline: one final "\n" removed, as
+    llama.cpp's common -f option does for llama-perplexity (llama-tokenize keeps it)."""
+    raw = Path(path).read_bytes()
+    if drop_final_newline and raw.endswith(b"\n"):
+        raw = raw[:-1]
+    return raw.decode("utf-8", errors="hivejet-bytewise-replace")
 
 
 def cmd_generate(args) -> int:
@@ -208,7 +212,7 @@ def cmd_perplexity(args) -> int:
         if base is None:
             if not args.file:
                 raise ValueError("give -f FILE (or --kl-divergence-base FILE)")
-            text = read_text_file(args.file)
+            text = read_text_file(args.file, drop_final_newline=True)
 
         def progress(i, n, ppl):
             print(f"[{i}/{n}] {ppl:.4f}", file=sys.stderr)

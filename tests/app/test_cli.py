@@ -97,8 +97,9 @@ def test_tokenize_file_keeps_cr_and_crlf_like_llamacpp(smollm2_path, tmp_path, c
 def test_perplexity_reads_file_bytes(tmp_path):
     from app.cli import read_text_file
     f = tmp_path / "crlf.txt"
-    f.write_bytes(b"a\r\nb\r\xff")
-    assert read_text_file(f) == "a\r\nb\r\ufffd"
+    f.write_bytes(b"a\r\nb\r\xff\r\n")
+    assert read_text_file(f) == "a\r\nb\r\ufffd\r\n"
+    assert read_text_file(f, drop_final_newline=True) == "a\r\nb\r\ufffd\r"     # llama-perplexity's -f
 
 
 def test_terminal_chat_commands_and_reply_stats(smollm2_path, monkeypatch, capsys):
