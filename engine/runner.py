@@ -71,8 +71,8 @@ if TYPE_CHECKING:
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HOST_CHECKPOINT_STRIDE = 4   # host-memory checkpoints: every 4th prompt chunk end (and each prompt's last: _grid_step)
 # Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
-# agents read the weights once, not once each). On by default since the thirty-third session (H200, 27B: each
-# piece the bits its prompt gets alone; 16 agents 1191 -> 1420 tok/s); HIVEJET_PROMPT_PIECES=0 turns it off.
+# agents read the weights once, not once each). On by default: each piece gets the bits its prompt gets alone,
+# and 16 agents make 1420 tok/s instead of 1191 (H200, 27B, docs/PERFORMANCE.md); HIVEJET_PROMPT_PIECES=0 turns it off.
 # For qwen35 on a GPU it needs the pieces' delta-rule kernel (kernels/gdn/rows.py, on unless
 # HIVEJET_GDN_ROWS_KERNEL=0).
 PROMPT_PIECES_ON = os.environ.get("HIVEJET_PROMPT_PIECES", "1") != "0"

@@ -358,7 +358,7 @@ def test_checkpoints_go_to_host_memory_when_few_fit_on_the_device(tiny):
     """checkpoint_memory "auto" on a GPU: the default checkpoints stay on the device when the 2 % of the
     KV cache holds at least MIN_DEVICE_CHECKPOINTS of them, else they go to host memory (a 24 GiB card
     with the 27B: none fit); "device", an explicit count, the CPU and models without recurrent layers keep
-    the old rule."""
+    them on the device."""
     from engine.runner import slot_bytes_per_token
     eng = _engine(tiny("qwen35"))
     try:
