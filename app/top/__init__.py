@@ -56,6 +56,11 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+def _interrupt_code(e: KeyboardInterrupt) -> int:
+    """The exit code for a run ended by a signal: 130 for Ctrl-C, 143 for SIGTERM (128 + the signal)."""
+    return 128 + int(e.signum if isinstance(e, Terminated) else signal.SIGINT)
+
+
 def _terminate_as_interrupt():
     """Make SIGTERM raise Terminated in the main thread for the run's duration; returns the undo."""
     fired = []
@@ -151,9 +156,14 @@ def run_top(args, console=None) -> int:
             else:
                 console.file.write(frame_text(snap, width=console.width, sort=args.sort, show_keys=False))
             return 0 if snap.status == "ok" else 1
-        with KeyReader() as keys:
-            TopScreen(poller, args.interval, console, args.sort).run(keys=keys)
-        return 0
+        screen = TopScreen(poller, args.interval, console, args.sort)
+        restore = _terminate_as_interrupt()        # SIGTERM too leaves through KeyReader's terminal restore
+        try:
+            with KeyReader() as keys:
+                screen.run(keys=keys)
+        finally:
+            restore()
+        return _interrupt_code(screen.interrupted) if screen.interrupted is not None else 0
 
     from app.top.agents import AgentConfig, AgentRun, format_summary
     from app.top.tasks import TaskError, load_tasks
@@ -189,6 +199,8 @@ def run_top(args, console=None) -> int:
                 screen = TopScreen(poller, args.interval, console, args.sort)
                 with KeyReader() as keys:
                     last = screen.run(until=run.done, keys=keys)
+                if screen.interrupted is not None:
+                    raise screen.interrupted        # (after the view is closed: stopped as below)
                 if screen.quit_requested and not run.done():
                     run.cancel()
                 if last is not None and console.is_terminal:
@@ -196,7 +208,7 @@ def run_top(args, console=None) -> int:
             else:
                 _plain_progress(run, out=console.file)
         except KeyboardInterrupt as e:
-            interrupted = e.signum if isinstance(e, Terminated) else signal.SIGINT
+            interrupted = e
             run.cancel()
         if not run.done():
             run.cancel()
@@ -208,7 +220,7 @@ def run_top(args, console=None) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
         if interrupted is not None:
-            return 128 + int(interrupted)          # 130 for Ctrl-C, 143 for SIGTERM, after the clean stop
+            return _interrupt_code(interrupted)     # after the clean stop
         return 1 if summary["agents"] and all(a["state"] == "error" for a in summary["per_agent"]) else 0
     finally:
         if server is not None:

@@ -278,6 +278,9 @@ class AgentRun:
         self.agents = [Agent(client, task, st, config, self.stop, i)
                        for i, (st, task) in enumerate(make_statuses(n, tasks, run_id))]
         self.threads: list[threading.Thread] = []
+        # one per agent, set when its run() has returned (its folder removed): done() reads these, not
+        # Thread.is_alive(), which a join interrupted by Ctrl-C can leave False while the thread still runs
+        self.finished: list[threading.Event] = []
         self.t0 = self.t1 = 0.0
 
     @property
@@ -287,18 +290,27 @@ class AgentRun:
     def start(self) -> "AgentRun":
         self.t0 = time.monotonic()
         for a in self.agents:
-            t = threading.Thread(target=a.run, name=f"hivejet-{a.status.name}", daemon=True)
+            ev = threading.Event()
+            t = threading.Thread(target=self._run_one, args=(a, ev), name=f"hivejet-{a.status.name}", daemon=True)
             self.threads.append(t)
+            self.finished.append(ev)
             t.start()
         return self
 
+    @staticmethod
+    def _run_one(agent: Agent, finished: threading.Event) -> None:
+        try:
+            agent.run()
+        finally:
+            finished.set()
+
     def done(self) -> bool:
-        return all(not t.is_alive() for t in self.threads)
+        return len(self.finished) == len(self.agents) and all(ev.is_set() for ev in self.finished)
 
     def wait(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
-        for t in self.threads:
-            t.join(None if end is None else max(0.0, end - time.monotonic()))
+        for ev in self.finished:
+            ev.wait(None if end is None else max(0.0, end - time.monotonic()))
         if self.done() and not self.t1:
             self.t1 = time.monotonic()
         return self.done()

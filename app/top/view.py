@@ -426,12 +426,16 @@ class TopScreen:
         self.sort = sort if sort in SORTS else "agent"
         self.paused = False
         self.quit_requested = False
+        self.interrupted: KeyboardInterrupt | None = None   # Ctrl-C (or SIGTERM, app/top's Terminated) ended it
         self.last: Snapshot | None = None
 
     def handle_key(self, k: str) -> None:
         k = k.lower()
-        if k == "q" or k == "\x03":
+        if k == "q":
             self.quit_requested = True
+        elif k == "\x03":          # Ctrl-C read as a key (no SIGINT): an interrupt all the same
+            self.quit_requested = True
+            self.interrupted = KeyboardInterrupt()
         elif k == "s":
             self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
         elif k == "p":
@@ -454,8 +458,9 @@ class TopScreen:
                         self.last = self.poller.poll()
                     live.update(render(self.last, self.sort, self.paused), refresh=True)
                     time.sleep(max(0.02, self.interval - (time.monotonic() - t0)))
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
                 self.quit_requested = True
+                self.interrupted = e
             if until is not None and until() and not self.paused:
                 self.last = self.poller.poll()
                 live.update(render(self.last, self.sort, self.paused), refresh=True)

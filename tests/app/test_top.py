@@ -78,6 +78,26 @@ def test_rows_states_and_sorting():
     assert build_rows(snap)[0].state == "drafting 70%"
 
 
+def test_ctrl_c_in_the_view_is_an_interrupt():
+    """Ctrl-C in the live view ends it as an interrupt (run_top then exits 130), not as a quit."""
+    from rich.console import Console
+
+    class Poller:
+        n = 0
+
+        def poll(self):
+            self.n += 1
+            if self.n == 3:
+                raise KeyboardInterrupt
+            return recorded_snapshot()
+    screen = TopScreen(Poller(), interval=0.01, console=Console(file=io.StringIO(), width=100))
+    screen.run()
+    assert screen.quit_requested and isinstance(screen.interrupted, KeyboardInterrupt)
+    q = TopScreen(poller=None)
+    q.handle_key("q")
+    assert q.quit_requested and q.interrupted is None
+
+
 def test_keys_and_metrics_parsing():
     screen = TopScreen(poller=None)
     for k in "sp":
@@ -293,7 +313,7 @@ def test_quit_mid_step_counts_streamed_tokens(server):
 
 
 @pytest.mark.slow
-def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path):
+def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path, monkeypatch):
     """`--run` stopped by SIGTERM or Ctrl-C: the agents stop, their folders are removed, the summary is
     printed and the exit code says which signal (143, 130)."""
     import os
@@ -303,13 +323,16 @@ def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path):
     import time
 
     from rich.console import Console
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # this run's folders only (others may run)
+    term_handler = signal.getsignal(signal.SIGTERM)
     p = argparse.ArgumentParser()
     add_top_args(p)
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum, view in ((signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True),
+                         (signal.SIGINT, True)):
         before = set(Path(tempfile.gettempdir()).glob("hivejet-agent*"))
         args = p.parse_args(["--url", server.url, "--run", "2", "--steps", "3", "--max-tokens", "400",
                              "--tasks", str(DATA / "top_tasks"), "--test-runner", "builtin", "--no-gpu",
-                             "--no-view"])
+                             "--interval", "0.2"] + ([] if view else ["--no-view"]))
         from app.top.client import Client
         client = Client(server.url)
         t0 = time.monotonic()
@@ -323,9 +346,9 @@ def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path):
             os.kill(os.getpid(), signum)
         threading.Thread(target=fire, daemon=True).start()
         buf = io.StringIO()
-        code = run_top(args, console=Console(file=buf, width=120))
-        assert code == 128 + signum, buf.getvalue()
+        code = run_top(args, console=Console(file=buf, width=120, force_terminal=view))   # view: the live screen
+        assert code == 128 + signum, (view, buf.getvalue()[-2000:])
         assert "tasks solved:" in buf.getvalue()
-        assert set(Path(tempfile.gettempdir()).glob("hivejet-agent*")) == before
-        assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler, None) or \
-            not getattr(signal.getsignal(signal.SIGTERM), "__name__", "") == "on_term"
+        left = [(p, sorted(x.name for x in p.rglob("*"))) for p in tmp_path.glob("hivejet-agent*")]
+        assert before == set() and not left, (signum, view, left)
+        assert signal.getsignal(signal.SIGTERM) == term_handler          # put back
