@@ -6,6 +6,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import codecs
 import logging
 import os
 import sys
@@ -67,6 +68,25 @@ def _stream(handle, out=None) -> object:
     return fin
 
 
+def _byte_replace(err: UnicodeDecodeError):
+    """One U+FFFD for the first byte of a malformed sequence, then decoding resumes at the next byte."""
+    return "\ufffd", err.start + 1
+
+
+codecs.register_error("hivejet-bytewise-replace", _byte_replace)
+
+
+def read_text_file(path: str | Path, drop_final_newline: bool = False) -> str:
+    """A -f file as llama.cpp's tools read it: the bytes as they are (CR and CRLF stay, no newline
+    translation), decoded as UTF-8 with each byte that does not start a valid sequence becoming
+    U+FFFD, as llama.cpp's unicode_cpts_from_utf8 does. drop_final_newline: one final "\n" removed, as
+    llama.cpp's common -f option does for llama-perplexity (llama-tokenize keeps it)."""
+    raw = Path(path).read_bytes()
+    if drop_final_newline and raw.endswith(b"\n"):
+        raw = raw[:-1]
+    return raw.decode("utf-8", errors="hivejet-bytewise-replace")
+
+
 def cmd_generate(args) -> int:
     from engine.types import Request
     if args.prompt is None:
@@ -93,12 +113,47 @@ def cmd_generate(args) -> int:
     return 0
 
 
+CHAT_COMMANDS = {"/help": "list these commands", "/reset": "forget the conversation and start over",
+                 "/quit": "leave (an empty line or Ctrl-D does too)"}
+
+
+def chat_command(line: str) -> str | None:
+    """The chat command a line is (a single word starting with "/"), or None for a message to the model."""
+    s = line.strip()
+    return s if s.startswith("/") and len(s.split()) == 1 and not s.startswith("//") else None
+
+
+def _chat_help() -> str:
+    return "commands:\n" + "\n".join(f"  {c:8s} {d}" for c, d in CHAT_COMMANDS.items())
+
+
+def _chat_reply(eng, msgs, args):
+    """Streams one reply to stdout; returns (its text, the FinishEvent or None when Ctrl-C stopped it)."""
+    from engine.types import FinishEvent, Request, TokenEvent
+    h = eng.submit(Request(messages=msgs, sampling=_sampling(args), session="terminal"))
+    pieces, fin = [], None
+    try:
+        for ev in h:
+            if isinstance(ev, TokenEvent):
+                pieces.append(ev.text)
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif isinstance(ev, FinishEvent):
+                fin = ev
+    except KeyboardInterrupt:
+        h.cancel()
+    print()
+    return "".join(pieces), fin
+
+
 def cmd_chat(args) -> int:
-    """Interactive terminal chat (the app's fallback when no GUI can start)."""
-    from engine.types import Request
+    """Interactive terminal chat (the app's fallback when no GUI can start). Lines that are a single word
+    starting with "/" are commands (/help lists them) and never reach the model; each reply ends with its
+    tokens, tok/s and time to first token on stderr."""
+    from app.reply_stats import reply_stats
     with _engine(args) as eng:
         print(f"HiveJet {__version__} - chatting with {eng.model_name} on {eng.config.device}. "
-              "Empty line or Ctrl-D to quit; /reset starts over.", file=sys.stderr)
+              "Empty line or Ctrl-D to quit; /help lists the commands.", file=sys.stderr)
         msgs = [{"role": "system", "content": args.system}] if args.system else []
         base = list(msgs)
         while True:
@@ -109,23 +164,34 @@ def cmd_chat(args) -> int:
                 break
             if not line.strip():
                 break
-            if line.strip() == "/reset":
+            cmd = chat_command(line)
+            if cmd == "/quit":
+                break
+            if cmd == "/reset":
                 msgs = list(base)
+                print("(conversation cleared: the next message starts a new one)", file=sys.stderr)
                 continue
+            if cmd is not None:
+                if cmd != "/help":
+                    print(f"unknown command {cmd}", file=sys.stderr)
+                print(_chat_help(), file=sys.stderr)
+                continue
+            if line.strip().startswith("//"):
+                line = line.strip()[1:]      # "//x" sends "/x"
             msgs.append({"role": "user", "content": line})
-            h = eng.submit(Request(messages=msgs, sampling=_sampling(args), session="terminal"))
-            pieces = []
-            try:
-                from engine.types import TokenEvent
-                for ev in h:
-                    if isinstance(ev, TokenEvent):
-                        pieces.append(ev.text)
-                        sys.stdout.write(ev.text)
-                        sys.stdout.flush()
-            except KeyboardInterrupt:
-                h.cancel()
-            print()
-            msgs.append({"role": "assistant", "content": "".join(pieces)})
+            text, fin = _chat_reply(eng, msgs, args)
+            if fin is not None:
+                note = reply_stats(fin)
+                if fin.reason == "error":
+                    print(f"[{note} · error: {fin.error}; the message was not kept]", file=sys.stderr)
+                    msgs.pop()
+                    continue
+                if fin.reason == "length":
+                    note += " · hit the max tokens limit (-n)"
+                print(f"[{note}]", file=sys.stderr)
+            else:
+                print("[stopped]", file=sys.stderr)
+            msgs.append({"role": "assistant", "content": text})
     return 0
 
 
@@ -146,7 +212,7 @@ def cmd_perplexity(args) -> int:
         if base is None:
             if not args.file:
                 raise ValueError("give -f FILE (or --kl-divergence-base FILE)")
-            text = Path(args.file).read_text(encoding="utf-8", errors="replace")
+            text = read_text_file(args.file, drop_final_newline=True)
 
         def progress(i, n, ppl):
             print(f"[{i}/{n}] {ppl:.4f}", file=sys.stderr)
@@ -172,7 +238,7 @@ def cmd_tokenize(args) -> int:
     from engine.tokenizer import Tokenizer
     if (args.file is None) == (args.prompt is None):
         raise ValueError("give exactly one of -f FILE or -p TEXT")
-    text = Path(args.file).read_text(encoding="utf-8") if args.file else args.prompt
+    text = read_text_file(args.file) if args.file else args.prompt
     f = GGUFFile(ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr)))
     try:
         tok = Tokenizer.from_metadata(f.metadata)

@@ -525,10 +525,16 @@ class Engine(RunnerScheduler, SpeculationMixin):
     def _pool_stats(self) -> dict | None:
         """GPU path: the shared KV pool's blocks (used, free, shared by several slots), in tokens too (what
         /metrics reports), the most tokens one sequence may hold, the blocks parked conversations keep and
-        the recurrent-state checkpoints (Runner.checkpoint_stats). None on the CPU path."""
+        the recurrent-state checkpoints (Runner.checkpoint_stats). The CPU path: its fixed token limit, the
+        tokens in use and those resident conversations hold (None for a model without attention layers)."""
         r = self.runner
-        if r is None:
-            return None
+        if r is None:   # the CPU path: its pool's fixed token limit and the tokens its blocks hold (resident ones too)
+            if self._pool_tokens is None:
+                return None
+            pool = self.model.kv_pool()
+            used = max((g.n_used for g in pool.groups), default=0) * pool.block_size
+            return dict(path="cpu", capacity_tokens=self._pool_tokens, used_tokens=min(used, self._pool_tokens),
+                        resident_tokens=self._resident.n_tokens, seq_max_tokens=self.ctx_size)
         out = r.pool_stats()
         out.update(capacity_tokens=out["tokens"], used_tokens=out["used"] * r.block_size, seq_max_tokens=r.max_ctx,
                    parked_blocks=sum(r.held(p) for p in list(self._parked)), state_checkpoints=r.checkpoint_stats())

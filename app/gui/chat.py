@@ -7,24 +7,22 @@ message with alternatives shows ‹ n/m › to switch between them.
 """
 from __future__ import annotations
 
-import base64
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QBuffer, QByteArray, QIODevice, Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QImage, QPixmap
-from PySide6.QtWidgets import (QApplication, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QLabel,
-                               QLineEdit, QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QProgressBar,
-                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QTextEdit,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QImage
+from PySide6.QtWidgets import (QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QLabel, QLineEdit,
+                               QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QProgressBar, QPushButton,
+                               QScrollArea, QSpinBox, QSplitter, QTextEdit, QToolButton, QVBoxLayout, QWidget)
 
-from app.gui.markdown_view import render
-from app.gui.theme import is_dark
+from app.gui.attachments import image_attachment, load_attachment, message_content
+from app.gui.icons import icon, pixmap
+from app.gui.message_widget import MessageWidget
+from app.reply_stats import reply_stats
 from app.store import Message, Store
 from engine.sampling import SamplingParams
 
-MAX_TEXT_ATTACHMENT = 2 << 20
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp"}
 DEFAULT_SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=40, min_p=0.05, max_tokens=1024,
                         repetition_penalty=1.0, seed=-1)
 
@@ -35,214 +33,6 @@ def sampling_params(d: dict) -> SamplingParams:
     return SamplingParams(max_tokens=int(s["max_tokens"]), temperature=float(s["temperature"]),
                           top_p=float(s["top_p"]), top_k=int(s["top_k"]), min_p=float(s["min_p"]),
                           repetition_penalty=float(s["repetition_penalty"]), seed=None if seed < 0 else seed)
-
-
-def content_for_model(m: Message) -> str:
-    """What the model reads for a message: its text plus the attached text files."""
-    parts = [m.content]
-    for a in m.attachments:
-        if a.get("kind") == "text":
-            parts.append(f"\n\n--- attached file: {a['name']} ---\n```\n{a['text']}\n```")
-    return "".join(parts)
-
-
-def message_content(m: Message, images: bool):
-    """A message as the model gets it: plain text, or (when the loaded model sees images and the message has
-    some) image parts carrying the PNG bytes followed by the text part (engine/vision's message format)."""
-    text = content_for_model(m)
-    imgs = [a for a in m.attachments if a.get("kind") == "image"] if images else []
-    if not imgs:
-        return text
-    return [{"type": "image", "image": base64.b64decode(a["data"])} for a in imgs] + [{"type": "text", "text": text}]
-
-
-def load_attachment(path: str | Path) -> dict:
-    """A file becomes an attachment dict; raises ValueError with a message for the user."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{p.name}: not a file")
-    if p.suffix.lower() in IMAGE_SUFFIXES:
-        img = QImage(str(p))
-        if img.isNull():
-            raise ValueError(f"{p.name}: not a readable image")
-        return image_attachment(img, p.name)
-    if p.stat().st_size > MAX_TEXT_ATTACHMENT:
-        raise ValueError(f"{p.name}: {p.stat().st_size // 1024} KB is more than the 2 MB limit for text files")
-    raw = p.read_bytes()
-    if b"\0" in raw[:8192]:
-        raise ValueError(f"{p.name}: not a text file (binary content)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{p.name}: not UTF-8 text") from None
-    return {"kind": "text", "name": p.name, "text": text}
-
-
-def image_attachment(img: QImage, name: str = "pasted image.png") -> dict:
-    if img.width() > 2048 or img.height() > 2048:
-        img = img.scaled(2048, 2048, Qt.KeepAspectRatio, Qt.SmoothTransformation)
-    ba = QByteArray()
-    buf = QBuffer(ba)
-    buf.open(QIODevice.WriteOnly)
-    img.save(buf, "PNG")
-    return {"kind": "image", "name": name, "mime": "image/png", "width": img.width(), "height": img.height(),
-            "data": base64.b64encode(bytes(ba)).decode()}
-
-
-def attachment_pixmap(a: dict, size: int = 96) -> QPixmap:
-    img = QImage.fromData(base64.b64decode(a["data"]))
-    return QPixmap.fromImage(img).scaled(size, size, Qt.KeepAspectRatio, Qt.SmoothTransformation)
-
-
-class AutoBrowser(QTextBrowser):
-    """A QTextBrowser as tall as its content; links `copy:N` copy code block N."""
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self.setOpenLinks(False)
-        self.setReadOnly(True)
-        self.setFrameShape(QFrame.NoFrame)
-        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
-        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
-        self.blocks: list[str] = []
-        self.anchorClicked.connect(self._anchor)
-        self.document().documentLayout().documentSizeChanged.connect(self._fit)
-
-    def set_markdown(self, text: str, dark: bool) -> None:
-        html, self.blocks = render(text, dark)
-        self.setHtml(html)
-        self._fit()
-
-    def _anchor(self, url):
-        s = url.toString()
-        if s.startswith("copy:"):
-            i = int(s.split(":", 1)[1])
-            if 0 <= i < len(self.blocks):
-                QGuiApplication.clipboard().setText(self.blocks[i])
-                w = self.window()
-                if hasattr(w, "statusBar"):
-                    w.statusBar().showMessage("Code copied to the clipboard", 2500)
-
-    def _fit(self, *_):
-        self.document().setTextWidth(max(self.viewport().width(), 50))
-        self.setFixedHeight(int(self.document().size().height()) + 6)
-
-    def resizeEvent(self, e):
-        super().resizeEvent(e)
-        self._fit()
-
-
-class MessageWidget(QFrame):
-    def __init__(self, page: "ChatPage", m: Message, n_sib: int, i_sib: int):
-        super().__init__()
-        self.page, self.message = page, m
-        self.setObjectName("MsgUser" if m.role == "user" else "MsgAssistant")
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(14, 10, 14, 8)
-        lay.setSpacing(4)
-        role = QLabel("You" if m.role == "user" else (m.meta.get("model") or "Assistant"))
-        role.setObjectName("MsgRole")
-        lay.addWidget(role)
-        self.view = AutoBrowser()
-        lay.addWidget(self.view)
-        self.editor: QPlainTextEdit | None = None
-        if m.attachments:
-            row = QHBoxLayout()
-            for a in m.attachments:
-                chip = QLabel()
-                if a.get("kind") == "image":
-                    chip.setPixmap(attachment_pixmap(a))
-                    chip.setToolTip(f"{a['name']} ({a.get('width')}x{a.get('height')})")
-                else:
-                    chip.setText(f"📄 {a['name']} · {len(a.get('text', ''))} chars")
-                    chip.setObjectName("Muted")
-                row.addWidget(chip)
-            row.addStretch(1)
-            lay.addLayout(row)
-        bar = QHBoxLayout()
-        bar.setSpacing(2)
-        self.status = QLabel()
-        self.status.setObjectName("MsgStatus")
-        if n_sib > 1:
-            prev = QPushButton("‹")
-            prev.setObjectName("Link")
-            nxt = QPushButton("›")
-            nxt.setObjectName("Link")
-            lab = QLabel(f"{i_sib + 1}/{n_sib}")
-            lab.setObjectName("MsgStatus")
-            prev.setEnabled(i_sib > 0)
-            nxt.setEnabled(i_sib < n_sib - 1)
-            prev.clicked.connect(lambda: page.show_sibling(m.id, -1))
-            nxt.clicked.connect(lambda: page.show_sibling(m.id, +1))
-            bar.addWidget(prev)
-            bar.addWidget(lab)
-            bar.addWidget(nxt)
-        bar.addWidget(self.status)
-        bar.addStretch(1)
-        self.buttons: dict[str, QPushButton] = {}
-        actions = [("Copy", lambda: QGuiApplication.clipboard().setText(self.message.content))]
-        if m.role == "user":
-            actions.append(("Edit", self.start_edit))
-        else:
-            actions.append(("Regenerate", lambda: page.regenerate(m.id)))
-        actions.append(("Delete", lambda: page.delete_message(m.id)))
-        for name, fn in actions:
-            b = QPushButton(name)
-            b.setObjectName("Link")
-            b.clicked.connect(fn)
-            bar.addWidget(b)
-            self.buttons[name] = b
-        lay.addLayout(bar)
-        self.render()
-
-    def render(self, text: str | None = None, streaming: bool = False):
-        m = self.message
-        t = m.content if text is None else text
-        if streaming and not t:
-            t = "…"
-        self.view.set_markdown(t, is_dark(QApplication.instance()))
-        st = m.meta.get("status", "")
-        if streaming:
-            st = "generating…"
-        elif m.state == "interrupted":
-            st = "interrupted (the app stopped while this reply was being written)"
-        elif m.state == "stopped":
-            st = "stopped · " + st if st else "stopped"
-        elif m.state == "error":
-            st = "error: " + m.meta.get("error", "")
-        self.status.setText(st)
-        self.status.setObjectName("ErrorText" if m.state == "error" else "MsgStatus")
-
-    def start_edit(self):
-        if self.editor is not None:
-            return
-        self.editor = QPlainTextEdit(self.message.content)
-        self.editor.setMinimumHeight(80)
-        lay: QVBoxLayout = self.layout()
-        lay.insertWidget(2, self.editor)
-        self.view.hide()
-        row = QHBoxLayout()
-        send = QPushButton("Send")
-        send.setObjectName("Primary")
-        cancel = QPushButton("Cancel")
-        row.addStretch(1)
-        row.addWidget(cancel)
-        row.addWidget(send)
-        self._edit_row = QWidget()
-        self._edit_row.setLayout(row)
-        lay.insertWidget(3, self._edit_row)
-        send.clicked.connect(lambda: self.page.edit_and_resend(self.message.id, self.editor.toPlainText()))
-        cancel.clicked.connect(self.cancel_edit)
-        self.editor.setFocus()
-
-    def cancel_edit(self):
-        if self.editor is not None:
-            self.editor.deleteLater()
-            self._edit_row.deleteLater()
-            self.editor = None
-            self.view.show()
 
 
 class Composer(QTextEdit):
@@ -354,7 +144,7 @@ class ChatPage(QWidget):
         self.msg_layout.addStretch(1)
         self.scroll.setWidget(self.msg_host)
         cl.addWidget(self.scroll, 1)
-        self.empty = QLabel("Start a conversation: type a message below.\nAttach text files or images with 📎, "
+        self.empty = QLabel("Start a conversation: type a message below.\nAttach text files or images with Attach, "
                             "by dropping them here, or by pasting.")
         self.empty.setAlignment(Qt.AlignCenter)
         self.empty.setObjectName("Muted")
@@ -372,7 +162,7 @@ class ChatPage(QWidget):
         self.composer.attachRequested.connect(self._attach_any)
         cl.addWidget(self.composer)
         row = QHBoxLayout()
-        self.attach_button = QPushButton("📎 Attach")
+        self.attach_button = QPushButton(icon("attach"), "Attach")
         self.attach_button.clicked.connect(self._attach_dialog)
         row.addWidget(self.attach_button)
         self.context_bar = QProgressBar()
@@ -388,11 +178,11 @@ class ChatPage(QWidget):
         self.error_label.setObjectName("ErrorText")
         self.error_label.setWordWrap(True)
         row.addWidget(self.error_label, 2)
-        self.stop_button = QPushButton("■ Stop")
+        self.stop_button = QPushButton(icon("stop"), "Stop")
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
         row.addWidget(self.stop_button)
-        self.send_button = QPushButton("Send ➤")
+        self.send_button = QPushButton(icon("send", "#ffffff", None), "Send")
         self.send_button.setObjectName("Primary")
         self.send_button.clicked.connect(lambda: self.send())
         row.addWidget(self.send_button)
@@ -437,6 +227,7 @@ class ChatPage(QWidget):
         split.setSizes([230, 800, 260])
         split.setStretchFactor(1, 1)
         self._loading_settings = False
+        self._show_settings(*self._defaults())   # before any conversation: the values a new one gets
 
     # ----- conversations -----
     def reload_conversations(self, *_):
@@ -482,9 +273,13 @@ class ChatPage(QWidget):
         self.reload_conversations()
 
     def new_conversation(self) -> str:
-        defaults = self.store.get_setting("default_sampling", DEFAULT_SAMPLING)
-        c = self.store.create_conversation(sampling=dict(defaults),
-                                           system_prompt=self.store.get_setting("default_system_prompt", ""))
+        """A new conversation with Settings' defaults, or with what was set in the panel while no
+        conversation was open."""
+        if self.current_id is None and self._draft_edited:
+            system_prompt, sampling = self.system_edit.toPlainText(), self.sampling_dict()
+        else:
+            system_prompt, sampling = self._defaults()
+        c = self.store.create_conversation(sampling=dict(sampling), system_prompt=system_prompt)
         self.current_id = c.id
         self.reload_conversations()
         self.open_conversation(c.id)
@@ -502,6 +297,7 @@ class ChatPage(QWidget):
             else:
                 self._clear_messages()
                 self.title.setText("New chat")
+                self._show_settings(*self._defaults())
         self.reload_conversations()
 
     def open_conversation(self, cid: str):
@@ -509,9 +305,20 @@ class ChatPage(QWidget):
         if c is None:
             return
         self.current_id = cid
+        self._show_settings(c.system_prompt, c.sampling)
+        self.title.setText(c.title)
+        self.rebuild_messages()
+        self.conversationChanged.emit(cid)
+
+    def _defaults(self) -> tuple[str, dict]:
+        """A new conversation's system prompt and sampling: Settings' defaults over DEFAULT_SAMPLING."""
+        return (self.store.get_setting("default_system_prompt", ""),
+                {**DEFAULT_SAMPLING, **(self.store.get_setting("default_sampling", DEFAULT_SAMPLING) or {})})
+
+    def _show_settings(self, system_prompt: str, sampling: dict):
         self._loading_settings = True
-        s = {**DEFAULT_SAMPLING, **c.sampling}
-        self.system_edit.setPlainText(c.system_prompt)
+        s = {**DEFAULT_SAMPLING, **(sampling or {})}
+        self.system_edit.setPlainText(system_prompt)
         self.s_temp.setValue(float(s["temperature"]))
         self.s_top_p.setValue(float(s["top_p"]))
         self.s_top_k.setValue(int(s["top_k"]))
@@ -520,12 +327,13 @@ class ChatPage(QWidget):
         self.s_rep.setValue(float(s["repetition_penalty"]))
         self.s_seed.setValue(int(s.get("seed", -1)))
         self._loading_settings = False
-        self.title.setText(c.title)
-        self.rebuild_messages()
-        self.conversationChanged.emit(cid)
+        self._draft_edited = False
 
     def _save_settings(self, *_):
-        if self._loading_settings or not self.current_id:
+        if self._loading_settings:
+            return
+        if not self.current_id:     # no conversation yet: the panel's values go to the one the next message starts
+            self._draft_edited = True
             return
         self.store.update_conversation(self.current_id, system_prompt=self.system_edit.toPlainText(),
                                        sampling=self.sampling_dict())
@@ -630,10 +438,21 @@ class ChatPage(QWidget):
             if w is not None:
                 w.deleteLater()
         for i, a in enumerate(self.pending):
-            b = QPushButton(("🖼 " if a["kind"] == "image" else "📄 ") + a["name"] + "  ✕")
-            b.setToolTip("Remove this attachment")
-            b.clicked.connect(lambda _=False, i=i: self._remove_pending(i))
-            self.attach_row.insertWidget(self.attach_row.count() - 1, b)
+            chip = QFrame()
+            chip.setObjectName("AttachChip")
+            cl = QHBoxLayout(chip)
+            cl.setContentsMargins(6, 2, 2, 2)
+            kind = QLabel()
+            kind.setPixmap(pixmap("image" if a["kind"] == "image" else "file", 16))
+            cl.addWidget(kind)
+            cl.addWidget(QLabel(a["name"]))
+            rm = QToolButton()
+            rm.setIcon(icon("close"))
+            rm.setAutoRaise(True)
+            rm.setToolTip("Remove this attachment")
+            rm.clicked.connect(lambda _=False, i=i: self._remove_pending(i))
+            cl.addWidget(rm)
+            self.attach_row.insertWidget(self.attach_row.count() - 1, chip)
         self._update_vision_note()
 
     def _remove_pending(self, i):
@@ -641,18 +460,32 @@ class ChatPage(QWidget):
             self.pending.pop(i)
         self._refresh_pending()
 
-    def _update_vision_note(self):
-        has_img = any(a["kind"] == "image" for a in self.pending)
+    def _no_vision_reason(self) -> str | None:
+        """Why the loaded model cannot take images (None when it can)."""
         info = self.ctl.info
-        if has_img and not (info and info.vision):
-            reason = (info.vision_note if info and info.vision_note else
-                      f"{info.name if info else 'No model'} cannot see images: it has no vision projector (mmproj)")
-            self.vision_note.setText(f"⚠ {reason[:1].upper() + reason[1:]}. The image is kept with your message, but "
-                                     "the model only reads the text. Load a vision model with its mmproj file "
-                                     "beside it to ask about images.")
+        if info and info.vision and self.ctl.engine is not None:
+            return None
+        reason = (info.vision_note if info and info.vision_note else
+                  f"{info.name if info else 'No model'} cannot see images: it has no vision projector (mmproj)")
+        return reason[:1].upper() + reason[1:]
+
+    def _update_vision_note(self):
+        reason = self._no_vision_reason() if any(a["kind"] == "image" for a in self.pending) else None
+        if reason:
+            self.vision_note.setText(f"{reason}. A message with an image is not sent to it: remove the image "
+                                     "to send the text, or load a vision model with its mmproj file beside it.")
             self.vision_note.show()
         else:
             self.vision_note.hide()
+
+    def _refuse_images(self, attachments: list[dict]) -> bool:
+        """True (with a message; the typed text and attachments stay) when `attachments` hold an image the
+        loaded model cannot see, as the API server refuses such a request."""
+        reason = self._no_vision_reason() if any(a.get("kind") == "image" for a in attachments) else None
+        if reason:
+            self.error_label.setText(f"Not sent: {reason}. Remove the image, or load a vision model.")
+            self._update_vision_note()
+        return bool(reason)
 
     def dragEnterEvent(self, e):
         if e.mimeData().hasUrls() or e.mimeData().hasImage():
@@ -705,6 +538,8 @@ class ChatPage(QWidget):
         if not self.ctl.ready:
             self.error_label.setText("No model is loaded yet: pick one in the model menu at the top.")
             return False
+        if self._refuse_images(self.pending):
+            return False
         if not self.current_id:
             self.new_conversation()
         c = self.store.get_conversation(self.current_id)
@@ -730,6 +565,9 @@ class ChatPage(QWidget):
         m = self.store.get_message(mid) if mid else None
         if m is None or m.role != "assistant" or m.parent_id is None:
             return False
+        asked = self.store.get_message(m.parent_id)
+        if asked is not None and self._refuse_images(asked.attachments):
+            return False
         return self._start_reply(m.parent_id)
 
     def edit_and_resend(self, mid: str, new_text: str) -> bool:
@@ -738,6 +576,8 @@ class ChatPage(QWidget):
             return False
         m = self.store.get_message(mid)
         if m is None or m.role != "user" or not new_text.strip():
+            return False
+        if self._refuse_images(m.attachments):
             return False
         u = self.store.add_message(m.conversation_id, "user", new_text.strip(), m.parent_id, attachments=m.attachments)
         return self._start_reply(u.id)
@@ -809,9 +649,7 @@ class ChatPage(QWidget):
         state = {"stop": "complete", "length": "complete", "cancelled": "stopped", "error": "error"}.get(fin.reason,
                                                                                                        "complete")
         n = fin.usage.completion_tokens
-        status = f"{n} tokens"
-        if fin.timings.decode_tokens_per_s:
-            status += f" · {fin.timings.decode_tokens_per_s:.1f} tok/s"
+        status = reply_stats(fin)        # tokens · tok/s · first token, under the reply
         if fin.reason == "length":
             status += " · hit the max tokens limit"
         meta = dict(m.meta, status=status, finish=fin.reason, tokens=n)

@@ -346,6 +346,7 @@ class RemoteHandle:
         if s.seed is not None:
             body["seed"] = s.seed
         t0 = time.monotonic()
+        t_first = None
         n = 0
         req = urllib.request.Request(b.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
                                      headers=_headers(b.api_key), method="POST")
@@ -366,6 +367,7 @@ class RemoteHandle:
                     text = (ch.get("delta") or {}).get("content") or ""
                     if text:
                         n += 1
+                        t_first = t_first or time.monotonic()
                         yield TokenEvent(text=text, ids=[0])
                     if ch.get("finish_reason"):
                         reason = ch["finish_reason"]
@@ -375,8 +377,11 @@ class RemoteHandle:
         except (urllib.error.URLError, OSError, ValueError) as e:
             yield FinishEvent("error", Usage(), Timings(), error=f"{b.base_url}: {getattr(e, 'reason', e)}")
             return
-        dt = max(time.monotonic() - t0, 1e-6)
-        yield FinishEvent(reason, Usage(completion_tokens=n), Timings(decode_ms=dt * 1000, decode_tokens_per_s=n / dt))
+        t_end = time.monotonic()
+        ttft = (t_first or t_end) - t0
+        dt = max(t_end - (t_first or t0), 1e-6)
+        yield FinishEvent(reason, Usage(completion_tokens=n),
+                          Timings(prompt_ms=ttft * 1000, decode_ms=dt * 1000, decode_tokens_per_s=n / dt))
 
 
 @dataclass

@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from PySide6.QtCore import QTimer
-from PySide6.QtGui import QAction, QIcon, QKeySequence
+from PySide6.QtCore import QSize, Qt, QTimer
+from PySide6.QtGui import QAction, QIcon, QKeySequence, QPixmap
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QFrame, QHBoxLayout, QLabel, QListWidget,
                                QListWidgetItem, QMainWindow, QProgressBar, QPushButton, QStackedWidget, QVBoxLayout,
                                QWidget)
@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QFrame, QHBox
 from app import gpu as gpu_mod
 from app.gui.chat import ChatPage
 from app.gui.controller import EngineController, pacing_share, parallel_conversations
+from app.gui.icons import icon
 from app.gui.models_page import ModelsPage
 from app.gui.monitor_page import MonitorPage
 from app.gui.planner_page import PlannerPage
@@ -24,7 +25,8 @@ from app.gui.theme import RESOURCES, apply_theme
 from app.store import Store
 
 PAGES = ("Chat", "Models", "Planner", "Monitor", "Server", "Settings")
-ICONS = {"Chat": "💬", "Models": "📦", "Planner": "📐", "Monitor": "📈", "Server": "🔌", "Settings": "⚙"}
+ICONS = {"Chat": "chat", "Models": "models", "Planner": "planner", "Monitor": "monitor", "Server": "server",
+         "Settings": "settings"}     # resources/icons/*.svg
 
 
 def suggest_model(gpus) -> dict | None:
@@ -82,7 +84,12 @@ class MainWindow(QMainWindow):
         top.setObjectName("TopBar")
         tl = QHBoxLayout(top)
         tl.setContentsMargins(14, 8, 14, 8)
-        brand = QLabel("⬢ HiveJet")
+        logo = QLabel()
+        logo_file = RESOURCES / "icons" / "hivejet.png"
+        if logo_file.exists():
+            logo.setPixmap(QPixmap(str(logo_file)).scaled(22, 22, Qt.KeepAspectRatio, Qt.SmoothTransformation))
+        tl.addWidget(logo)
+        brand = QLabel("HiveJet")
         brand.setObjectName("Brand")
         tl.addWidget(brand)
         tl.addSpacing(18)
@@ -123,8 +130,9 @@ class MainWindow(QMainWindow):
         self.nav = QListWidget()
         self.nav.setObjectName("NavRail")
         self.nav.setFixedWidth(150)
+        self.nav.setIconSize(QSize(18, 18))
         for p in PAGES:
-            self.nav.addItem(QListWidgetItem(f"{ICONS[p]}  {p}"))
+            self.nav.addItem(QListWidgetItem(icon(ICONS[p]), p))
         body.addWidget(self.nav)
         self.stack = QStackedWidget()
         self.chat = ChatPage(self.store, self.ctl)
@@ -162,6 +170,11 @@ class MainWindow(QMainWindow):
         new.setShortcut(QKeySequence.New)
         new.triggered.connect(lambda: (self.nav.setCurrentRow(0), self.chat.new_conversation()))
         self.addAction(new)
+        self.quit_action = QAction("Quit", self)
+        self.quit_action.setShortcut(QKeySequence("Ctrl+Q"))
+        self.quit_action.setShortcutContext(Qt.ApplicationShortcut)
+        self.quit_action.triggered.connect(self.close)
+        self.addAction(self.quit_action)
         self.statusBar().showMessage("Ready")
 
     def show_page(self, name: str):
@@ -206,7 +219,7 @@ class MainWindow(QMainWindow):
             self.model_combo.addItem(label, path)
         for r in self.store.get_setting("remotes", []):
             for m in r.get("models", []):
-                self.model_combo.addItem(f"☁ {m} · {r['url']}", json.dumps(dict(url=r["url"], key=r.get("key", ""),
+                self.model_combo.addItem(icon("cloud"), f"{m} · {r['url']}", json.dumps(dict(url=r["url"], key=r.get("key", ""),
                                                                                  model=m)))
         i = self.model_combo.findData(cur)
         if i >= 0:

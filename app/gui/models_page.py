@@ -21,6 +21,17 @@ def _size(n: int) -> str:
     return P.fmt_bytes(n)
 
 
+def suggested_models() -> list[dict]:
+    """resources/suggested_models.json's models (largest first); [] when the file is missing or broken."""
+    import json
+
+    from app.gui.theme import RESOURCES
+    try:
+        return list(json.loads((RESOURCES / "suggested_models.json").read_text())["models"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 class _Bridge(QObject):
     searchDone = Signal(object, str)        # hits, error
     filesDone = Signal(str, object, str)    # repo, files, error
@@ -268,6 +279,25 @@ class ModelsPage(QWidget):
         split.setSizes([300, 700])
         l.addWidget(split, 1)
         self.tabs.addTab(w, "Hugging Face")
+        self.show_suggestions()
+
+    def show_suggestions(self):
+        """Before any search: the suggested models (resources/suggested_models.json) with a fits badge for
+        this computer; picking one searches the Hub for it."""
+        vram, cpu = self.vram_getter()
+        self._clear_repos()
+        for m in suggested_models():
+            text, ok = fits_badge(int(m["size_gib"] * (1 << 30)), vram, cpu)
+            if vram is None and cpu:
+                text = f"CPU mode: needs an NVIDIA GPU with {m['min_vram_gib']} GB"
+            it = QListWidgetItem(f"{m['name']}\nabout {m['size_gib']} GB · {text}")
+            it.setData(Qt.UserRole, {"suggestion": m["search"]})
+            it.setToolTip(f"Search the Hub for {m['search']!r} and pick the {m['file_quant']} file")
+            if ok is not None:
+                it.setForeground(Qt.darkGreen if ok else Qt.red)
+            self.repo_list.addItem(it)
+        self.hub_status.setText("Suggested models (fits: file size plus runtime allowance vs this GPU's free "
+                                "memory). Pick one to find it on the Hub, or search for any GGUF model.")
 
     def search(self, query: str | None = None):
         q = self.search_edit.text() if query is None else query
@@ -282,15 +312,20 @@ class ModelsPage(QWidget):
                 self.bridge.searchDone.emit([], str(e))
         threading.Thread(target=work, daemon=True).start()
 
-    def _on_search(self, hits, err):
+    def _clear_repos(self):
+        self.repo_list.blockSignals(True)      # (removing the current row would "pick" the next one)
         self.repo_list.clear()
+        self.repo_list.blockSignals(False)
+
+    def _on_search(self, hits, err):
+        self._clear_repos()
         self.file_table.setRowCount(0)
         if err:
             self.hub_status.setText(err)
             return
         self.hub_status.setText(f"{len(hits)} GGUF repositories" + ("" if hits else ": try other words"))
         for h in hits:
-            it = QListWidgetItem(f"{h.id}\n⬇ {h.downloads:,}  ♥ {h.likes}  {h.updated}")
+            it = QListWidgetItem(f"{h.id}\n{h.downloads:,} downloads · {h.likes} likes · {h.updated}")
             it.setData(Qt.UserRole, h.id)
             self.repo_list.addItem(it)
 
@@ -298,6 +333,10 @@ class ModelsPage(QWidget):
         if item is None:
             return
         repo = item.data(Qt.UserRole)
+        if isinstance(repo, dict):          # a suggestion: search for it
+            self.search_edit.setText(repo["suggestion"])
+            self.search(repo["suggestion"])
+            return
         self.hub_status.setText(f"Listing files of {repo} …")
         client = self.manager.client
 
@@ -402,7 +441,7 @@ class ModelsPage(QWidget):
         bar.setTextVisible(True)
         self.dl_table.item(r, 2).setText(D.fmt_rate(d.speed) if d.state == "downloading" else "")
         self.dl_table.item(r, 3).setText(D.fmt_eta(d.eta) if d.state == "downloading" else "")
-        status = {"done": "✓ downloaded and verified" if d.sha256 else "✓ downloaded", "paused": "paused",
+        status = {"done": "downloaded and verified" if d.sha256 else "downloaded", "paused": "paused",
                   "queued": "starting…", "downloading": "downloading", "verifying": "verifying…",
                   "cancelled": "cancelled", "failed": d.error}.get(d.state, d.state)
         it = self.dl_table.item(r, 4)

@@ -4,9 +4,10 @@ memory, temperature and power from NVML (or a clear CPU-mode note)."""
 from __future__ import annotations
 
 import collections
+import math
 import os
 
-from PySide6.QtCore import QRectF, Qt, QTimer
+from PySide6.QtCore import QPointF, QRectF, Qt, QTimer
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPen
 from PySide6.QtWidgets import (QGridLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
@@ -15,35 +16,73 @@ from app import gpu as gpu_mod
 from engine.planner import fmt_bytes
 
 
+def nice_top(v: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten at or above v (at least 1): the y axis' top."""
+    v = max(v, 1.0)
+    mag = 10 ** math.floor(math.log10(v))
+    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= v)
+
+
 class Sparkline(QWidget):
-    def __init__(self, n=120):
+    """Total tok/s over the last `n` samples (one a second), with a y axis in tok/s and a time axis."""
+
+    def __init__(self, n=121, interval_s: float = 1.0):     # 121 samples a second apart: the last 120 s
         super().__init__()
         self.values = collections.deque(maxlen=n)
-        self.setMinimumHeight(120)
+        self.interval_s = interval_s
+        self.setMinimumHeight(140)
 
     def add(self, v: float):
         self.values.append(v)
         self.update()
 
+    def ticks(self) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
+        """(y ticks as (value, label), x ticks as (fraction of the width from the left, label))."""
+        top = nice_top(max(self.values, default=0.0))
+        ys = [(top * k / 4, f"{top * k / 4:g}") for k in range(5)]
+        span = (self.values.maxlen - 1) * self.interval_s
+        xs = [(k / 4, f"-{span * (1 - k / 4):.0f} s" if k < 4 else "now") for k in range(5)]
+        return ys, xs
+
     def paintEvent(self, e):
         p = QPainter(self)
         p.setRenderHint(QPainter.Antialiasing)
-        r = QRectF(self.rect()).adjusted(8, 8, -8, -20)
+        fm = p.fontMetrics()
+        left = fm.horizontalAdvance("00000") + 14
+        r = QRectF(self.rect()).adjusted(left, 22, -12, -2 * fm.height() - 6)
         pal = self.palette()
-        p.setPen(QPen(pal.mid().color(), 1))
-        p.drawRoundedRect(r, 6, 6)
+        text, grid = pal.text().color(), pal.mid().color()
+        ys, xs = self.ticks()
+        top = ys[-1][0]
+        p.setPen(text)
+        p.drawText(QRectF(0, 2, self.width(), 18), Qt.AlignLeft | Qt.AlignVCenter,
+                   f"  total tok/s (all conversations), last {(self.values.maxlen - 1) * self.interval_s:.0f} s · "
+                   f"peak {max(self.values, default=0.0):.1f}")
+        for v, lab in ys:
+            y = r.bottom() - v / top * r.height()
+            p.setPen(QPen(grid, 1, Qt.DotLine))
+            p.drawLine(QPointF(r.left(), y), QPointF(r.right(), y))
+            p.setPen(text)
+            p.drawText(QRectF(0, y - fm.height() / 2, left - 6, fm.height()), Qt.AlignRight | Qt.AlignVCenter, lab)
+        for f, lab in xs:
+            x = r.left() + f * r.width()
+            p.setPen(QPen(grid, 1))
+            p.drawLine(QPointF(x, r.bottom()), QPointF(x, r.bottom() + 4))
+            p.setPen(text)
+            w = fm.horizontalAdvance(lab) + 4
+            p.drawText(QRectF(x - w / 2, r.bottom() + 5, w, fm.height()), Qt.AlignCenter, lab)
+        p.setPen(QPen(text, 1))
+        p.drawLine(r.bottomLeft(), r.bottomRight())
+        p.drawLine(r.bottomLeft(), r.topLeft())
+        p.drawText(QRectF(r.left(), r.bottom() + fm.height() + 6, r.width(), fm.height()), Qt.AlignCenter, "time")
         vals = list(self.values)
-        top = max(max(vals, default=0.0), 1.0)
-        p.setPen(pal.text().color())
-        p.drawText(QRectF(r.left(), r.bottom() + 2, r.width(), 16), Qt.AlignLeft,
-                   f"total tok/s, last {self.values.maxlen} s · peak {top:.1f}")
         if len(vals) < 2:
             return
         n = self.values.maxlen
         path = QPainterPath()
         for i, v in enumerate(vals):
             x = r.right() - (len(vals) - 1 - i) * r.width() / (n - 1)
-            y = r.bottom() - v / top * (r.height() - 6)
+            y = r.bottom() - v / top * r.height()
             path.moveTo(x, y) if i == 0 else path.lineTo(x, y)
         p.setPen(QPen(QColor("#f59e0b"), 2))
         p.drawPath(path)
@@ -154,12 +193,17 @@ class MonitorPage(QWidget):
 def pool_text(st: dict) -> str:
     """The KV card: the GPU path's shared pool (tokens used of its size, blocks shared by several
     conversations, blocks parked conversations keep, long prompts' chunks held back for generating
-    conversations: engine/pacing.py, recurrent-state checkpoints), or the CPU path's resident conversations."""
+    conversations: engine/pacing.py, recurrent-state checkpoints), or the CPU path's pool (its fixed limit,
+    the tokens in use) and resident conversations."""
     kp = st.get("kv_pool")
     res = st.get("resident") or {}
     parked = f"{res.get('conversations', 0)} conversations kept for follow-ups ({res.get('tokens', 0):,} tokens)"
     if not kp:
         return f"CPU path · {parked}"
+    if kp.get("path") == "cpu":      # the CPU pool's fixed limit; its use includes the conversations kept
+        cap = max(kp.get("capacity_tokens") or 0, 1)
+        used = kp.get("used_tokens", 0)
+        return f"CPU path · {used:,} of {cap:,} tokens ({100 * used / cap:.1f}%)<br>{parked}"
     cap = max(kp.get("capacity_tokens") or 0, 1)
     used = kp.get("used_tokens", 0)
     pacing = st.get("prefill_pacing") or {}

@@ -1,16 +1,23 @@
 """Server page and switch: the local OpenAI-compatible API (app/server's create_app) served in-process
 by uvicorn in a thread, on/off, port, "allow other devices on my network" (binds 0.0.0.0 and requires
-the generated API key), base URL with copy buttons, editor settings to paste, and connected clients."""
+the generated API key), base URL and model id with copy buttons, editor settings to paste, connected clients
+and the recent requests (app/gui/request_log.py)."""
 from __future__ import annotations
 
+import json
 import secrets
+import shlex
 import socket
 import threading
+import time
+from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QPlainTextEdit, QPushButton,
-                               QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QListWidget, QPlainTextEdit,
+                               QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from app.gui.request_log import RequestLog
 
 
 def server_factory():
@@ -25,6 +32,12 @@ def server_factory():
         return create_app
     except ImportError:
         return None
+
+
+def shell_arg(s: str) -> str:
+    """`s` quoted for a command line: in double quotes, which bash, zsh, cmd and PowerShell all read the same
+    way, unless it holds characters that are special inside them (then POSIX single quotes)."""
+    return f'"{s}"' if not set(s) & set('"$`\\!%') else shlex.quote(s)
 
 
 def lan_address() -> str:
@@ -45,6 +58,7 @@ class ServerController:
         self.engine = None      # the engine it serves
         self.host = "127.0.0.1"
         self.port = 0
+        self.log = RequestLog()
 
     @property
     def running(self) -> bool:
@@ -79,7 +93,7 @@ class ServerController:
             probe.close()
         except OSError as e:
             return f"Port {port} is in use or not allowed ({e.strerror}); choose another port."
-        cfg = uvicorn.Config(app, host=self.host, port=port, log_level="warning", access_log=False)
+        cfg = uvicorn.Config(self.log.attach(app), host=self.host, port=port, log_level="warning", access_log=False)
         self.server = uvicorn.Server(cfg)
         self.engine = engine
         self.port = port
@@ -180,6 +194,16 @@ class ServerPage(QWidget):
         b.clicked.connect(lambda: self._copy(self.url.text()))
         urow.addWidget(b)
         lay.addLayout(urow)
+        mrow = QHBoxLayout()
+        mrow.addWidget(QLabel("Model id"))
+        self.model_id = QLineEdit()
+        self.model_id.setReadOnly(True)
+        self.model_id.setToolTip("The name clients send as \"model\" (GET /v1/models lists it)")
+        mrow.addWidget(self.model_id, 1)
+        b = QPushButton("Copy")
+        b.clicked.connect(lambda: self._copy(self.model_id.text()))
+        mrow.addWidget(b)
+        lay.addLayout(mrow)
         self.status = QLabel("Off.")
         self.status.setWordWrap(True)
         lay.addWidget(self.status)
@@ -193,6 +217,14 @@ class ServerPage(QWidget):
         lay.addWidget(QLabel("Connected clients"))
         self.clients = QListWidget()
         lay.addWidget(self.clients, 1)
+        lay.addWidget(QLabel("Recent requests"))
+        self.requests = QTableWidget(0, 5)
+        self.requests.setHorizontalHeaderLabels(["Time", "Request", "Status", "Tokens", "Duration"])
+        self.requests.horizontalHeader().setSectionResizeMode(1, QHeaderView.Stretch)
+        self.requests.verticalHeader().hide()
+        self.requests.setEditTriggers(QTableWidget.NoEditTriggers)
+        lay.addWidget(self.requests, 2)
+        self._log_version = -1
         self.timer = QTimer(self, interval=1000, timeout=self._refresh_clients)
         self.timer.start()
         self._update_texts()
@@ -220,16 +252,29 @@ class ServerPage(QWidget):
         host = lan_address() if self.lan.isChecked() else "127.0.0.1"
         return f"http://{host}:{self.port.value()}/v1"
 
+    def api_model_id(self) -> str:
+        """The id the server reports for the loaded model (app/server's model_id: the file name without .gguf),
+        which is what clients must send; the display name can differ from it."""
+        info = self.ctl.info
+        if info is None or info.remote or not info.path:
+            return "local-model"
+        return Path(info.path).stem
+
     def _update_texts(self):
         self.url.setText(self.base_url())
         key = self.key.text() if self.lan.isChecked() else (self.key.text() or "not-needed")
-        model = self.ctl.info.name if self.ctl.info else "local-model"
+        model = self.api_model_id()
+        self.model_id.setText(model)
         self.snippets.setPlainText(
-            f"# OpenAI-compatible clients\nOPENAI_BASE_URL={self.base_url()}\nOPENAI_API_KEY={key}\n\n"
-            f"# Continue (config.yaml)\nmodels:\n  - name: HiveJet\n    provider: openai\n    model: {model}\n"
+            f"# OpenAI-compatible clients\nOPENAI_BASE_URL={self.base_url()}\nOPENAI_API_KEY={key}\n"
+            f"# model id: {model}\n\n"
+            f"# Continue (config.yaml)\nmodels:\n  - name: HiveJet\n    provider: openai\n    model: {json.dumps(model)}\n"
             f"    apiBase: {self.base_url()}\n    apiKey: {key}\n\n"
-            f"# Aider\naider --openai-api-base {self.base_url()} --openai-api-key {key} --model openai/{model}\n\n"
-            f"# Python\nfrom openai import OpenAI\nclient = OpenAI(base_url=\"{self.base_url()}\", api_key=\"{key}\")\n")
+            f"# Aider\naider --openai-api-base {self.base_url()} --openai-api-key {shlex.quote(key)} "
+            f"--model {shell_arg('openai/' + model)}\n\n"
+            f"# Python\nfrom openai import OpenAI\nclient = OpenAI(base_url=\"{self.base_url()}\", api_key=\"{key}\")\n"
+            f"reply = client.chat.completions.create(model={json.dumps(model)}, messages=[{{\"role\": \"user\", "
+            f"\"content\": \"Hello\"}}])\n")
 
     def _toggled(self, on):
         if on:
@@ -280,7 +325,27 @@ class ServerPage(QWidget):
             self.switch.setChecked(False)
             self.status.setText("Stopped: the model it served was unloaded. Turn it on again once a model is loaded.")
 
+    def refresh_requests(self):
+        """The request log's newest 100 entries, newest first (time, method and route, status, tokens
+        generated (prompt tokens in the tooltip), duration)."""
+        log = self.srv.log
+        if log.version == self._log_version:
+            return
+        self._log_version = log.version
+        rows = log.recent(100)
+        self.requests.setRowCount(len(rows))
+        for r, e in enumerate(rows):
+            vals = [time.strftime("%H:%M:%S", time.localtime(e["time"])), f"{e['method']} {e['path']}",
+                    str(e["status"] or "-"), f"{e['tokens']:,}" if e["tokens"] or e["prompt_tokens"] else "",
+                    f"{e['ms'] / 1000:.2f} s" if e["ms"] >= 1000 else f"{e['ms']:.0f} ms"]
+            for c, v in enumerate(vals):
+                it = QTableWidgetItem(v)
+                if c == 3 and e["prompt_tokens"]:
+                    it.setToolTip(f"{e['prompt_tokens']:,} prompt tokens, {e['tokens']:,} generated")
+                self.requests.setItem(r, c, it)
+
     def _refresh_clients(self):
+        self.refresh_requests()
         cl = self.srv.clients()
         items = [self.clients.item(i).text() for i in range(self.clients.count())]
         if cl != items:

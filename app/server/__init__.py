@@ -164,6 +164,8 @@ def run_serve(args) -> int:
               file=sys.stderr)
 
     threading.Thread(target=load, name="hivejet-load", daemon=True).start()
+    from app.server.access_log import quiet_polls
+    quiet_polls(args.log_level)      # monitoring polls (hivejet top, Prometheus) stay out of the access log
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5, lifespan="off")

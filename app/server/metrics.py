@@ -66,6 +66,11 @@ class Metrics:
         metric("kv_tokens_used", "gauge", "KV cache tokens in use.", [({}, used)])
         metric("kv_tokens_capacity", "gauge", "KV cache tokens available.", [({}, capacity)])
         metric("kv_usage_ratio", "gauge", "KV cache use (0..1).", [({}, float(used / capacity) if capacity else 0.0)])
+        res = s.get("resident") or {}
+        metric("kv_tokens_resident", "gauge", "KV cache tokens that parked conversations keep for their next turn "
+                                              "(part of kv_tokens_used).", [({}, int(res.get("tokens") or 0))])
+        metric("conversations_resident", "gauge", "Parked conversations whose KV cache is kept.",
+               [({}, int(res.get("conversations") or 0))])
         ck = pool.get("state_checkpoints")
         if ck:   # (models with recurrent layers on the GPU path)
             where = {"memory": ck["memory"]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from urllib.parse import urlparse
@@ -45,6 +46,34 @@ def add_top_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("-c", "--ctx", type=int, default=0, help="context per conversation (default: the model's)")
     s.add_argument("--threads", type=int, default=0, help="CPU threads (default: the engine's)")
     s.add_argument("--device", default="auto", help="auto (default: the GPU when torch sees one), cpu or cuda")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while agents run: stopped like Ctrl-C (streams broken off, temporary folders removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt_code(e: KeyboardInterrupt) -> int:
+    """The exit code for a run ended by a signal: 130 for Ctrl-C, 143 for SIGTERM (128 + the signal)."""
+    return 128 + int(e.signum if isinstance(e, Terminated) else signal.SIGINT)
+
+
+def _terminate_as_interrupt():
+    """Make SIGTERM raise Terminated in the main thread for the run's duration; returns the undo."""
+    fired = []
+
+    def on_term(signum, _frame):
+        if not fired:          # once: a second SIGTERM must not break off the clean stop the first started
+            fired.append(signum)
+            raise Terminated(signum)
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
+    except (ValueError, OSError, AttributeError):     # not the main thread, or no SIGTERM here
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, old)
 
 
 def _err(msg: str) -> None:
@@ -127,9 +156,14 @@ def run_top(args, console=None) -> int:
             else:
                 console.file.write(frame_text(snap, width=console.width, sort=args.sort, show_keys=False))
             return 0 if snap.status == "ok" else 1
-        with KeyReader() as keys:
-            TopScreen(poller, args.interval, console, args.sort).run(keys=keys)
-        return 0
+        screen = TopScreen(poller, args.interval, console, args.sort)
+        restore = _terminate_as_interrupt()        # SIGTERM too leaves through KeyReader's terminal restore
+        try:
+            with KeyReader() as keys:
+                screen.run(keys=keys)
+        finally:
+            restore()
+        return _interrupt_code(screen.interrupted) if screen.interrupted is not None else 0
 
     from app.top.agents import AgentConfig, AgentRun, format_summary
     from app.top.tasks import TaskError, load_tasks
@@ -139,6 +173,7 @@ def run_top(args, console=None) -> int:
         _err(e)
         return 2
     server = None
+    restore = _terminate_as_interrupt()
     try:
         status, info = client.health()
         if status == "down":
@@ -157,30 +192,37 @@ def run_top(args, console=None) -> int:
                           test_timeout=args.test_timeout, test_runner=args.test_runner)
         run = AgentRun(client, tasks, args.run, cfg).start()
         view = not args.no_view and console.is_terminal
+        interrupted = None      # the signal that stopped the run (Ctrl-C, SIGTERM): the exit code says so
         try:
             if view:
                 poller = Poller(client, agents=lambda: run.statuses, gpu=False if args.no_gpu else None)
                 screen = TopScreen(poller, args.interval, console, args.sort)
                 with KeyReader() as keys:
                     last = screen.run(until=run.done, keys=keys)
+                if screen.interrupted is not None:
+                    raise screen.interrupted        # (after the view is closed: stopped as below)
                 if screen.quit_requested and not run.done():
                     run.cancel()
                 if last is not None and console.is_terminal:
                     console.print(render(last, screen.sort, show_keys=False))
             else:
                 _plain_progress(run, out=console.file)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            interrupted = e
             run.cancel()
         if not run.done():
             run.cancel()
-        run.wait(60)
+        run.wait(60)       # the agents' threads remove their temporary folders as they stop
         summary = run.summary()
         console.file.write("\n" + format_summary(summary) + "\n")
         console.file.flush()
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
+        if interrupted is not None:
+            return _interrupt_code(interrupted)     # after the clean stop
         return 1 if summary["agents"] and all(a["state"] == "error" for a in summary["per_agent"]) else 0
     finally:
         if server is not None:
             server.stop()
+        restore()

@@ -38,6 +38,29 @@ SYSTEM = ("You fix small Python exercises. Paths are relative to the task folder
           "you are done when run_tests passes.")
 
 
+def tool_line(name: str, arguments: str, answer: str) -> str:
+    """The view's latest-output line for a tool call: the call (name and path) and what came back, said as
+    the tool's answer (a file's last line is not shown as if the agent had written it)."""
+    try:
+        args = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        args = {}
+    path = args.get("path") if isinstance(args, dict) and isinstance(args.get("path"), str) else None
+    call = f"{name}({path})" if path else f"{name}()"
+    lines = [ln.strip() for ln in answer.splitlines() if ln.strip()]
+    if answer.startswith("error:"):
+        said = lines[0]
+    elif name == "read_file":
+        said = f"{len(answer.splitlines())} lines"
+    elif name == "list_files":
+        said = f"{len(lines)} files" if lines and lines[0] != "(no files)" else "no files"
+    elif name == "run_tests" and lines:
+        said = lines[0] + (f", {lines[-1]}" if len(lines) > 1 else "")
+    else:
+        said = lines[0] if lines else "(no output)"
+    return f"[tool] {call} -> {said}"[:200]
+
+
 @dataclass
 class AgentStatus:
     """What an agent is doing, for the view and the summary (written by the agent's thread)."""
@@ -50,6 +73,8 @@ class AgentStatus:
     last_line: str = ""            # latest line of output (generated text or a tool's result)
     requests: int = 0
     tool_calls: int = 0            # tool calls parsed and executed
+    tool_counts: dict = field(default_factory=dict)    # tool name -> calls executed
+    last_completion_tokens: int | None = None          # the last finished request's tokens (server's usage)
     tool_errors: int = 0           # of which the tool refused or failed
     no_call_steps: int = 0         # steps whose answer had no tool call
     prompt_tokens: int = 0
@@ -179,6 +204,7 @@ class Agent:
                 st.gen_seconds += res.seconds
                 st.prompt_tokens += res.prompt_tokens
                 st.completion_tokens += res.completion_tokens
+                st.last_completion_tokens = res.completion_tokens
                 if res.ttft is not None:
                     st.ttfts.append(res.ttft)
                 if res.finish_reason == "cancelled":
@@ -207,7 +233,8 @@ class Agent:
                     answer = f"error: {type(e).__name__}: {e}"
                 st.tool_seconds += time.monotonic() - t0
                 st.tool_calls += 1
-                st.note(f"{call['name']}: {answer}")
+                st.tool_counts[call["name"]] = st.tool_counts.get(call["name"], 0) + 1
+                st.last_line = tool_line(call["name"], call["arguments"], answer)
                 messages.append({"role": "tool", "tool_call_id": call_id, "name": call["name"],
                                  "content": clip(answer)})
                 if call["name"] == "run_tests" and st.tests_passed:
@@ -251,6 +278,9 @@ class AgentRun:
         self.agents = [Agent(client, task, st, config, self.stop, i)
                        for i, (st, task) in enumerate(make_statuses(n, tasks, run_id))]
         self.threads: list[threading.Thread] = []
+        # one per agent, set when its run() has returned (its folder removed): done() reads these, not
+        # Thread.is_alive(), which a join interrupted by Ctrl-C can leave False while the thread still runs
+        self.finished: list[threading.Event] = []
         self.t0 = self.t1 = 0.0
 
     @property
@@ -260,18 +290,27 @@ class AgentRun:
     def start(self) -> "AgentRun":
         self.t0 = time.monotonic()
         for a in self.agents:
-            t = threading.Thread(target=a.run, name=f"hivejet-{a.status.name}", daemon=True)
+            ev = threading.Event()
+            t = threading.Thread(target=self._run_one, args=(a, ev), name=f"hivejet-{a.status.name}", daemon=True)
             self.threads.append(t)
+            self.finished.append(ev)
             t.start()
         return self
 
+    @staticmethod
+    def _run_one(agent: Agent, finished: threading.Event) -> None:
+        try:
+            agent.run()
+        finally:
+            finished.set()
+
     def done(self) -> bool:
-        return all(not t.is_alive() for t in self.threads)
+        return len(self.finished) == len(self.agents) and all(ev.is_set() for ev in self.finished)
 
     def wait(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
-        for t in self.threads:
-            t.join(None if end is None else max(0.0, end - time.monotonic()))
+        for ev in self.finished:
+            ev.wait(None if end is None else max(0.0, end - time.monotonic()))
         if self.done() and not self.t1:
             self.t1 = time.monotonic()
         return self.done()
@@ -294,6 +333,15 @@ def _pct(values: list[float], q: float) -> float | None:
     return v[k]
 
 
+def tool_totals(statuses: list[AgentStatus]) -> dict[str, int]:
+    """Calls executed per tool, over all agents (by name)."""
+    out: dict[str, int] = {}
+    for s in statuses:
+        for name, n in s.tool_counts.items():
+            out[name] = out.get(name, 0) + n
+    return dict(sorted(out.items()))
+
+
 def summarize(statuses: list[AgentStatus], wall_s: float) -> dict:
     ttfts = [t for s in statuses for t in s.ttfts]
     gen = sum(s.completion_tokens for s in statuses)
@@ -309,8 +357,10 @@ def summarize(statuses: list[AgentStatus], wall_s: float) -> dict:
         "tool_wait_s": sum(s.tool_seconds for s in statuses),
         "requests": sum(s.requests for s in statuses),
         "tool_calls": sum(s.tool_calls for s in statuses),
+        "tools": tool_totals(statuses),
         "per_agent": [{"name": s.name, "session": s.session, "task": s.task, "state": s.state, "steps": s.step,
-                       "solved": s.solved, "tool_calls": s.tool_calls, "tool_errors": s.tool_errors,
+                       "solved": s.solved, "tool_calls": s.tool_calls, "tools": dict(sorted(s.tool_counts.items())),
+                       "tool_errors": s.tool_errors,
                        "no_call_steps": s.no_call_steps, "completion_tokens": s.completion_tokens,
                        "tok_per_s": s.tok_per_s, "ttft_median_s": statistics.median(s.ttfts) if s.ttfts else None,
                        "tool_wait_s": s.tool_seconds, "error": s.error} for s in statuses],
@@ -329,6 +379,7 @@ def format_summary(summary: dict) -> str:
              f"({s['prompt_tokens']} prompt tokens)",
              f"first-token latency: median {_s(s['ttft_median_s'])}, p95 {_s(s['ttft_p95_s'])}",
              f"waiting on tools: {s['tool_wait_s']:.2f} s",
+             "tools called: " + (", ".join(f"{k} {v}" for k, v in s.get("tools", {}).items()) or "none"),
              "",
              f"{'agent':<10} {'task':<16} {'result':<9} {'steps':>5} {'calls':>5} {'tok/s':>7} "
              f"{'ttft med':>9} {'tools':>8}"]

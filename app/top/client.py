@@ -149,6 +149,7 @@ class Client:
                     piece = delta.get("content") or ""
                     lp = (ch.get("logprobs") or {}).get("content") or []
                     tok_text = "".join(x.get("token", "") for x in lp)
+                    res.streamed_tokens += len(lp)
                     got = bool(piece or lp or delta.get("tool_calls") or delta.get("reasoning_content"))
                     if got and res.ttft is None:
                         res.ttft = time.monotonic() - t0
@@ -191,10 +192,12 @@ class ChatResult:
     usage: dict = field(default_factory=dict)
     ttft: float | None = None      # seconds from sending to the first generated token
     seconds: float = 0.0           # the whole request
+    streamed_tokens: int = 0       # tokens received (one logprobs entry each, when logprobs were asked for)
 
     @property
     def completion_tokens(self) -> int:
-        return int(self.usage.get("completion_tokens") or 0)
+        """The server's usage count; for a stream broken off before its usage chunk, the tokens received."""
+        return int(self.usage.get("completion_tokens") or 0) or self.streamed_tokens
 
     @property
     def prompt_tokens(self) -> int:

@@ -38,6 +38,7 @@ class Row:
     task: str = ""
     last_line: str = ""
     active: bool = True            # in /slots now
+    gen_final: bool = True         # False: the last value seen in /slots, the request went on after it
 
 
 @dataclass
@@ -107,15 +108,17 @@ def build_rows(snap: Snapshot) -> list[Row]:
             state = f"parked: {a['state'].replace('tool ', '')}"   # its KV waits while a tool runs
         else:
             state = "sending"       # a request on its way (not admitted by the engine yet)
+        # the agent knows its last request's final count (the server's usage); /slots' last value may be short
+        gen = a.get("last_completion_tokens")
         rows.append(Row(a["name"], a["session"], state, 0.0, int(last.get("context") or 0),
-                        int(last.get("ctx_limit") or 0), int(last.get("generated") or 0), _task_of(a),
-                        a["last_line"], False))
+                        int(last.get("ctx_limit") or 0), int(gen if gen is not None else last.get("generated") or 0),
+                        _task_of(a), a["last_line"], False, gen is not None or not last))
         seen.add(a["session"])
     for sess, (last, _t) in sorted(snap.parked.items()):
         if sess in seen:
             continue
         rows.append(Row(sess, sess, "parked", 0.0, int(last.get("context") or 0), int(last.get("ctx_limit") or 0),
-                        int(last.get("generated") or 0), "", "", False))
+                        int(last.get("generated") or 0), "", "", False, False))
     return rows
 
 
@@ -170,6 +173,13 @@ def _uptime(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def generated_total(snap: Snapshot, m: dict) -> int:
+    """Tokens generated so far: the finished requests' (/metrics) plus what the running ones have produced
+    (/slots), so the figure moves while requests stream."""
+    running = sum(int(q.get("generated") or 0) for q in snap.slots if q.get("state") != "queued")
+    return int(metric(m, "generated_tokens_total") or 0) + running
+
+
 def render(snap: Snapshot, sort: str = "agent", paused: bool = False, show_keys: bool = True):
     m = snap.metrics
     head = Text()
@@ -197,18 +207,22 @@ def render(snap: Snapshot, sort: str = "agent", paused: bool = False, show_keys:
             ctx = f"{r.context}/{lim} {_bar(r.context / lim, 6)}"
         else:
             ctx = str(r.context) if r.context else "-"
+        gen = (str(r.generated) if r.gen_final else f"≥{r.generated}") if r.generated or r.active else "-"
         t.add_row(r.name, Text(r.state, style=_state_style(r.state)), f"{r.tok_per_s:.1f}" if r.active else "-",
-                  ctx, str(r.generated) if r.generated or r.active else "-", r.task, r.last_line.replace("\t", " "))
+                  ctx, gen, r.task, r.last_line.replace("\t", " "))
     if not rows:
         t.add_row("-", Text("idle", style="dim"), "", "", "", "", "no conversations")
 
     tot = Text()
     if m:
         used, cap = metric(m, "kv_tokens_used"), metric(m, "kv_tokens_capacity")
+        resident = metric(m, "kv_tokens_resident", None)
         tot.append(f"running {int(metric(m, 'requests_running') or 0)}  queued {int(metric(m, 'requests_queued') or 0)}"
                    f"  {metric(m, 'tokens_per_second') or 0:.1f} tok/s")
         tot.append(f"  KV {int(used or 0)}/{int(cap or 0)} ({100 * (metric(m, 'kv_usage_ratio') or 0):.0f}%)")
-        tot.append(f"  generated {int(metric(m, 'generated_tokens_total') or 0)}"
+        if resident:
+            tot.append(f" resident {int(resident)} ({int(metric(m, 'conversations_resident') or 0)} parked)")
+        tot.append(f"  generated {generated_total(snap, m)}"
                    f"  prompt {int(metric(m, 'prompt_tokens_total') or 0)}"
                    f"  cached {int(metric(m, 'cached_prompt_tokens_total') or 0)}")
         done = int(metric(m, "requests_finished_total") or 0)
@@ -267,7 +281,8 @@ def is_local(url: str) -> bool:
 
 
 class Poller:
-    """Reads /health, /slots and /metrics (and NVML when the server is on this machine)."""
+    """Reads /slots and /metrics (/health until the server is up) and NVML when the server is on this
+    machine."""
 
     def __init__(self, client: Client, agents=None, gpu: bool | None = None):
         self.client = client
@@ -275,6 +290,7 @@ class Poller:
         self.gpu = is_local(client.url) if gpu is None else gpu
         self.parked: dict = {}
         self.model = ""
+        self._need_health = True
         self._gpu_note = ""
         self._gpus_named: dict[int, str] | None = None
 
@@ -294,20 +310,26 @@ class Poller:
         return out, self._gpu_note
 
     def poll(self) -> Snapshot:
+        """/slots and /metrics; /health only until the server has answered ok (and again after a failure),
+        so a refresh is two cheap GETs."""
         snap = Snapshot(url=self.client.url, t=time.time())
-        try:
+        if self._need_health:
             status, info = self.client.health(timeout=2.0)
             snap.status = status
             if status == "ok":
-                if info:
-                    self.model = info
+                self.model = info or self.model
+                self._need_health = False
+            else:
+                snap.error = info
+        if snap.status == "ok":
+            try:
                 d = self.client.get_json("/slots", timeout=3.0)
                 snap.slots, snap.running, snap.waiting = d.get("slots", []), d.get("running", 0), d.get("waiting", 0)
                 snap.metrics_text = self.client.get_text("/metrics", timeout=3.0)
-            else:
-                snap.error = info
-        except ServerError as e:
-            snap.status, snap.error = "down", str(e)
+            except ServerError as e:
+                self._need_health = True
+                snap.status = "loading" if e.status == 503 else "down"
+                snap.error = str(e)
         snap.model = self.model
         now = snap.t
         for q in snap.slots:
@@ -404,12 +426,16 @@ class TopScreen:
         self.sort = sort if sort in SORTS else "agent"
         self.paused = False
         self.quit_requested = False
+        self.interrupted: KeyboardInterrupt | None = None   # Ctrl-C (or SIGTERM, app/top's Terminated) ended it
         self.last: Snapshot | None = None
 
     def handle_key(self, k: str) -> None:
         k = k.lower()
-        if k == "q" or k == "\x03":
+        if k == "q":
             self.quit_requested = True
+        elif k == "\x03":          # Ctrl-C read as a key (no SIGINT): an interrupt all the same
+            self.quit_requested = True
+            self.interrupted = KeyboardInterrupt()
         elif k == "s":
             self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
         elif k == "p":
@@ -432,8 +458,9 @@ class TopScreen:
                         self.last = self.poller.poll()
                     live.update(render(self.last, self.sort, self.paused), refresh=True)
                     time.sleep(max(0.02, self.interval - (time.monotonic() - t0)))
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
                 self.quit_requested = True
+                self.interrupted = e
             if until is not None and until() and not self.paused:
                 self.last = self.poller.poll()
                 live.update(render(self.last, self.sort, self.paused), refresh=True)

@@ -77,3 +77,46 @@ def test_generate_chat_interactive(smollm2_path, monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["generate", "-m", str(smollm2_path), "--chat", "-n", "3", "--temp", "0"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_tokenize_file_keeps_cr_and_crlf_like_llamacpp(smollm2_path, tmp_path, capsys):
+    """-f reads the file's bytes as llama.cpp does: CR and CRLF stay (no newline translation), and each byte
+    that does not start a valid UTF-8 sequence is one U+FFFD (llama.cpp's unicode_cpts_from_utf8)."""
+    f = tmp_path / "windows.txt"
+    f.write_bytes(b"line one\r\nline two\rthree\xe2\x82 end\r\n")
+    assert main(["tokenize", "-m", str(smollm2_path), "-f", str(f), "--ids"]) == 0
+    from_file = capsys.readouterr().out.strip()
+    assert main(["tokenize", "-m", str(smollm2_path), "-p", "line one\r\nline two\rthree\ufffd\ufffd end\r\n",
+                 "--ids"]) == 0
+    assert from_file == capsys.readouterr().out.strip()
+    assert main(["tokenize", "-m", str(smollm2_path), "-p", "line one\nline two\nthree\ufffd\ufffd end\n",
+                 "--ids"]) == 0
+    assert from_file != capsys.readouterr().out.strip()
+
+
+def test_perplexity_reads_file_bytes(tmp_path):
+    from app.cli import read_text_file
+    f = tmp_path / "crlf.txt"
+    f.write_bytes(b"a\r\nb\r\xff\r\n")
+    assert read_text_file(f) == "a\r\nb\r\ufffd\r\n"
+    assert read_text_file(f, drop_final_newline=True) == "a\r\nb\r\ufffd\r"     # llama-perplexity's -f
+
+
+def test_terminal_chat_commands_and_reply_stats(smollm2_path, monkeypatch, capsys):
+    """/help lists the commands and /reset says it cleared the conversation; neither reaches the model.
+    Each reply ends with its tokens, tok/s and time to first token."""
+    from engine.engine import Engine
+    sent = []
+    submit = Engine.submit
+
+    def spy(self, req, *a, **k):
+        sent.append([m["content"] for m in req.messages])
+        return submit(self, req, *a, **k)
+    monkeypatch.setattr(Engine, "submit", spy)
+    lines = iter(["/help", "Say hi.", "/reset", "Again", "/quit", "never sent"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "-m", str(smollm2_path), "-n", "4", "--temp", "0", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "/reset" in err and "/help" in err and "/quit" in err and "conversation cleared" in err
+    assert sent == [["Say hi."], ["Again"]]       # no command went to the model, /reset forgot the first turn
+    assert err.count("4 tokens · ") == 2 and err.count(" tok/s · first token ") == 2

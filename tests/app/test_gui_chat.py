@@ -68,6 +68,9 @@ def test_send_stream_and_context_meter(win, qtbot):
     assert win.store.get_conversation(chat.current_id).title == "What is 2+2?"
     widgets = chat.message_widgets()
     assert len(widgets) == 2 and "tokens" in widgets[1].status.text()
+    # under the reply: its tokens, decode speed and time to first token (kept with the message)
+    assert " tok/s · first token " in widgets[1].status.text()
+    assert widgets[1].status.text().startswith(f"{th[1].meta['tokens']} token")
 
 
 def test_stop(win, qtbot):
@@ -133,11 +136,18 @@ def test_attach_text_and_image(win, qtbot, tmp_path):
     bad = tmp_path / "blob.bin"
     bad.write_bytes(b"\0\1\2" * 100)
     assert not chat.attach_file(str(bad)) and "not a text file" in chat.error_label.text()
-    chat.send("What is the secret word?")
+    # a text-only model: the message with the image is refused, and nothing typed or attached is lost
+    chat.composer.setPlainText("What is the secret word?")
+    assert not chat.send()
+    assert "Not sent" in chat.error_label.text() and "Remove the image" in chat.error_label.text()
+    assert chat.composer.toPlainText() == "What is the secret word?" and len(chat.pending) == 2
+    assert win.store.thread(cid) == []
+    chat._remove_pending(1)                          # the image's ✕
+    assert not chat.vision_note.isVisible()
+    assert chat.send()
     wait_reply(qtbot, win)
     user = win.store.thread(cid)[0]
-    kinds = [a["kind"] for a in user.attachments]
-    assert kinds == ["text", "image"] and user.attachments[1]["width"] == 32
+    assert [a["kind"] for a in user.attachments] == ["text"]
     sent = chat.model_messages(win.store.thread(cid))
     assert "pineapple" in sent[0]["content"] and "notes.txt" in sent[0]["content"]
     assert not chat.pending and not chat.vision_note.isVisible()
@@ -197,3 +207,28 @@ def test_no_model_send_is_a_message(qapp, tmp_path):
     finally:
         w.deleteLater()
         s.close()
+
+
+def test_first_run_panel_shows_defaults_and_keeps_edits(qapp, tmp_path):
+    """With no conversation yet the panel shows what a new conversation gets, and edits made there go to
+    the conversation the first message starts."""
+    from app.gui.chat import DEFAULT_SAMPLING
+    from app.gui.main_window import MainWindow
+    store = Store(tmp_path / "fresh.db")
+    w = MainWindow(store, autoload=False)
+    try:
+        chat = w.chat
+        assert chat.current_id is None
+        assert chat.s_max.value() == DEFAULT_SAMPLING["max_tokens"] and chat.s_seed.value() == -1
+        assert chat.s_top_p.value() == pytest.approx(DEFAULT_SAMPLING["top_p"])
+        assert chat.s_rep.value() == pytest.approx(1.0)
+        chat.s_max.setValue(333)
+        chat.system_edit.setPlainText("Be brief.")
+        cid = chat.new_conversation()                 # what the first send does
+        c = store.get_conversation(cid)
+        assert c.sampling["max_tokens"] == 333 and c.system_prompt == "Be brief."
+        cid2 = chat.new_conversation()                # "+ New chat" later: the defaults again
+        assert store.get_conversation(cid2).sampling["max_tokens"] == DEFAULT_SAMPLING["max_tokens"]
+    finally:
+        w.close()
+        store.close()

@@ -115,3 +115,31 @@ def test_import_delete_and_folder(page, qtbot, tmp_path, smollm2_path):
     page.set_folder(str(other))
     assert [m.path.name for m in page.loadable()] == ["x.gguf"]
     assert page.store.get_setting("models_dir") == str(other)
+
+
+def test_hub_tab_suggests_models_before_a_search(page, qtbot):
+    """Before any search the Hugging Face tab lists the suggested models with their fits badge (a 24 GiB
+    GPU here); picking one searches the Hub for it."""
+    from app.gui.models_page import suggested_models
+    sug = suggested_models()
+    assert sug and page.repo_list.count() == len(sug)
+    texts = [page.repo_list.item(i).text() for i in range(page.repo_list.count())]
+    assert texts[0].startswith(sug[0]["name"]) and texts[0].endswith("· fits")
+    assert all(("fits" in t or "too big" in t) for t in texts)
+    with qtbot.waitSignal(page.bridge.searchDone, timeout=10000):
+        page.repo_list.setCurrentRow(0)
+    assert page.search_edit.text() == sug[0]["search"]
+
+
+def test_suggestions_in_cpu_mode_say_what_they_need(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("HIVEJET_MODELS", str(tmp_path / "models"))
+    from app.gui.models_page import ModelsPage, suggested_models
+    store = Store(tmp_path / "c.db")
+    try:
+        p = ModelsPage(store, vram_getter=lambda: (None, True))
+        qtbot.addWidget(p)
+        m = suggested_models()[-1]
+        assert p.repo_list.item(p.repo_list.count() - 1).text().endswith(
+            f"CPU mode: needs an NVIDIA GPU with {m['min_vram_gib']} GB")
+    finally:
+        store.close()

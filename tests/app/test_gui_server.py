@@ -234,6 +234,9 @@ def test_monitor_pool_and_draft_cards():
     assert "not paced" in pool_text(dict(gpu, prefill_pacing=dict(share=1.0, chunks_held=0)))
     assert "1,234 chunks held back" in pool_text(dict(gpu, prefill_pacing=dict(share=0.5, chunks_held=1234)))
     assert "3 conversations kept" in pool_text(dict(kv_pool=None, resident=dict(conversations=3, tokens=9)))
+    cpu = dict(kv_pool=dict(path="cpu", capacity_tokens=40_000, used_tokens=10_000, resident_tokens=9000),
+               resident=dict(conversations=2, tokens=9000))
+    assert pool_text(cpu) == "CPU path · 10,000 of 40,000 tokens (25.0%)<br>2 conversations kept for follow-ups (9,000 tokens)"
     assert "checkpoints" not in pool_text(gpu)
     ck = dict(gpu, kv_pool=dict(gpu["kv_pool"], state_checkpoints=dict(kept=5, max=27, memory="host",
                                                                         bytes=5 * 157 << 20, evicted=0)))
@@ -243,3 +246,55 @@ def test_monitor_pool_and_draft_cards():
     on = dict(spec=dict(mode="mtp+ngram", drafters=dict(ngram=dict(drafted=200, accepted=50, acceptance=0.25),
                                                           mtp=dict(drafted=1000, accepted=730, acceptance=0.73))))
     assert draft_text(on) == "mtp: 73% of 1,000 drafts accepted<br>ngram: 25% of 200 drafts accepted"
+
+
+def test_snippets_carry_the_api_model_id_quoted(win, qtbot):
+    """The page shows the id clients must send (the one /v1/models lists, not the display name) and the
+    Aider line survives being pasted into a shell, even for an id with spaces."""
+    import shlex
+    import urllib.request
+    import json
+    from app.gui.server_page import shell_arg
+    port = free_port()
+    win.server.port.setValue(port)
+    win.server_switch.setChecked(True)
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+        served = json.loads(r.read())["data"][0]["id"]
+    assert win.server.model_id.text() == served and served != win.ctl.info.name
+    aider = next(l for l in win.server.snippets.toPlainText().splitlines() if l.startswith("aider "))
+    argv = shlex.split(aider)
+    assert argv[argv.index("--model") + 1] == "openai/" + served
+    assert f'"openai/{served}"' in aider
+    assert f'model: "{served}"' in win.server.snippets.toPlainText()
+    assert shlex.split("aider --model " + shell_arg("openai/My Model 7B")) == ["aider", "--model", "openai/My Model 7B"]
+    assert shlex.split("x " + shell_arg('a "b" $c')) == ["x", 'a "b" $c']
+    win.server_switch.setChecked(False)
+
+
+def test_request_log(win, qtbot):
+    """The server page lists recent requests: time, route, status, tokens generated, duration; a stream's
+    tokens and whole duration count too."""
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    win.server.port.setValue(port)
+    win.server_switch.setChecked(True)
+    assert win.server.srv.wait_started(20), win.server.status.text()
+    client = openai.OpenAI(base_url=win.server.url.text(), api_key="not-needed", timeout=60, max_retries=0)
+    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+                                       temperature=0)
+    pieces = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Count"}],
+                                                 max_tokens=4, temperature=0, stream=True))
+    assert pieces
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nope", cast_to=object)
+    import urllib.request
+    for path in ("/slots", "/metrics", "/health"):          # monitoring polls stay out of the log
+        urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30).read()
+    qtbot.waitUntil(lambda: win.server.requests.rowCount() >= 3, timeout=5000)
+    rows = [[win.server.requests.item(i, c).text() for c in range(5)] for i in range(win.server.requests.rowCount())]
+    assert rows[0][1] == "GET /v1/nope" and rows[0][2] == "404"
+    assert rows[1][1] == "POST /v1/chat/completions" and rows[1][2] == "200" and 1 <= int(rows[1][3]) <= 4
+    assert rows[2][1] == "POST /v1/chat/completions" and rows[2][3] == str(r.usage.completion_tokens)
+    assert rows[2][0].count(":") == 2 and rows[2][4].endswith(("ms", " s"))
+    win.server_switch.setChecked(False)

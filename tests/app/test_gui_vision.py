@@ -62,17 +62,25 @@ def orange() -> QImage:
 
 
 def test_model_without_mmproj_keeps_the_banner(win, qtbot):
+    from app.gui.attachments import image_attachment
     chat = win.chat
     assert not win.ctl.info.vision and not win.ctl.engine.has_vision
     chat.new_conversation()
     chat.attach_image(orange())
     assert chat.vision_note.isVisible()
     assert "no vision projector (mmproj file) is loaded" in chat.vision_note.text()   # engine.no_vision_reason()
-    assert chat.send("What colour is this?")
-    qtbot.waitUntil(lambda: not chat.generating, timeout=60000)
-    sent = chat.model_messages(win.store.thread(chat.current_id))
-    assert sent[-2]["content"] == "What colour is this?"         # text only: the image stays in the store
+    assert not chat.send("What colour is this?")                 # refused, as the API refuses it
+    assert "Not sent" in chat.error_label.text() and len(chat.pending) == 1
+    assert win.store.thread(chat.current_id) == [] and not chat.generating
     assert win.ctl.engine.stats()["totals"].get("images_encoded", 0) == 0
+    chat._remove_pending(0)
+    # an earlier message with an image (stored while a vision model was loaded) is not answered blind either
+    u = win.store.add_message(chat.current_id, "user", "And this?", None,
+                              attachments=[image_attachment(orange(), "o.png")])
+    a = win.store.add_message(chat.current_id, "assistant", "orange", u.id)
+    chat.rebuild_messages()
+    assert not chat.regenerate(a.id) and "Not sent" in chat.error_label.text()
+    assert not chat.edit_and_resend(u.id, "What about now?") and not chat.generating
 
 
 def test_vision_model_gets_the_image(win, qtbot, qapp, pair, tmp_path):

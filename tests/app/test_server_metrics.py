@@ -62,3 +62,47 @@ def test_state_checkpoint_metrics_follow_the_engine(tmp_path):
     assert _value(text, "state_checkpoint_bytes", '{memory="host"}') == ck["bytes"]
     assert _value(text, "state_checkpoints_evicted_total") == 0
     assert "hivejet_state_checkpoints" not in Metrics().render(dict(st, kv_pool=dict(st["kv_pool"], state_checkpoints=None)))
+
+
+def test_kv_pool_is_fixed_and_counts_resident_conversations(tmp_path):
+    """The CPU path's KV figure: the pool's fixed token limit whatever the number of running requests, and
+    its use includes the conversations kept (resident) between turns, which /metrics also reports."""
+    import threading
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, "llama", "tiny", seed=4)
+    eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=4, kv_memory=64 << 20))
+    try:
+        idle = eng.stats()
+        cap = idle["kv_pool"]["capacity_tokens"]
+        assert cap > 256 and idle["kv_pool"]["used_tokens"] == 0
+        seen = []
+        hold = threading.Event()
+
+        def watch():
+            while not hold.is_set():
+                st = eng.stats()
+                if st["running"] >= 2:
+                    seen.append(st)
+                hold.wait(0.005)
+        w = threading.Thread(target=watch)
+        w.start()
+        hs = [eng.submit(Request(prompt_ids=list(range(3 + i, 70 + i)), session=f"s{i}",
+                                 sampling=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
+              for i in range(3)]
+        for h in hs:
+            h.result()
+        hold.set()
+        w.join()
+        after = eng.stats()
+    finally:
+        eng.shutdown()
+    assert seen and all(st["kv_pool"]["capacity_tokens"] == cap for st in seen)
+    assert after["running"] == 0 and after["resident"]["tokens"] > 0
+    assert after["kv_pool"]["used_tokens"] >= after["resident"]["tokens"] > 0      # kept, not dropped to 0
+    for st in [idle, *seen[:3], after]:
+        text = Metrics().render(st)
+        assert _value(text, "kv_tokens_capacity") == cap
+    text = Metrics().render(after)
+    assert _value(text, "kv_tokens_used") == after["kv_pool"]["used_tokens"]
+    assert _value(text, "kv_tokens_resident") == after["resident"]["tokens"]
+    assert _value(text, "conversations_resident") == after["resident"]["conversations"]

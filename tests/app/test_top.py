@@ -78,6 +78,26 @@ def test_rows_states_and_sorting():
     assert build_rows(snap)[0].state == "drafting 70%"
 
 
+def test_ctrl_c_in_the_view_is_an_interrupt():
+    """Ctrl-C in the live view ends it as an interrupt (run_top then exits 130), not as a quit."""
+    from rich.console import Console
+
+    class Poller:
+        n = 0
+
+        def poll(self):
+            self.n += 1
+            if self.n == 3:
+                raise KeyboardInterrupt
+            return recorded_snapshot()
+    screen = TopScreen(Poller(), interval=0.01, console=Console(file=io.StringIO(), width=100))
+    screen.run()
+    assert screen.quit_requested and isinstance(screen.interrupted, KeyboardInterrupt)
+    q = TopScreen(poller=None)
+    q.handle_key("q")
+    assert q.quit_requested and q.interrupted is None
+
+
 def test_keys_and_metrics_parsing():
     screen = TopScreen(poller=None)
     for k in "sp":
@@ -194,3 +214,141 @@ def test_cancel_breaks_off_streams(server):
     while client.get_json("/slots")["slots"] and time.monotonic() - t0 < 10:
         time.sleep(0.1)
     assert client.get_json("/slots")["slots"] == []
+
+
+def test_generated_moves_while_requests_stream_and_parked_counts_are_final():
+    """`generated` adds the running requests' tokens to the finished ones'; a parked agent's row shows its last
+    request's final count (the server's usage), another parked session's last seen value is marked as such."""
+    from app.top.view import generated_total
+    snap = recorded_snapshot()
+    m = snap.metrics
+    assert generated_total(snap, m) == metric(m, "generated_tokens_total") + 24
+    snap.metrics_text = snap.metrics_text.replace("hivejet_generated_tokens_total 75", "hivejet_generated_tokens_total 0")
+    assert generated_total(snap, snap.metrics) == 24 and "generated 24 " in frame_text(snap, width=120)
+    snap.agents[0]["last_completion_tokens"] = 600
+    last = dict(snap.parked[snap.agents[0]["session"]][0], generated=599)
+    snap.parked[snap.agents[0]["session"]] = (last, snap.t)
+    rows = {r.name: r for r in build_rows(snap)}
+    assert rows["agent1"].generated == 600 and rows["agent1"].gen_final
+    snap.agents = []
+    rows = {r.name: r for r in build_rows(snap)}
+    parked = rows[last["session"]]
+    assert parked.generated == 599 and not parked.gen_final
+    assert "≥599" in frame_text(snap, width=120)
+
+
+def test_totals_show_fixed_kv_pool_and_resident_tokens():
+    snap = recorded_snapshot()
+    snap.metrics_text += ("hivejet_kv_tokens_resident 420\nhivejet_conversations_resident 2\n")
+    assert "KV 549/1024 (54%) resident 420 (2 parked)" in frame_text(snap, width=140)
+
+
+def test_tool_line_and_counts():
+    """The latest-output column says what a tool answered, never a line of a file as if the agent wrote it;
+    the summary counts the calls per tool."""
+    from app.top.agents import format_summary, summarize, tool_line
+    assert tool_line("read_file", '{"path": "calc.py"}', "def add(a, b):\n    return a - b\n") == \
+        "[tool] read_file(calc.py) -> 2 lines"
+    assert tool_line("run_tests", "{}", "FAILED\nF\n1 failed, 0 passed") == "[tool] run_tests() -> FAILED, 1 failed, 0 passed"
+    assert tool_line("write_file", '{"path": "a.py", "content": "x"}', "wrote 1 bytes to a.py") == \
+        "[tool] write_file(a.py) -> wrote 1 bytes to a.py"
+    assert tool_line("list_files", "{}", "calc.py\ntest_calc.py") == "[tool] list_files() -> 2 files"
+    assert tool_line("read_file", "{bad", "error: no such file") == "[tool] read_file() -> error: no such file"
+    a, b = AgentStatus("agent1", "s1"), AgentStatus("agent2", "s2")
+    a.tool_counts, b.tool_counts = {"read_file": 2, "run_tests": 1}, {"read_file": 1, "write_file": 3}
+    s = summarize([a, b], 10.0)
+    assert s["tools"] == {"read_file": 3, "run_tests": 1, "write_file": 3}
+    assert s["per_agent"][1]["tools"] == {"read_file": 1, "write_file": 3}
+    assert "tools called: read_file 3, run_tests 1, write_file 3" in format_summary(s)
+
+
+def test_access_log_leaves_out_polls():
+    import logging
+    from app.server.access_log import QuietPolls
+    f = QuietPolls()
+
+    def rec(method, path, status):
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", method, path, "1.1", status), None)
+    assert not f.filter(rec("GET", "/slots", 200)) and not f.filter(rec("GET", "/metrics", 200))
+    assert not f.filter(rec("GET", "/health?x=1", 200))
+    assert f.filter(rec("GET", "/health", 503)) and f.filter(rec("POST", "/v1/chat/completions", 200))
+    assert f.filter(rec("GET", "/v1/models", 200))
+
+
+@pytest.mark.slow
+def test_poll_is_two_requests(server):
+    """A refresh reads /slots and /metrics; /health only until the server has answered."""
+    from app.top.client import Client
+    from app.top.view import Poller
+    client = Client(server.url)
+    calls = []
+    get_json, get_text = client.get_json, client.get_text
+    client.get_json = lambda path, timeout=None: (calls.append(path), get_json(path, timeout))[1]
+    client.get_text = lambda path, timeout=None: (calls.append(path), get_text(path, timeout))[1]
+    p = Poller(client, gpu=False)
+    snaps = [p.poll() for _ in range(4)]
+    assert all(s.status == "ok" and s.metrics_text for s in snaps) and snaps[-1].model
+    assert calls == ["/health"] + ["/slots", "/metrics"] * 4
+
+
+@pytest.mark.slow
+def test_quit_mid_step_counts_streamed_tokens(server):
+    """Stopping agents mid-stream: the tokens they received count (the stream's usage never came)."""
+    import time
+
+    from app.top.agents import AgentRun
+    from app.top.client import Client
+    client = Client(server.url)
+    cfg = AgentConfig(model=client.model_id(), max_steps=3, max_tokens=400, test_runner="builtin", temperature=0.7)
+    run = AgentRun(client, load_tasks(DATA / "top_tasks"), 2, cfg).start()
+    t0 = time.monotonic()
+    while sum(q.get("generated") or 0 for q in client.get_json("/slots")["slots"]) < 6 \
+            and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    run.cancel()
+    assert run.wait(10)
+    s = run.summary()
+    assert s["completion_tokens"] >= 6 and s["tok_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path, monkeypatch):
+    """`--run` stopped by SIGTERM or Ctrl-C: the agents stop, their folders are removed, the summary is
+    printed and the exit code says which signal (143, 130)."""
+    import os
+    import signal
+    import tempfile
+    import threading
+    import time
+
+    from rich.console import Console
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # this run's folders only (others may run)
+    term_handler = signal.getsignal(signal.SIGTERM)
+    p = argparse.ArgumentParser()
+    add_top_args(p)
+    for signum, view in ((signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True),
+                         (signal.SIGINT, True)):
+        before = set(Path(tempfile.gettempdir()).glob("hivejet-agent*"))
+        args = p.parse_args(["--url", server.url, "--run", "2", "--steps", "3", "--max-tokens", "400",
+                             "--tasks", str(DATA / "top_tasks"), "--test-runner", "builtin", "--no-gpu",
+                             "--interval", "0.2"] + ([] if view else ["--no-view"]))
+        from app.top.client import Client
+        client = Client(server.url)
+        t0 = time.monotonic()
+        while client.get_json("/slots")["slots"] and time.monotonic() - t0 < 30:   # (an earlier run's, dropping)
+            time.sleep(0.05)
+
+        def fire():
+            t0 = time.monotonic()
+            while not client.get_json("/slots")["slots"] and time.monotonic() - t0 < 60:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signum)
+        threading.Thread(target=fire, daemon=True).start()
+        buf = io.StringIO()
+        code = run_top(args, console=Console(file=buf, width=120, force_terminal=view))   # view: the live screen
+        assert code == 128 + signum, (view, buf.getvalue()[-2000:])
+        assert "tasks solved:" in buf.getvalue()
+        left = [(p, sorted(x.name for x in p.rglob("*"))) for p in tmp_path.glob("hivejet-agent*")]
+        assert before == set() and not left, (signum, view, left)
+        assert signal.getsignal(signal.SIGTERM) == term_handler          # put back
