@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.catalog import ensure_model
-from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.chat_template import ChatTemplate, ChatTemplateError, fallback_for
 from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
@@ -290,7 +290,12 @@ class Engine(RunnerScheduler, SpeculationMixin):
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-        self.template = ChatTemplate(md.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
+        fallback = fallback_for(lambda t: len(tok.encode(t, add_special=False, parse_special=True)) == 1)
+        self.template = ChatTemplate(md.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos,
+                                     fallback=fallback)
+        if self.template.is_fallback:
+            log.warning("%s has no chat template: chats use the %s fallback template (ending a reply at %s)",
+                        path.name, fallback, " or ".join(self.template.stop_strings))
         self.spec = self.model.spec
         self.vision = None            # engine.vision.VisionEncoder when a projector is loaded
         self._image_format = None
@@ -392,6 +397,8 @@ class Engine(RunnerScheduler, SpeculationMixin):
         handle = RequestHandle(rid, len(ids))
         kv = self.model.new_kv() if self.runner is None else None   # the runner keeps KV in its slots
         seq = _Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, kv)
+        if req.messages is not None and self.template.stop_strings:   # a fallback template's end markers
+            seq.stopper = StopChecker(list(req.sampling.stop) + list(self.template.stop_strings))
         seq.vision = vision
         self._inbox.put(seq)
         return handle
@@ -886,4 +893,4 @@ class Engine(RunnerScheduler, SpeculationMixin):
                           image_encode_ms=s.vision.encode_ms if s.vision is not None else 0.0)
         usage = Usage(prompt_tokens=s.n_prompt, completion_tokens=n_gen, cached_tokens=s.cached)
         s.handle._put(FinishEvent(reason=reason, usage=usage, timings=timings, error=error,
-                                  stop_string=s.stopper.matched))
+                                  stop_string=s.stopper.matched if s.stopper.matched in s.params.stop else None))

@@ -120,6 +120,9 @@ def _chat_request(body: S.MessagesRequest, request: Request) -> S.ChatCompletion
             d["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
     if body.thinking is not None:
         d["enable_thinking"] = body.thinking.type != "disabled"
+    last = d["messages"][-1] if d["messages"] else None
+    if last and last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
+        d["continue_final_message"] = True    # a prefill: the reply continues it, as Anthropic's API does
     meta = body.metadata or {}
     if isinstance(meta.get("user_id"), str):
         d["user"] = meta["user_id"][:256]
@@ -141,8 +144,11 @@ def _stop_reason(fin, calls) -> str:
 
 
 def _usage(fin) -> dict:
-    return {"input_tokens": fin.usage.prompt_tokens, "output_tokens": fin.usage.completion_tokens,
-            "cache_read_input_tokens": fin.usage.cached_tokens, "cache_creation_input_tokens": 0}
+    """Anthropic's usage: input_tokens counts the prompt tokens read afresh, without those read from the
+    prefix cache (cache_read_input_tokens); their sum is the prompt."""
+    u = fin.usage
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def _tool_input(args: str):
@@ -163,7 +169,7 @@ async def messages(body: S.MessagesRequest, request: Request):
     mid = "msg_" + secrets.token_hex(12)
     if body.stream:
         stream = EventStream(handle)
-        return SSEResponse(_stream(plan, stream, handle.n_prompt, mid, state.metrics), stream)
+        return SSEResponse(_stream(plan, stream, handle.n_prompt, mid, state.metrics, body.model), stream)
     events = await collect(EventStream(handle), request)
     items = []
     for ev in events:
@@ -195,7 +201,7 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, metrics):
+async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, metrics, model: str):
     from engine.types import TokenEvent
     index = -1
     open_kind = None          # "text" | "thinking" while a block is open
@@ -241,7 +247,7 @@ async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, 
 
     try:
         yield _event("message_start", {"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": plan.model, "content": [],
+            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                       "cache_creation_input_tokens": 0}}})
@@ -267,9 +273,7 @@ async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, 
             yield _event("message_delta", {"type": "message_delta",
                                            "delta": {"stop_reason": _stop_reason(ev, n_calls),
                                                      "stop_sequence": getattr(ev, "stop_string", None)},
-                                           "usage": {"output_tokens": ev.usage.completion_tokens,
-                                                     "input_tokens": ev.usage.prompt_tokens,
-                                                     "cache_read_input_tokens": ev.usage.cached_tokens}})
+                                           "usage": _usage(ev)})
             yield _event("message_stop", {"type": "message_stop"})
             return
     finally:

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.server import schemas as S
-from app.server.core import ApiError, ServerState, error_body
+from app.server.core import ApiError, ServerState, error_body, is_anthropic_path
 from app.server.metrics import Metrics
 from app.server.security import BodySizeLimit, ServerSettings, check_api_key, key_from_headers
 
@@ -95,7 +95,9 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(error_body(request.url.path, exc.status, exc.message, exc.type, exc.param, exc.code),
+        path = request.url.path
+        msg = exc.anthropic_message if is_anthropic_path(path) else exc.message
+        return JSONResponse(error_body(path, exc.status, msg, exc.type, exc.param, exc.code),
                             status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)

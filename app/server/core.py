@@ -22,9 +22,11 @@ class ApiError(Exception):
     """An error answered in the API's error shape (OpenAI's, or Anthropic's on /v1/messages)."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 anthropic_message: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.anthropic_message = anthropic_message or message   # the text on /v1/messages
         self.type = type or default_error_type(status)
         self.headers = headers or {}
 
@@ -146,13 +148,31 @@ async def submit(engine, req):
     except QueueFullError as e:
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "2"}) from None
     except ContextTooLongError as e:
-        raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
+        raise overflow_error(e, "messages" if req.messages is not None else "prompt") from None
     except EngineError as e:
         if "shut down" in str(e):
             raise ApiError(503, str(e)) from None
         raise ApiError(400, str(e)) from None
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+
+
+def overflow_error(e, what: str = "messages") -> ApiError:
+    """A prompt longer than the context, in the words clients match to offer their token-limit help:
+    OpenAI's "This model's maximum context length is N tokens. However, your messages resulted in M tokens"
+    with code context_length_exceeded (litellm maps it to ContextWindowExceededError), and on /v1/messages
+    Anthropic's "prompt is too long: M tokens > MAX maximum" (MAX: the longest prompt that still leaves room
+    for one generated token)."""
+    n, limit = e.n_prompt, e.limit
+    at_least = "at least " if getattr(e, "lower_bound", False) else ""
+    msg = (f"This model's maximum context length is {limit} tokens. However, your {what} resulted in "
+           f"{at_least}{n} tokens ({n - limit + 1} too many to generate even one token). Please reduce the length "
+           f"of the {what}.")
+    from engine.types import KVPoolTooSmallError
+    if isinstance(e, KVPoolTooSmallError):           # the GPU KV pool, not the model, is the limit
+        msg += f" ({e})"
+    return ApiError(400, msg, param=what, code="context_length_exceeded",
+                    anthropic_message=f"prompt is too long: {n} tokens > {limit - 1} maximum")
 
 
 class EventStream:

@@ -123,6 +123,10 @@ class ChatPlan:
             kwargs["enable_thinking"] = body.enable_thinking
         if body.reasoning_effort == "none":
             kwargs["enable_thinking"] = False
+        if body.continue_final_message:
+            if messages[-1].get("role") != "assistant":
+                raise ApiError(400, "continue_final_message needs an assistant message last", param="messages")
+            kwargs["continue_final_message"] = True
 
         grammar = None
         if tools and (choice == "required" or forced_name):
@@ -386,22 +390,23 @@ async def completions(body: S.CompletionRequest, request: Request):
 @router.get("/v1/models", response_model=S.ModelList, responses=ERRORS, tags=["openai"])
 async def list_models(request: Request):
     state = _state(request)
-    eng = state.engine_or_503()
-    info = state.info()
-    card = {"id": state.model_id(), "object": "model", "created": int(state.started), "owned_by": "hivejet",
-            "context_length": eng.ctx_size,
-            "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
-                             "json_schema": True}}
-    return JSONResponse({"object": "list", "data": [card]})
+    state.engine_or_503()
+    return JSONResponse({"object": "list", "data": [_card(state)]})
 
 
 @router.get("/v1/models/{model_id:path}", response_model=S.ModelCard, responses=ERRORS, tags=["openai"])
 async def get_model(model_id: str, request: Request):
     state = _state(request)
-    eng = state.engine_or_503()
+    state.engine_or_503()
     state.check_model(model_id)
-    info = state.info()
-    return JSONResponse({"id": state.model_id(), "object": "model", "created": int(state.started),
-                         "owned_by": "hivejet", "context_length": eng.ctx_size,
-                         "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
-                                          "json_schema": True}})
+    return JSONResponse(_card(state))
+
+
+def _card(state: ServerState) -> dict:
+    eng, info = state.engine, state.info()
+    tpl = eng.template
+    return {"id": state.model_id(), "object": "model", "created": int(state.started), "owned_by": "hivejet",
+            "context_length": eng.ctx_size,
+            "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
+                             "json_schema": True},
+            "chat_template": f"fallback:{tpl.name}" if tpl.is_fallback else "gguf"}

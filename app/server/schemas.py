@@ -151,6 +151,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     enable_thinking: Optional[bool] = None
+    continue_final_message: Optional[bool] = Field(
+        default=None, description="continue the last (assistant) message instead of starting a new turn")
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
 
 
@@ -219,6 +221,8 @@ class ModelCard(BaseModel):
     owned_by: str
     context_length: int
     capabilities: dict[str, bool]
+    chat_template: Optional[str] = Field(default=None, description='"gguf" (the model\'s own) or '
+                                         '"fallback:NAME" (the model file has none: gemma, llama3 or chatml)')
 
 
 class ModelList(BaseModel):

@@ -143,6 +143,43 @@ def test_required_tool_call_streamed(client, model):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+class _Address(__import__("pydantic").BaseModel):
+    street: str
+    city: str
+
+
+class _Person(__import__("pydantic").BaseModel):
+    name: str
+    address: _Address
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "_Person"}}])
+def test_forced_tool_call_with_defs_and_refs(client, model, choice):
+    """A tool schema with $defs/$ref (a pydantic model with a nested model, as openai.pydantic_function_tool
+    makes it) still resolves when the forced call's grammar embeds it; the arguments validate against it."""
+    tool = openai.pydantic_function_tool(_Person)
+    assert "$defs" in tool["function"]["parameters"]
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Ann lives at 1 Main St, Oslo."}],
+                                       tools=[tool, WEATHER], tool_choice=choice, max_tokens=60, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason in ("tool_calls", "length"), c
+    if c.finish_reason == "tool_calls":
+        args = json.loads(c.message.tool_calls[0].function.arguments)
+        if c.message.tool_calls[0].function.name == "_Person":
+            _Person.model_validate(args)
+
+
+def test_forced_call_grammar_reroots_references():
+    from app.server.tools import HERMES, forced_call_grammar
+    recursive = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"label": {"type": "string"},
+                                         "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["label"], "definitions": {"unused": {"$ref": "#/definitions/unused2"}, "unused2": {}}}}}
+    g = forced_call_grammar(HERMES, [recursive, openai.pydantic_function_tool(_Person)])
+    assert '"#/$defs/hivejet_tool_0"' in g and '"#/$defs/hivejet_tool_1/$defs/_Address"' in g
+    assert '"#/$defs/hivejet_tool_0/definitions/unused2"' in g
+
+
 def test_tool_choice_none_gives_text(client, model):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER],
                                        tool_choice="none", max_tokens=4, temperature=0)
@@ -237,6 +274,23 @@ def test_context_too_long_says_by_how_much(server, model):
     assert "too many" in r.json()["error"]["message"]
     r = _post(server, "/v1/completions", {"model": model, "prompt": []})
     assert r.status_code == 400
+
+
+def test_context_overflow_in_openai_words(client, model):
+    """Clients match OpenAI's wording and code to offer their token-limit help (litellm:
+    ContextWindowExceededError on "This model's maximum context length is"; aider on top of it)."""
+    import re
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, model, "word " * 600)
+    e = ei.value
+    assert e.code == "context_length_exceeded" and e.type == "invalid_request_error" and e.param == "messages"
+    m = re.match(r"This model's maximum context length is (\d+) tokens\. However, your messages resulted in "
+                 r"(\d+) tokens", e.message)
+    assert m and int(m.group(1)) == 512 and int(m.group(2)) > 512, e.message
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=model, prompt="word " * 600, max_tokens=2)
+    assert ei.value.code == "context_length_exceeded"
+    assert "maximum context length is 512 tokens. However, your prompt resulted in" in ei.value.message
 
 
 def test_sdk_raises_typed_errors(client, model):
