@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.server import schemas as S
 from app.server.core import ApiError, ServerState, error_body, is_anthropic_path
 from app.server.metrics import Metrics
-from app.server.security import BodySizeLimit, ServerSettings, check_api_key, key_from_headers
+from app.server.security import BodySizeLimit, ServerSettings, check_api_key, host_refusal, key_from_headers
 
 log = logging.getLogger("hivejet.server")
 
@@ -54,10 +54,14 @@ class AuthAndMetrics:
             await send(msg)
 
         try:
+            from starlette.datastructures import Headers
+            refusal = host_refusal(Headers(scope=scope).get("host"), self.state.settings)
+            if refusal:
+                resp = JSONResponse(error_body(path, 403, refusal, code="host_not_allowed"), status_code=403)
+                return await resp(scope, receive, tracking_send)
             keys = self.state.settings.api_keys
             public = path in PUBLIC_PATHS and (path != "/health" or self.state.settings.public_health)
             if keys and not public and scope.get("method") != "OPTIONS":
-                from starlette.datastructures import Headers
                 if not check_api_key(key_from_headers(Headers(scope=scope)), keys):
                     resp = JSONResponse(error_body(path, 401, "missing or invalid API key (send Authorization: "
                                                               "Bearer KEY or x-api-key: KEY)",
@@ -172,7 +176,8 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, error_body=error_body)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, error_body=error_body,
+                       max_json_values=settings.max_json_values)
     return app
 
 

@@ -32,10 +32,12 @@ class ApiError(Exception):
 
 
 def default_error_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-            422: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error"}.get(
-        status, "server_error" if status >= 500 else "invalid_request_error")
+    """The error `type` on the OpenAI routes, as OpenAI's API writes it: invalid_request_error for every
+    client error (a 401 and a 404 model_not_found included; `code` says which), "requests" for a 429 (a limit
+    on requests), server_error for 5xx."""
+    if status == 429:
+        return "requests"
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -146,7 +148,7 @@ async def submit(engine, req):
     try:
         return await run_in_threadpool(engine.submit, req)
     except QueueFullError as e:
-        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "2"}) from None
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
     except ContextTooLongError as e:
         raise overflow_error(e, "messages" if req.messages is not None else "prompt") from None
     except EngineError as e:

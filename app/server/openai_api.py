@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.server import schemas as S
-from app.server.core import (ApiError, EventStream, ServerState, SSEResponse, collect, sampling_params, session_of,
-                             submit, token_piece)
+from app.server.core import (ApiError, EventStream, ServerState, SSEResponse, collect, overflow_error,
+                             sampling_params, session_of, submit, token_piece)
 from app.server.grammar import GrammarConstraint, GrammarError, json_schema_grammar
 from app.server.security import ImageError, load_image
 from app.server.tools import OutputParser, forced_call_grammar, prepare_messages
@@ -79,6 +79,23 @@ def _check_images(messages: list[dict], state: ServerState) -> int:
     return n
 
 
+def _refuse_surely_too_long(eng, messages) -> None:
+    """A prompt whose message texts alone cannot fit the context is refused before it is copied, rendered
+    and tokenized (a 30 MB body would otherwise take hundreds of MB and seconds to refuse)."""
+    from engine.types import ContextTooLongError
+    n = 0
+    for m in messages:
+        c = m.content
+        if isinstance(c, str):
+            n += len(c)
+        elif c:
+            n += sum(len(p.text) for p in c if getattr(p, "type", None) == "text")
+    try:
+        eng.check_prompt_chars(n)
+    except ContextTooLongError as e:
+        raise overflow_error(e, "messages") from None
+
+
 def _finish_reason(fin, calls) -> str:
     if fin.reason == "length":
         return "length"
@@ -92,6 +109,7 @@ class ChatPlan:
         from engine.types import Request as EngineRequest
         eng = state.engine_or_503()
         state.check_model(body.model)
+        _refuse_surely_too_long(eng, body.messages)
         info = state.info()
         fmt = info["tool_format"]
         messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]

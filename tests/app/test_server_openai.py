@@ -284,13 +284,29 @@ def test_context_overflow_in_openai_words(client, model):
         chat(client, model, "word " * 600)
     e = ei.value
     assert e.code == "context_length_exceeded" and e.type == "invalid_request_error" and e.param == "messages"
-    m = re.match(r"This model's maximum context length is (\d+) tokens\. However, your messages resulted in "
+    m = re.search(r"This model's maximum context length is (\d+) tokens\. However, your messages resulted in "
                  r"(\d+) tokens", e.message)
     assert m and int(m.group(1)) == 512 and int(m.group(2)) > 512, e.message
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=model, prompt="word " * 600, max_tokens=2)
     assert ei.value.code == "context_length_exceeded"
     assert "maximum context length is 512 tokens. However, your prompt resulted in" in ei.value.message
+
+
+def test_huge_prompt_is_refused_without_tokenizing_it(server, model, monkeypatch):
+    """A prompt far over the context is refused before the whole text is rendered or tokenized (a 30 MB body
+    took a minute of CPU and gigabytes): the tokenizer never sees more than a bounded head of it."""
+    tok = server.engine.tokenizer
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: seen.append(len(text)) or real(text, *a, **k))
+    for body, path in (({"model": model, "messages": _msgs("word " * 400_000), "max_tokens": 2}, "/v1/chat/completions"),
+                       ({"model": model, "prompt": "w" * 50_000, "max_tokens": 2}, "/v1/completions"),
+                       ({"model": model, "prompt": "word " * 400_000, "max_tokens": 2}, "/v1/completions")):
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "resulted in at least" in r.json()["error"]["message"]
+    assert max(seen, default=0) <= 8 * 512, seen
 
 
 def test_sdk_raises_typed_errors(client, model):
