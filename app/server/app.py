@@ -61,13 +61,13 @@ class AuthAndMetrics:
                 return await resp(scope, receive, tracking_send)
             keys = self.state.settings.api_keys
             public = path in PUBLIC_PATHS and (path != "/health" or self.state.settings.public_health)
-            if keys and not public and scope.get("method") != "OPTIONS":
-                if not check_api_key(key_from_headers(Headers(scope=scope)), keys):
-                    resp = JSONResponse(error_body(path, 401, "missing or invalid API key (send Authorization: "
-                                                              "Bearer KEY or x-api-key: KEY)",
-                                                   code="invalid_api_key"),
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                    return await resp(scope, receive, tracking_send)
+            if keys and not public and scope.get("method") != "OPTIONS" \
+                    and not check_api_key(key_from_headers(Headers(scope=scope)), keys):
+                resp = JSONResponse(error_body(path, 401, "missing or invalid API key (send Authorization: "
+                                                          "Bearer KEY or x-api-key: KEY)",
+                                               code="invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, tracking_send)
             await self.app(scope, receive, tracking_send)
         finally:
             if self.state.metrics is not None and status_seen[0]:

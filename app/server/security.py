@@ -11,7 +11,7 @@ import ipaddress
 import os
 import re
 import socket
-import time
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -241,35 +241,86 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+class _Deadline:
+    """Shuts down every socket a fetch opened once its time is up, so a server that sends a byte at a time
+    (each within the per-read timeout) cannot stretch the fetch past the limit."""
+
+    def __init__(self, seconds: float):
+        self.expired = False
+        self._socks: list = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def register(self, sock) -> None:
+        with self._lock:
+            self._socks.append(sock)
+            if self.expired:
+                self._shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._socks:
+                self._shut(sock)
+
+    @staticmethod
+    def _shut(sock) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _deadline_handlers(deadline: _Deadline):
+    """urllib handlers whose connections register their sockets with `deadline`."""
+
+    def conn_class(base):
+        class Conn(base):
+            def connect(self):
+                super().connect()
+                deadline.register(self.sock)
+        return Conn
+
+    class Http(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(conn_class(http.client.HTTPConnection), req)
+
+    class Https(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(conn_class(http.client.HTTPSConnection), req, context=self._context)
+
+    return [Http(), Https()]
+
+
 def fetch_image(url: str, settings: ServerSettings, where: str = "image") -> bytes:
-    """GET an http(s) image with the server's limits: at most `remote_image_max_bytes`, the whole fetch within
-    `remote_image_timeout` seconds, redirects only to http(s); then engine.vision.load_image checks the bytes.
-    Raises ImageError (HTTP 400) naming the problem."""
+    """GET an http(s) image with the server's limits: at most `remote_image_max_bytes`, the whole fetch
+    (connecting, headers, redirects, body) within `remote_image_timeout` seconds, redirects only to http(s);
+    then engine.vision.load_image checks the bytes. Raises ImageError (HTTP 400) naming the problem."""
     from engine.vision import ImageError as EngineImageError
     from engine.vision import load_image as decode_image
     if urlparse(url).scheme not in ("http", "https"):
         raise ImageError(f"{where}: only http and https image URLs can be fetched")
     limit = int(settings.remote_image_max_bytes)
-    deadline = time.monotonic() + float(settings.remote_image_timeout)
-    opener = urllib.request.build_opener(_HttpOnlyRedirects)
+    seconds = float(settings.remote_image_timeout)
+    deadline = _Deadline(seconds)
+    opener = urllib.request.build_opener(_HttpOnlyRedirects, *_deadline_handlers(deadline))
     req = urllib.request.Request(url, headers={"User-Agent": "hivejet", "Accept": "image/*"})
     chunks, n = [], 0
     try:
-        with opener.open(req, timeout=float(settings.remote_image_timeout)) as r:
+        with opener.open(req, timeout=seconds) as r:
             size = r.headers.get("Content-Length")
             if size and size.isdigit() and int(size) > limit:
                 raise ImageError(f"{where}: the image at {url} is {int(size):,} bytes, more than the "
                                  f"{limit:,} byte limit")
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                chunk = r.read1(min(1 << 16, limit + 1 - n)) if hasattr(r, "read1") else r.read(1 << 16)
+                if deadline.expired:
                     raise TimeoutError
-                if r.fp is not None and getattr(r.fp, "raw", None) is not None:
-                    try:
-                        r.fp.raw._sock.settimeout(left)
-                    except (AttributeError, OSError):
-                        pass
-                chunk = r.read(min(1 << 16, limit + 1 - n))
                 if not chunk:
                     break
                 chunks.append(chunk)
@@ -281,9 +332,15 @@ def fetch_image(url: str, settings: ServerSettings, where: str = "image") -> byt
     except urllib.error.HTTPError as e:
         raise ImageError(f"{where}: fetching {url} failed: HTTP {e.code} {e.reason}") from None
     except (TimeoutError, socket.timeout):
-        raise ImageError(f"{where}: fetching {url} took longer than {settings.remote_image_timeout:g} s") from None
+        raise ImageError(f"{where}: fetching {url} took longer than {seconds:g} s") from None
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        if deadline.expired:
+            raise ImageError(f"{where}: fetching {url} took longer than {seconds:g} s") from None
         raise ImageError(f"{where}: fetching {url} failed: {getattr(e, 'reason', e)}") from None
+    finally:
+        deadline.cancel()
+    if deadline.expired:
+        raise ImageError(f"{where}: fetching {url} took longer than {seconds:g} s")
     data = b"".join(chunks)
     try:
         decode_image(data, max_bytes=limit)

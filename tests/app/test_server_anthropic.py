@@ -67,7 +67,7 @@ def test_tool_use_round_trip(client):
                                           {"type": "text", "text": "Thanks!"}]}]
     r2 = client.messages.create(model="m", max_tokens=6, extra_body={"temperature": 0}, tools=[WEATHER], messages=msgs)
     assert r2.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    total = lambda u: u.input_tokens + u.cache_read_input_tokens  # noqa: E731
+    total = lambda u: u.input_tokens + u.cache_read_input_tokens
     assert total(r2.usage) > total(r.usage)
     # the same call, streamed: a tool_use block with input_json_delta
     with client.messages.stream(model="m", max_tokens=40, extra_body={"temperature": 0}, tools=[WEATHER], messages=msgs[:1],
@@ -159,8 +159,8 @@ def test_assistant_prefill_is_continued(client, server):
 
 
 def test_model_field_same_streaming_and_not(client):
-    kw = dict(model="claude-sonnet-4-5", max_tokens=3, extra_body={"temperature": 0},
-              messages=[{"role": "user", "content": "Hi"}])
+    kw = {"model": "claude-sonnet-4-5", "max_tokens": 3, "extra_body": {"temperature": 0},
+          "messages": [{"role": "user", "content": "Hi"}]}
     r = client.messages.create(**kw)
     with client.messages.stream(**kw) as s:
         final = s.get_final_message()

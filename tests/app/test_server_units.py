@@ -301,8 +301,7 @@ def test_host_header_check(host, keys, allowed, status):
 def test_allowed_hosts_option():
     import argparse
 
-    from app.server import add_serve_args
-    from app.server import settings_from_args
+    from app.server import add_serve_args, settings_from_args
     p = argparse.ArgumentParser()
     add_serve_args(p)
     s = settings_from_args(p.parse_args(["--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan"]))
