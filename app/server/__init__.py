@@ -102,9 +102,7 @@ def settings_from_args(args) -> ServerSettings:
 def run_serve(args) -> int:
     """`hivejet serve`: listen at once (GET /health answers 503 while the model loads), then serve until
     Ctrl-C. Returns the exit code."""
-    import uvicorn
-
-    from app.server.app import create_app as _create, set_engine
+    from app.server.app import create_app as _create, set_engine, uvicorn_server
     err = lambda msg: print(f"error: {msg}", file=sys.stderr)  # noqa: E731
     settings = settings_from_args(args)
     try:
@@ -170,8 +168,8 @@ def run_serve(args) -> int:
 
     threading.Thread(target=load, name="hivejet-load", daemon=True).start()
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5, lifespan="off")
+        uvicorn_server(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                       timeout_graceful_shutdown=5, lifespan="off").run()
     except (OSError, SystemExit) as e:
         err(f"cannot listen on {settings.host}:{settings.port}: {e}")
         return 1

@@ -186,20 +186,32 @@ def set_engine(app: FastAPI, engine, error: str | None = None) -> None:
     st.engine, st.load_error, st._info = engine, error, None
 
 
+def uvicorn_server(app: FastAPI, **config):
+    """A uvicorn Server for `app` that, when told to stop (SIGTERM, Ctrl-C, should_exit), first ends the
+    running requests so each stream sends an error event saying the server is shutting down, instead of
+    being cut mid-answer."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.hivejet.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, **config))
+
+
 class ServerThread:
     """uvicorn serving `app` on host:port in a daemon thread (port 0 picks a free one)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
         self.app = app
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, lifespan="off",
-                                timeout_keep_alive=5)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(app, log_level=log_level, timeout_graceful_shutdown=3, lifespan="off",
+                                     timeout_keep_alive=5)
         self.thread = threading.Thread(target=self._run, name="hivejet-server", daemon=True)
 
     def _run(self):
@@ -220,6 +232,7 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.app.state.hivejet.begin_shutdown()
         self.server.should_exit = True
         self.thread.join(timeout)
         try:

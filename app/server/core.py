@@ -66,6 +66,13 @@ class ServerState:
     started: float = field(default_factory=time.time)
     metrics: Any = None
     _info: dict | None = None
+    streams: set = field(default_factory=set)     # the EventStreams running now
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping (SIGTERM, Ctrl-C, the app's toggle): end every running request now, so each
+        stream sends its client an error event saying so before the connection closes."""
+        for s in list(self.streams):
+            s.stop_for_shutdown()
 
     def engine_or_503(self):
         if self.engine is None:
@@ -177,19 +184,49 @@ def overflow_error(e, what: str = "messages") -> ApiError:
                     anthropic_message=f"prompt is too long: {n} tokens > {limit - 1} maximum")
 
 
+def constraint_failure(constraint, fin) -> str | None:
+    """Why a constrained generation that ended as "stop" did not complete its grammar (llguidance's error, or
+    an output that ended before the grammar could), or None: such an output is broken and must not be
+    answered as a success. A stop string the client gave ends it by request, and is not a failure."""
+    if constraint is None or fin.reason != "stop" or getattr(fin, "stop_string", None):
+        return None
+    err = getattr(constraint, "error", None)
+    if err:
+        return err
+    m = getattr(constraint, "matcher", None)
+    if m is not None and not (m.is_accepting() or m.is_stopped()):
+        return "the output ended before the grammar was complete"
+    return None
+
+
+def constraint_error(why: str, param: str) -> ApiError:
+    return ApiError(400, f"the constrained output could not be completed ({why}); the {param} schema may be "
+                         "unsatisfiable for this model", param=param, code="constraint_unsatisfiable")
+
+
 class EventStream:
     """Async iteration over a RequestHandle's events. A thread reads the handle (whose iteration blocks) and
-    hands events to the event loop. close() cancels the request."""
+    hands events to the event loop; the finish event is counted in the metrics there, whether or not anyone
+    still reads the stream (a client that went away, a cancelled request). close() cancels the request."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, state: "ServerState | None" = None):
         self.handle = handle
+        self.state = state
+        self.server_stopping = False
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
+        if state is not None:
+            state.streams.add(self)
         self._thread = threading.Thread(target=self._pump, name=f"hivejet-req-{handle.id}", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
+        from engine.types import FinishEvent
         for ev in self.handle:
+            if isinstance(ev, FinishEvent) and self.state is not None:
+                self.state.streams.discard(self)
+                if self.state.metrics is not None:
+                    self.state.metrics.finished(ev)
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
             except RuntimeError:  # the loop is gone (server stopped)
@@ -199,6 +236,14 @@ class EventStream:
         if timeout is None:
             return await self.queue.get()
         return await asyncio.wait_for(self.queue.get(), timeout)
+
+    def stop_for_shutdown(self) -> None:
+        self.server_stopping = True
+        self.close()
+
+    def cancelled_message(self) -> str:
+        return ("the server is shutting down; the request was stopped" if self.server_stopping
+                else "the request was cancelled")
 
     def close(self) -> None:
         if self.handle.finish is None:

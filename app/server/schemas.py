@@ -158,7 +158,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     model: str
-    prompt: Union[str, list[int]] = Field(description="text, or a list of token ids")
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+        description="text, a list of token ids, or a list of either (one choice per prompt, at most 64)")
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)

@@ -350,9 +350,18 @@ class OutputParser:
             self.calls.append(c)
             out.append(("tool_call", c))
 
-    def finish(self) -> list[tuple[str, object]]:
+    def finish(self, truncated: bool = False) -> list[tuple[str, object]]:
+        """What is left at the end of the output. `truncated` (the output was cut by max_tokens): a call that
+        is still open is dropped rather than shown as text, since a half call is neither text nor a call."""
         out: list[tuple[str, object]] = []
         buf, self.buf = self.buf, ""
+        if self.state == "call" and truncated:
+            calls = parse_calls(buf, self.fmt) if not self.fmt.end else None
+            for c in calls or []:
+                c = {"id": new_call_id(), **c}
+                self.calls.append(c)
+                out.append(("tool_call", c))
+            return out
         if self.state == "call":
             start = self.fmt.start if not (self.fmt.name == "llama3" and not buf.startswith(self.fmt.start)) else ""
             self._finish_call(out, buf, start + buf)
