@@ -69,7 +69,7 @@ class ServerState:
     streams: set = field(default_factory=set)     # the EventStreams running now
 
     def begin_shutdown(self) -> None:
-        """The server is stopping (SIGTERM, Ctrl-C, the app's toggle): end every running request now, so each
+        """The server is stopping (SIGTERM, Ctrl-C, ServerThread.stop): end every running request now, so each
         stream sends its client an error event saying so before the connection closes."""
         for s in list(self.streams):
             s.stop_for_shutdown()

@@ -81,6 +81,25 @@ def _check_images(messages: list[dict], state: ServerState) -> int:
     return n
 
 
+def _template_kwargs(body: S.ChatCompletionRequest, messages: list[dict]) -> dict:
+    """The chat template's extra variables a request sets (enable_thinking, continue_final_message, ...)."""
+    kwargs = {}
+    if body.chat_template_kwargs:
+        for k in body.chat_template_kwargs:
+            if k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
+                raise ApiError(400, f"chat_template_kwargs may not set {k!r}", param="chat_template_kwargs")
+        kwargs.update(body.chat_template_kwargs)
+    if body.enable_thinking is not None:
+        kwargs["enable_thinking"] = body.enable_thinking
+    if body.reasoning_effort == "none":
+        kwargs["enable_thinking"] = False
+    if body.continue_final_message:
+        if messages[-1].get("role") != "assistant":
+            raise ApiError(400, "continue_final_message needs an assistant message last", param="messages")
+        kwargs["continue_final_message"] = True
+    return kwargs
+
+
 def _refuse_surely_too_long(eng, messages) -> None:
     """A prompt whose message texts alone cannot fit the context is refused before it is copied, rendered
     and tokenized (a 30 MB body would otherwise take hundreds of MB and seconds to refuse)."""
@@ -133,21 +152,7 @@ class ChatPlan:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
-        kwargs = {}
-        if body.chat_template_kwargs:
-            for k in body.chat_template_kwargs:
-                if k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
-                    raise ApiError(400, f"chat_template_kwargs may not set {k!r}", param="chat_template_kwargs")
-            kwargs.update(body.chat_template_kwargs)
-        if body.enable_thinking is not None:
-            kwargs["enable_thinking"] = body.enable_thinking
-        if body.reasoning_effort == "none":
-            kwargs["enable_thinking"] = False
-        if body.continue_final_message:
-            if messages[-1].get("role") != "assistant":
-                raise ApiError(400, "continue_final_message needs an assistant message last", param="messages")
-            kwargs["continue_final_message"] = True
-
+        kwargs = _template_kwargs(body, messages)
         grammar = None
         forced_call = bool(tools and (choice == "required" or forced_name))
         if forced_call:
