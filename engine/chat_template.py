@@ -6,7 +6,12 @@ trim_blocks, lstrip_blocks and the loopcontrols extension; the globals `raise_ex
 and the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools` plus whatever
 extra keyword arguments the caller passes (e.g. `enable_thinking`, `documents`).
 
-Models without a template get ChatML.
+A model without a template gets a fallback chosen by its vocabulary (fallback_for): Gemma's turn format when
+`<start_of_turn>`/`<end_of_turn>` are tokens, Llama 3's when its header tokens are, else ChatML (llama.cpp's
+default). The fallback's end markers (`stop_strings`) end a reply, so no turn marker leaks into the text.
+
+`render(..., continue_final_message=True)` continues the last (assistant) message instead of opening a new
+turn: the rendering is cut right after that message's text, as transformers does (assistant prefill).
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "GEMMA_TEMPLATE", "LLAMA3_TEMPLATE",
+           "FALLBACKS", "fallback_for"]
 
 
 class ChatTemplateError(ValueError):
@@ -39,6 +45,54 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# A message's text: the string, or its text parts joined.
+_TEXT_MACRO = (
+    "{% macro text(m) %}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] is iterable %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+)
+
+# Gemma's turns: roles user and model, the system text at the head of the first user turn.
+GEMMA_TEMPLATE = _TEXT_MACRO + (
+    "{{ bos_token }}"
+    "{% set ns = namespace(sys='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.sys = ns.sys + text(message) + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\n' }}"
+    "{% if message['role'] != 'assistant' %}{{ ns.sys }}{% set ns.sys = '' %}{% endif %}"
+    "{{ text(message) | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+LLAMA3_TEMPLATE = _TEXT_MACRO + (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}{{ text(message) | trim }}"
+    "{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+# name -> (source, end markers that stop a reply, tokens the vocabulary must have for it to be chosen)
+FALLBACKS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "gemma": (GEMMA_TEMPLATE, ("<end_of_turn>", "<start_of_turn>"), ("<start_of_turn>", "<end_of_turn>")),
+    "llama3": (LLAMA3_TEMPLATE, ("<|eot_id|>", "<|start_header_id|>"), ("<|start_header_id|>", "<|eot_id|>")),
+    "chatml": (CHATML_TEMPLATE, ("<|im_end|>", "<|im_start|>"), ()),
+}
+
+
+def fallback_for(is_token) -> str:
+    """The fallback template's name for a model without one: the first of FALLBACKS whose turn markers are
+    single tokens of its vocabulary (`is_token(text) -> bool`); ChatML otherwise."""
+    for name, (_, _, needs) in FALLBACKS.items():
+        if needs and all(is_token(t) for t in needs):
+            return name
+    return "chatml"
+
 
 # Content part types we accept inside a message's `content` list.
 _PART_TYPES = {"text", "image", "image_url", "audio", "input_audio", "video"}
@@ -140,11 +194,18 @@ def _validate_tools(tools: Any) -> None:
 
 
 class ChatTemplate:
-    """A compiled chat template. `ChatTemplate(None)` (or "") gives the ChatML fallback."""
+    """A compiled chat template. `ChatTemplate(None)` (or "") gives the fallback named by `fallback` (one of
+    FALLBACKS; ChatML by default). `name` is "gguf" for the model's own template, else the fallback's name;
+    `stop_strings` are the fallback's end markers (none for the model's own template)."""
 
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "", fallback: str = "chatml"):
         self.is_fallback: bool = not source
-        self.source: str = CHATML_TEMPLATE if self.is_fallback else source
+        if self.is_fallback:
+            self.name = fallback
+            source, self.stop_strings, _ = FALLBACKS[fallback]
+        else:
+            self.name, self.stop_strings = "gguf", ()
+        self.source: str = source
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         if not isinstance(self.source, str):
@@ -157,9 +218,11 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template could not be compiled: {e}") from e
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, **extra: Any) -> str:
+               tools: list[dict] | None = None, continue_final_message: bool = False, **extra: Any) -> str:
         _validate_messages(messages)
         _validate_tools(tools)
+        if continue_final_message:
+            return self._continue(messages, tools, extra)
         variables: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         variables.update(extra)
         variables["messages"] = messages
@@ -179,6 +242,24 @@ class ChatTemplate:
                 f"chat template failed to render ({type(e).__name__}: {e}); "
                 "the messages may not have the shape this template expects") from e
 
+    def _continue(self, messages: list[dict], tools, extra: dict) -> str:
+        """The conversation rendered so that generation continues the final message's text."""
+        final = messages[-1] if messages else None
+        if not final or final.get("role") != "assistant":
+            raise ChatTemplateError("continue_final_message needs an assistant message last")
+        content = final.get("content")
+        if not isinstance(content, str):
+            content = "".join(p.get("text", "") for p in content or [] if isinstance(p, Mapping)
+                              and p.get("type") == "text")
+        rendered = self.render(messages, add_generation_prompt=False, tools=tools, **extra)
+        for probe in (content, content.rstrip(), content.strip()):
+            if probe and probe in rendered:
+                return rendered[:rendered.rindex(probe) + len(probe)]
+        if not content.strip():
+            return self.render(messages[:-1], add_generation_prompt=True, tools=tools, **extra)
+        raise ChatTemplateError("the chat template does not render the final assistant message's text, so it "
+                                "cannot be continued")
+
     def __repr__(self) -> str:
-        kind = "ChatML fallback" if self.is_fallback else f"{len(self.source)} chars"
+        kind = f"{self.name} fallback" if self.is_fallback else f"{len(self.source)} chars"
         return f"ChatTemplate({kind})"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.catalog import ensure_model
-from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.chat_template import ChatTemplate, ChatTemplateError, fallback_for
 from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.models.common import SeqChunk
@@ -290,7 +290,12 @@ class Engine(RunnerScheduler, SpeculationMixin):
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-        self.template = ChatTemplate(md.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos)
+        fallback = fallback_for(lambda t: len(tok.encode(t, add_special=False, parse_special=True)) == 1)
+        self.template = ChatTemplate(md.get("tokenizer.chat_template"), bos_token=bos, eos_token=eos,
+                                     fallback=fallback)
+        if self.template.is_fallback:
+            log.warning("%s has no chat template: chats use the %s fallback template (ending a reply at %s)",
+                        path.name, fallback, " or ".join(self.template.stop_strings))
         self.spec = self.model.spec
         self.vision = None            # engine.vision.VisionEncoder when a projector is loaded
         self._image_format = None
@@ -392,6 +397,8 @@ class Engine(RunnerScheduler, SpeculationMixin):
         handle = RequestHandle(rid, len(ids))
         kv = self.model.new_kv() if self.runner is None else None   # the runner keeps KV in its slots
         seq = _Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, kv)
+        if req.messages is not None and self.template.stop_strings:   # a fallback template's end markers
+            seq.stopper = StopChecker(list(req.sampling.stop) + list(self.template.stop_strings))
         seq.vision = vision
         self._inbox.put(seq)
         return handle
@@ -421,13 +428,51 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 raise EngineError(f"prompt_ids holds ids outside the vocabulary (0..{self.spec.vocab_size - 1}): {bad[:5]}")
             return list(req.prompt_ids)
         if req.prompt is not None:
+            self._check_text_fits(req.prompt)
             return self.tokenizer.encode(req.prompt, add_special=True, parse_special=True)
         text = self.render_chat(req.messages, req.add_generation_prompt, req.tools, **req.template_kwargs)
+        self._check_text_fits(text)
         ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS itself; do not double it
         return ids
+
+    def _check_text_fits(self, text: str) -> None:
+        """Refuse a prompt text that cannot fit the context before tokenizing all of it (a 30 MB body would
+        take a minute of CPU and gigabytes for the token lists). No token is longer than the vocabulary's
+        longest piece, so a text of more than ctx x that many characters is too long for sure; a shorter one
+        whose first 8 x ctx characters already make more than ctx + 64 tokens is too (BPE merges across the cut
+        change the count by a few tokens at most). Raises ContextTooLongError with a lower bound."""
+        limit = self.ctx_size
+        if len(text) <= 4 * limit:
+            return
+        self.check_prompt_chars(len(text))
+        if len(text) <= 8 * limit:
+            return
+        head = len(self.tokenizer.encode(text[:8 * limit], add_special=False, parse_special=True))
+        if head > limit + 64:
+            err = ContextTooLongError(head - 64, limit)
+            err.lower_bound = True
+            err.args = (f"the prompt has at least {err.n_prompt} tokens but the context holds {limit}",)
+            raise err
+
+    def check_prompt_chars(self, n_chars: int) -> None:
+        """Raise ContextTooLongError (with a lower bound) when a prompt of `n_chars` characters cannot fit the
+        context whatever its text: no token is longer than the vocabulary's longest piece. Cheap: callers use
+        it before building the prompt (the server, on a request's message texts)."""
+        longest = self._longest_piece()
+        if n_chars > self.ctx_size * longest:
+            err = ContextTooLongError(max(n_chars // longest, self.ctx_size), self.ctx_size)
+            err.lower_bound = True
+            err.args = (f"the prompt has at least {err.n_prompt} tokens but the context holds {self.ctx_size}",)
+            raise err
+
+    def _longest_piece(self) -> int:
+        if getattr(self, "_longest", None) is None:
+            tok = self.tokenizer
+            self._longest = max(len(tok.token_bytes(i)) for i in range(tok.vocab_size)) or 1
+        return self._longest
 
     def _tokenize_with_images(self, req: Request, images: list):
         from engine.vision import load_image
@@ -892,4 +937,4 @@ class Engine(RunnerScheduler, SpeculationMixin):
                           image_encode_ms=s.vision.encode_ms if s.vision is not None else 0.0)
         usage = Usage(prompt_tokens=s.n_prompt, completion_tokens=n_gen, cached_tokens=s.cached)
         s.handle._put(FinishEvent(reason=reason, usage=usage, timings=timings, error=error,
-                                  stop_string=s.stopper.matched))
+                                  stop_string=s.stopper.matched if s.stopper.matched in s.params.stop else None))

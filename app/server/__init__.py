@@ -74,6 +74,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from this origin (repeatable; default: CORS off)")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME...]",
+                   help="Host header names the server answers to besides localhost, 127.0.0.1 and [::1] "
+                        "(repeatable or comma-separated; '*': any). Without an API key only those are "
+                        "answered (a guard against DNS rebinding); with a key, any unless this is given")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="request body limit in MB (default 32)")
     p.add_argument("--allow-remote-images", action="store_true", help="allow http(s) image URLs in requests")
     p.add_argument("--media-dir", default=None, help="folder that file:// image URLs may name (default: none)")
@@ -91,15 +95,14 @@ def settings_from_args(args) -> ServerSettings:
                           max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                           allow_remote_images=args.allow_remote_images, media_dir=args.media_dir,
                           model_aliases=list(args.alias), accept_any_model=args.any_model,
-                          max_tokens_limit=args.max_tokens_limit)
+                          max_tokens_limit=args.max_tokens_limit,
+                          allowed_hosts=[h.strip() for v in args.allowed_hosts for h in v.split(",") if h.strip()])
 
 
 def run_serve(args) -> int:
     """`hivejet serve`: listen at once (GET /health answers 503 while the model loads), then serve until
     Ctrl-C. Returns the exit code."""
-    import uvicorn
-
-    from app.server.app import create_app as _create, set_engine
+    from app.server.app import create_app as _create, set_engine, uvicorn_server
     err = lambda msg: print(f"error: {msg}", file=sys.stderr)  # noqa: E731
     settings = settings_from_args(args)
     try:
@@ -167,8 +170,8 @@ def run_serve(args) -> int:
     from app.server.access_log import quiet_polls
     quiet_polls(args.log_level)      # monitoring polls (hivejet top, Prometheus) stay out of the access log
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5, lifespan="off")
+        uvicorn_server(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                       timeout_graceful_shutdown=5, lifespan="off").run()
     except (OSError, SystemExit) as e:
         err(f"cannot listen on {settings.host}:{settings.port}: {e}")
         return 1

@@ -120,6 +120,9 @@ def _chat_request(body: S.MessagesRequest, request: Request) -> S.ChatCompletion
             d["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
     if body.thinking is not None:
         d["enable_thinking"] = body.thinking.type != "disabled"
+    last = d["messages"][-1] if d["messages"] else None
+    if last and last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
+        d["continue_final_message"] = True    # a prefill: the reply continues it, as Anthropic's API does
     meta = body.metadata or {}
     if isinstance(meta.get("user_id"), str):
         d["user"] = meta["user_id"][:256]
@@ -141,8 +144,11 @@ def _stop_reason(fin, calls) -> str:
 
 
 def _usage(fin) -> dict:
-    return {"input_tokens": fin.usage.prompt_tokens, "output_tokens": fin.usage.completion_tokens,
-            "cache_read_input_tokens": fin.usage.cached_tokens, "cache_creation_input_tokens": 0}
+    """Anthropic's usage: input_tokens counts the prompt tokens read afresh, without those read from the
+    prefix cache (cache_read_input_tokens); their sum is the prompt."""
+    u = fin.usage
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def _tool_input(args: str):
@@ -162,21 +168,18 @@ async def messages(body: S.MessagesRequest, request: Request):
     handle = await submit(plan.engine, plan.req)
     mid = "msg_" + secrets.token_hex(12)
     if body.stream:
-        stream = EventStream(handle)
-        return SSEResponse(_stream(plan, stream, handle.n_prompt, mid, state.metrics), stream)
-    events = await collect(EventStream(handle), request)
+        stream = EventStream(handle, state)
+        return SSEResponse(_stream(plan, stream, handle.n_prompt, mid, body.model), stream)
+    stream = EventStream(handle, state)
+    events = await collect(stream, request)
     items = []
     for ev in events:
         if isinstance(ev, TokenEvent):
             items += plan.parser.feed(ev.text)
-    items += plan.parser.finish()
     fin = events[-1]
+    items += plan.parser.finish(truncated=fin.reason == "length")
     assert isinstance(fin, FinishEvent)
-    state.metrics.finished(fin)
-    if fin.reason == "error":
-        raise ApiError(500, f"generation failed: {fin.error}")
-    if fin.reason == "cancelled":
-        raise ApiError(503, "the request was cancelled (server shutting down)")
+    plan.raise_for(fin, stream)
     reasoning, text, calls = OutputParser.collect(items)
     content = []
     if reasoning:
@@ -191,11 +194,14 @@ async def messages(body: S.MessagesRequest, request: Request):
                          "usage": _usage(fin)})
 
 
+_ERROR_TYPES = {400: "invalid_request_error", 503: "overloaded_error"}   # Anthropic's, mid-stream
+
+
 def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, metrics):
+async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, model: str):
     from engine.types import TokenEvent
     index = -1
     open_kind = None          # "text" | "thinking" while a block is open
@@ -241,7 +247,7 @@ async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, 
 
     try:
         yield _event("message_start", {"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": plan.model, "content": [],
+            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                       "cache_creation_input_tokens": 0}}})
@@ -253,23 +259,23 @@ async def _stream(plan: ChatPlan, stream: EventStream, n_prompt: int, mid: str, 
                 if s:
                     yield s
                 continue
-            metrics.finished(ev)
-            s = render(plan.parser.finish())
-            if index == -1 and ev.reason not in ("error", "cancelled"):
+            s = render(plan.parser.finish(truncated=ev.reason == "length"))
+            try:
+                plan.raise_for(ev, stream)
+            except ApiError as e:
+                s += close_block()
+                yield s + _event("error", {"type": "error", "error": {
+                    "type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.anthropic_message}})
+                return
+            if index == -1:
                 s += render([("content", "")])   # an empty answer is still one (empty) text block
             s += close_block()
             if s:
                 yield s
-            if ev.reason in ("error", "cancelled"):
-                yield _event("error", {"type": "error", "error": {
-                    "type": "api_error", "message": f"generation failed: {ev.error or ev.reason}"}})
-                return
             yield _event("message_delta", {"type": "message_delta",
                                            "delta": {"stop_reason": _stop_reason(ev, n_calls),
                                                      "stop_sequence": getattr(ev, "stop_string", None)},
-                                           "usage": {"output_tokens": ev.usage.completion_tokens,
-                                                     "input_tokens": ev.usage.prompt_tokens,
-                                                     "cache_read_input_tokens": ev.usage.cached_tokens}})
+                                           "usage": _usage(ev)})
             yield _event("message_stop", {"type": "message_stop"})
             return
     finally:

@@ -15,9 +15,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.server import schemas as S
-from app.server.core import ApiError, ServerState, error_body
+from app.server.core import ApiError, ServerState, error_body, is_anthropic_path
 from app.server.metrics import Metrics
-from app.server.security import BodySizeLimit, ServerSettings, check_api_key, key_from_headers
+from app.server.security import BodySizeLimit, ServerSettings, check_api_key, host_refusal, key_from_headers
 
 log = logging.getLogger("hivejet.server")
 
@@ -54,16 +54,20 @@ class AuthAndMetrics:
             await send(msg)
 
         try:
+            from starlette.datastructures import Headers
+            refusal = host_refusal(Headers(scope=scope).get("host"), self.state.settings)
+            if refusal:
+                resp = JSONResponse(error_body(path, 403, refusal, code="host_not_allowed"), status_code=403)
+                return await resp(scope, receive, tracking_send)
             keys = self.state.settings.api_keys
             public = path in PUBLIC_PATHS and (path != "/health" or self.state.settings.public_health)
-            if keys and not public and scope.get("method") != "OPTIONS":
-                from starlette.datastructures import Headers
-                if not check_api_key(key_from_headers(Headers(scope=scope)), keys):
-                    resp = JSONResponse(error_body(path, 401, "missing or invalid API key (send Authorization: "
-                                                              "Bearer KEY or x-api-key: KEY)",
-                                                   code="invalid_api_key"),
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                    return await resp(scope, receive, tracking_send)
+            if keys and not public and scope.get("method") != "OPTIONS" \
+                    and not check_api_key(key_from_headers(Headers(scope=scope)), keys):
+                resp = JSONResponse(error_body(path, 401, "missing or invalid API key (send Authorization: "
+                                                          "Bearer KEY or x-api-key: KEY)",
+                                               code="invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, tracking_send)
             await self.app(scope, receive, tracking_send)
         finally:
             if self.state.metrics is not None and status_seen[0]:
@@ -95,7 +99,9 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(error_body(request.url.path, exc.status, exc.message, exc.type, exc.param, exc.code),
+        path = request.url.path
+        msg = exc.anthropic_message if is_anthropic_path(path) else exc.message
+        return JSONResponse(error_body(path, exc.status, msg, exc.type, exc.param, exc.code),
                             status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -170,7 +176,8 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, error_body=error_body)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, error_body=error_body,
+                       max_json_values=settings.max_json_values)
     return app
 
 
@@ -179,20 +186,32 @@ def set_engine(app: FastAPI, engine, error: str | None = None) -> None:
     st.engine, st.load_error, st._info = engine, error, None
 
 
+def uvicorn_server(app: FastAPI, **config):
+    """A uvicorn Server for `app` that, when told to stop (SIGTERM, Ctrl-C, should_exit), first ends the
+    running requests so each stream sends an error event saying the server is shutting down, instead of
+    being cut mid-answer."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.hivejet.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, **config))
+
+
 class ServerThread:
     """uvicorn serving `app` on host:port in a daemon thread (port 0 picks a free one)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
         self.app = app
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, lifespan="off",
-                                timeout_keep_alive=5)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(app, log_level=log_level, timeout_graceful_shutdown=3, lifespan="off",
+                                     timeout_keep_alive=5)
         self.thread = threading.Thread(target=self._run, name="hivejet-server", daemon=True)
 
     def _run(self):
@@ -213,6 +232,7 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.app.state.hivejet.begin_shutdown()
         self.server.should_exit = True
         self.thread.join(timeout)
         try:

@@ -22,18 +22,22 @@ class ApiError(Exception):
     """An error answered in the API's error shape (OpenAI's, or Anthropic's on /v1/messages)."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 anthropic_message: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.anthropic_message = anthropic_message or message   # the text on /v1/messages
         self.type = type or default_error_type(status)
         self.headers = headers or {}
 
 
 def default_error_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-            422: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error"}.get(
-        status, "server_error" if status >= 500 else "invalid_request_error")
+    """The error `type` on the OpenAI routes, as OpenAI's API writes it: invalid_request_error for every
+    client error (a 401 and a 404 model_not_found included; `code` says which), "requests" for a 429 (a limit
+    on requests), server_error for 5xx."""
+    if status == 429:
+        return "requests"
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -62,6 +66,13 @@ class ServerState:
     started: float = field(default_factory=time.time)
     metrics: Any = None
     _info: dict | None = None
+    streams: set = field(default_factory=set)     # the EventStreams running now
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping (SIGTERM, Ctrl-C, ServerThread.stop): end every running request now, so each
+        stream sends its client an error event saying so before the connection closes."""
+        for s in list(self.streams):
+            s.stop_for_shutdown()
 
     def engine_or_503(self):
         if self.engine is None:
@@ -144,9 +155,9 @@ async def submit(engine, req):
     try:
         return await run_in_threadpool(engine.submit, req)
     except QueueFullError as e:
-        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": "2"}) from None
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
     except ContextTooLongError as e:
-        raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
+        raise overflow_error(e, "messages" if req.messages is not None else "prompt") from None
     except EngineError as e:
         if "shut down" in str(e):
             raise ApiError(503, str(e)) from None
@@ -155,19 +166,67 @@ async def submit(engine, req):
         raise ApiError(400, str(e)) from None
 
 
+def overflow_error(e, what: str = "messages") -> ApiError:
+    """A prompt longer than the context, in the words clients match to offer their token-limit help:
+    OpenAI's "This model's maximum context length is N tokens. However, your messages resulted in M tokens"
+    with code context_length_exceeded (litellm maps it to ContextWindowExceededError), and on /v1/messages
+    Anthropic's "prompt is too long: M tokens > MAX maximum" (MAX: the longest prompt that still leaves room
+    for one generated token)."""
+    n, limit = e.n_prompt, e.limit
+    at_least = "at least " if getattr(e, "lower_bound", False) else ""
+    msg = (f"This model's maximum context length is {limit} tokens. However, your {what} resulted in "
+           f"{at_least}{n} tokens ({n - limit + 1} too many to generate even one token). Please reduce the length "
+           f"of the {what}.")
+    from engine.types import KVPoolTooSmallError
+    if isinstance(e, KVPoolTooSmallError):           # the GPU KV pool, not the model, is the limit
+        msg += f" ({e})"
+    return ApiError(400, msg, param=what, code="context_length_exceeded",
+                    anthropic_message=f"prompt is too long: {n} tokens > {limit - 1} maximum")
+
+
+def constraint_failure(constraint, fin) -> str | None:
+    """Why a constrained generation that ended as "stop" did not complete its grammar (llguidance's error, or
+    an output that ended before the grammar could), or None: such an output is broken and must not be
+    answered as a success. A stop string the client gave ends it by request, and is not a failure."""
+    if constraint is None or fin.reason != "stop" or getattr(fin, "stop_string", None):
+        return None
+    err = getattr(constraint, "error", None)
+    if err:
+        return err
+    m = getattr(constraint, "matcher", None)
+    if m is not None and not (m.is_accepting() or m.is_stopped()):
+        return "the output ended before the grammar was complete"
+    return None
+
+
+def constraint_error(why: str, param: str) -> ApiError:
+    return ApiError(400, f"the constrained output could not be completed ({why}); the {param} schema may be "
+                         "unsatisfiable for this model", param=param, code="constraint_unsatisfiable")
+
+
 class EventStream:
     """Async iteration over a RequestHandle's events. A thread reads the handle (whose iteration blocks) and
-    hands events to the event loop. close() cancels the request."""
+    hands events to the event loop; the finish event is counted in the metrics there, whether or not anyone
+    still reads the stream (a client that went away, a cancelled request). close() cancels the request."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, state: "ServerState | None" = None):
         self.handle = handle
+        self.state = state
+        self.server_stopping = False
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
+        if state is not None:
+            state.streams.add(self)
         self._thread = threading.Thread(target=self._pump, name=f"hivejet-req-{handle.id}", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
+        from engine.types import FinishEvent
         for ev in self.handle:
+            if isinstance(ev, FinishEvent) and self.state is not None:
+                self.state.streams.discard(self)
+                if self.state.metrics is not None:
+                    self.state.metrics.finished(ev)
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
             except RuntimeError:  # the loop is gone (server stopped)
@@ -177,6 +236,14 @@ class EventStream:
         if timeout is None:
             return await self.queue.get()
         return await asyncio.wait_for(self.queue.get(), timeout)
+
+    def stop_for_shutdown(self) -> None:
+        self.server_stopping = True
+        self.close()
+
+    def cancelled_message(self) -> str:
+        return ("the server is shutting down; the request was stopped" if self.server_stopping
+                else "the request was cancelled")
 
     def close(self) -> None:
         if self.handle.finish is None:

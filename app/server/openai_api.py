@@ -1,7 +1,9 @@
 """OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions."""
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import secrets
 import time
@@ -11,8 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.server import schemas as S
-from app.server.core import (ApiError, EventStream, ServerState, SSEResponse, collect, sampling_params, session_of,
-                             submit, token_piece)
+from app.server.core import (ApiError, EventStream, ServerState, SSEResponse, collect, constraint_error,
+                             constraint_failure, overflow_error, sampling_params, session_of, submit, token_piece)
 from app.server.grammar import GrammarConstraint, GrammarError, json_schema_grammar
 from app.server.security import ImageError, load_image
 from app.server.tools import OutputParser, forced_call_grammar, prepare_messages
@@ -79,6 +81,42 @@ def _check_images(messages: list[dict], state: ServerState) -> int:
     return n
 
 
+def _template_kwargs(body: S.ChatCompletionRequest, messages: list[dict]) -> dict:
+    """The chat template's extra variables a request sets (enable_thinking, continue_final_message, ...)."""
+    kwargs = {}
+    if body.chat_template_kwargs:
+        for k in body.chat_template_kwargs:
+            if k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
+                raise ApiError(400, f"chat_template_kwargs may not set {k!r}", param="chat_template_kwargs")
+        kwargs.update(body.chat_template_kwargs)
+    if body.enable_thinking is not None:
+        kwargs["enable_thinking"] = body.enable_thinking
+    if body.reasoning_effort == "none":
+        kwargs["enable_thinking"] = False
+    if body.continue_final_message:
+        if messages[-1].get("role") != "assistant":
+            raise ApiError(400, "continue_final_message needs an assistant message last", param="messages")
+        kwargs["continue_final_message"] = True
+    return kwargs
+
+
+def _refuse_surely_too_long(eng, messages) -> None:
+    """A prompt whose message texts alone cannot fit the context is refused before it is copied, rendered
+    and tokenized (a 30 MB body would otherwise take hundreds of MB and seconds to refuse)."""
+    from engine.types import ContextTooLongError
+    n = 0
+    for m in messages:
+        c = m.content
+        if isinstance(c, str):
+            n += len(c)
+        elif c:
+            n += sum(len(p.text) for p in c if getattr(p, "type", None) == "text")
+    try:
+        eng.check_prompt_chars(n)
+    except ContextTooLongError as e:
+        raise overflow_error(e, "messages") from None
+
+
 def _finish_reason(fin, calls) -> str:
     if fin.reason == "length":
         return "length"
@@ -92,6 +130,7 @@ class ChatPlan:
         from engine.types import Request as EngineRequest
         eng = state.engine_or_503()
         state.check_model(body.model)
+        _refuse_surely_too_long(eng, body.messages)
         info = state.info()
         fmt = info["tool_format"]
         messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
@@ -113,19 +152,10 @@ class ChatPlan:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
-        kwargs = {}
-        if body.chat_template_kwargs:
-            for k in body.chat_template_kwargs:
-                if k in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token"):
-                    raise ApiError(400, f"chat_template_kwargs may not set {k!r}", param="chat_template_kwargs")
-            kwargs.update(body.chat_template_kwargs)
-        if body.enable_thinking is not None:
-            kwargs["enable_thinking"] = body.enable_thinking
-        if body.reasoning_effort == "none":
-            kwargs["enable_thinking"] = False
-
+        kwargs = _template_kwargs(body, messages)
         grammar = None
-        if tools and (choice == "required" or forced_name):
+        forced_call = bool(tools and (choice == "required" or forced_name))
+        if forced_call:
             grammar = forced_call_grammar(fmt, tools, forced_name)
             kwargs.setdefault("enable_thinking", False)
         elif body.response_format is not None and body.response_format.type != "text":
@@ -170,6 +200,7 @@ class ChatPlan:
                              ignore_eos=body.ignore_eos,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         self.engine = eng
+        self.constraint_param = "tools" if forced_call else "response_format"
         self.req = EngineRequest(messages=prompt_messages, tools=prompt_tools, sampling=sp,
                                  session=session_of(request, body.session, body.user),
                                  template_kwargs=kwargs, constraint=constraint)
@@ -177,6 +208,21 @@ class ChatPlan:
         self.model = state.model_id()
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.created = int(time.time())
+
+    def raise_for(self, fin, stream: EventStream) -> None:
+        raise_for_finish(fin, stream, self.req.constraint, self.constraint_param)
+
+
+def raise_for_finish(fin, stream: EventStream, constraint=None, param: str = "response_format") -> None:
+    """An ApiError for a generation that did not end well: failed, cancelled (the server stopping, or the
+    client gone), or a constrained output that could not be completed."""
+    if fin.reason == "error":
+        raise ApiError(500, f"generation failed: {fin.error}")
+    if fin.reason == "cancelled":
+        raise ApiError(503, stream.cancelled_message())
+    why = constraint_failure(constraint, fin)
+    if why:
+        raise constraint_error(why, param)
 
 
 @router.post("/v1/chat/completions", responses={200: {"model": S.ChatCompletionResponse, "content": SSE}, **ERRORS},
@@ -186,12 +232,11 @@ async def chat_completions(body: S.ChatCompletionRequest, request: Request):
     state = _state(request)
     plan = await run_in_threadpool(ChatPlan, body, state, request)   # may fetch remote images
     handle = await submit(plan.engine, plan.req)
-    metrics = state.metrics
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = EventStream(handle)
-        return SSEResponse(_chat_stream(plan, stream, include_usage, metrics), stream)
-    stream = EventStream(handle)
+        stream = EventStream(handle, state)
+        return SSEResponse(_chat_stream(plan, stream, include_usage), stream)
+    stream = EventStream(handle, state)
     events = await collect(stream, request)
     items, lps = [], []
     for ev in events:
@@ -199,14 +244,10 @@ async def chat_completions(body: S.ChatCompletionRequest, request: Request):
             items += plan.parser.feed(ev.text)
             if ev.logprobs:
                 lps += ev.logprobs
-    items += plan.parser.finish()
     fin = events[-1]
+    items += plan.parser.finish(truncated=fin.reason == "length")
     assert isinstance(fin, FinishEvent)
-    metrics.finished(fin)
-    if fin.reason == "error":
-        raise ApiError(500, f"generation failed: {fin.error}")
-    if fin.reason == "cancelled":
-        raise ApiError(503, "the request was cancelled (server shutting down)")
+    plan.raise_for(fin, stream)
     reasoning, content, calls = OutputParser.collect(items)
     message = {"role": "assistant", "content": content if (content or not calls) else None}
     if reasoning:
@@ -220,7 +261,7 @@ async def chat_completions(body: S.ChatCompletionRequest, request: Request):
                          "system_fingerprint": "hivejet", "choices": [choice], "usage": _usage(fin)})
 
 
-async def _chat_stream(plan: ChatPlan, stream: EventStream, include_usage: bool, metrics):
+async def _chat_stream(plan: ChatPlan, stream: EventStream, include_usage: bool):
     from engine.types import FinishEvent, TokenEvent
     base = {"id": plan.id, "object": "chat.completion.chunk", "created": plan.created, "model": plan.model,
             "system_fingerprint": "hivejet"}
@@ -261,13 +302,13 @@ async def _chat_stream(plan: ChatPlan, stream: EventStream, include_usage: bool,
                     yield s
                 continue
             assert isinstance(ev, FinishEvent)
-            metrics.finished(ev)
-            s = render(plan.parser.finish())
+            s = render(plan.parser.finish(truncated=ev.reason == "length"))
             if s:
                 yield s
-            if ev.reason in ("error", "cancelled"):
-                msg = f"generation failed: {ev.error}" if ev.reason == "error" else "the request was cancelled"
-                yield _sse({"error": {"message": msg, "type": "server_error", "param": None, "code": None}})
+            try:
+                plan.raise_for(ev, stream)
+            except ApiError as e:
+                yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
             else:
                 yield chunk({}, finish="tool_calls" if n_calls else ("length" if ev.reason == "length" else "stop"))
             if include_usage:
@@ -292,10 +333,60 @@ def _completion_logprobs(engine, lps, start_offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+MAX_PROMPTS = 64
+
+
+def _prompt_list(prompt) -> list:
+    """The prompts of a /v1/completions request, as OpenAI takes them: a string, a list of token ids, a list
+    of strings or a list of token-id lists (one choice each)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", param="prompt")
+    return list(prompt)
+
+
+class _Group:
+    """The EventStreams of one request's prompts: close() cancels them all."""
+
+    def __init__(self, streams):
+        self.streams = streams
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+async def _merged(streams):
+    """(index, event) from several EventStreams as they come, until each has finished."""
+    from engine.types import FinishEvent
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, st):
+        while True:
+            ev = await st.next()
+            await queue.put((i, ev))
+            if isinstance(ev, FinishEvent):
+                return
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, ev = await queue.get()
+            left -= isinstance(ev, FinishEvent)
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 @router.post("/v1/completions", responses={200: {"model": S.CompletionResponse, "content": SSE}, **ERRORS},
              tags=["openai"])
 async def completions(body: S.CompletionRequest, request: Request):
-    from engine.types import FinishEvent, Request as EngineRequest, TokenEvent
+    from engine.types import Request as EngineRequest
     state = _state(request)
     eng = state.engine_or_503()
     state.check_model(body.model)
@@ -303,105 +394,153 @@ async def completions(body: S.CompletionRequest, request: Request):
         raise ApiError(400, "only n=1 is supported", param="n")
     if body.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-    constraint = None
+    prompts = _prompt_list(body.prompt)
+    grammar = None
     if body.response_format is not None and body.response_format.type != "text":
         rf = body.response_format
         schema = rf.json_schema.schema_ if (rf.type == "json_schema" and rf.json_schema) else None
         try:
-            constraint = GrammarConstraint(eng.tokenizer, json_schema_grammar(schema))
+            grammar = json_schema_grammar(schema)
+            GrammarConstraint(eng.tokenizer, grammar)
         except GrammarError as e:
             raise ApiError(400, str(e), param="response_format") from None
-    sp = sampling_params(engine=eng, settings=state.settings, max_tokens=body.max_tokens or 16,
-                         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                         seed=body.seed, presence_penalty=body.presence_penalty,
-                         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                         repeat_last_n=body.repeat_last_n, logit_bias=body.logit_bias, stop=body.stop,
-                         ignore_eos=body.ignore_eos, logprobs=body.logprobs)
     session = session_of(request, body.session, body.user)
-    if isinstance(body.prompt, str):
-        req = EngineRequest(prompt=body.prompt, sampling=sp, session=session, constraint=constraint)
-        prompt_text = body.prompt
-    else:
-        req = EngineRequest(prompt_ids=list(body.prompt), sampling=sp, session=session, constraint=constraint)
-        prompt_text = None
-    handle = await submit(eng, req)
-    if prompt_text is None:
-        prompt_text = eng.tokenizer.decode(body.prompt)
-    echo = prompt_text if body.echo else ""
-    cid, created, model = "cmpl-" + secrets.token_hex(12), int(time.time()), state.model_id()
-    want_lp = body.logprobs is not None
-    metrics = state.metrics
-
+    reqs = []
+    for p in prompts:
+        sp = sampling_params(engine=eng, settings=state.settings, max_tokens=body.max_tokens or 16,
+                             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                             seed=body.seed, presence_penalty=body.presence_penalty,
+                             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                             repeat_last_n=body.repeat_last_n, logit_bias=body.logit_bias, stop=body.stop,
+                             ignore_eos=body.ignore_eos, logprobs=body.logprobs)
+        constraint = GrammarConstraint(eng.tokenizer, grammar) if grammar is not None else None
+        text = isinstance(p, str)
+        reqs.append(EngineRequest(prompt=p if text else None, prompt_ids=None if text else list(p), sampling=sp,
+                                  session=session, constraint=constraint))
+    handles = []
+    try:
+        for req in reqs:
+            handles.append(await submit(eng, req))
+    except ApiError:
+        for h in handles:
+            h.cancel()
+        raise
+    echoes = [((p if isinstance(p, str) else eng.tokenizer.decode(p)) if body.echo else "") for p in prompts]
+    streams = [EventStream(h, state) for h in handles]
+    reply = _Completion(body, state, eng, reqs, echoes)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        group = _Group(streams)
+        return SSEResponse(reply.stream(streams, include_usage), group)
+    return JSONResponse(await reply.collect(streams, request))
 
-        stream = EventStream(handle)
 
-        async def gen():
-            base = {"id": cid, "object": "text_completion", "created": created, "model": model}
-            offset = len(echo)
-            try:
+class _Completion:
+    """Writes a /v1/completions answer: one choice per prompt, by index."""
+
+    def __init__(self, body: S.CompletionRequest, state: ServerState, eng, reqs, echoes: list[str]):
+        self.eng, self.reqs, self.echoes = eng, reqs, echoes
+        self.want_lp = body.logprobs is not None
+        self.base = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion",
+                     "created": int(time.time()), "model": state.model_id()}
+
+    def _check(self, i: int, fin, stream) -> None:
+        raise_for_finish(fin, stream, self.reqs[i].constraint)
+
+    @staticmethod
+    def _usage(fins) -> dict:
+        p = sum(f.usage.prompt_tokens for f in fins)
+        c = sum(f.usage.completion_tokens for f in fins)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_tokens for f in fins)}}
+
+    async def collect(self, streams, request) -> dict:
+        from engine.types import FinishEvent, TokenEvent
+        group = _Group(streams)
+
+        async def watch():
+            while True:
+                if (await request.receive())["type"] == "http.disconnect":
+                    group.close()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        events = [[] for _ in streams]
+        try:
+            async for i, ev in _merged(streams):
+                events[i].append(ev)
+        finally:
+            watcher.cancel()
+            group.close()
+        choices, fins = [], []
+        for i, evs in enumerate(events):
+            fin = evs[-1]
+            assert isinstance(fin, FinishEvent)
+            self._check(i, fin, streams[i])
+            fins.append(fin)
+            text = "".join(ev.text for ev in evs if isinstance(ev, TokenEvent))
+            lps = [lp for ev in evs if isinstance(ev, TokenEvent) for lp in (ev.logprobs or [])]
+            choices.append({"index": i, "text": self.echoes[i] + text, "finish_reason": fin.reason,
+                            "logprobs": _completion_logprobs(self.eng, lps, len(self.echoes[i]))
+                            if self.want_lp else None})
+        return {**self.base, "choices": choices, "usage": self._usage(fins)}
+
+    async def stream(self, streams, include_usage: bool):
+        from engine.types import TokenEvent
+        base = self.base
+        offsets = [len(e) for e in self.echoes]
+        fins: list = []
+        failed = False
+        try:
+            for i, echo in enumerate(self.echoes):
                 if echo:
-                    yield _sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
-                while True:
-                    ev = await stream.next()
+                    yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None,
+                                                     "finish_reason": None}]})
+            async with contextlib.aclosing(_merged(streams)) as merged:
+                async for i, ev in merged:
                     if isinstance(ev, TokenEvent):
-                        lp = _completion_logprobs(eng, ev.logprobs or [], offset) if want_lp else None
-                        offset += len(ev.text)
-                        yield _sse({**base, "choices": [{"index": 0, "text": ev.text, "logprobs": lp,
+                        lp = _completion_logprobs(self.eng, ev.logprobs or [], offsets[i]) if self.want_lp else None
+                        offsets[i] += len(ev.text)
+                        yield _sse({**base, "choices": [{"index": i, "text": ev.text, "logprobs": lp,
                                                          "finish_reason": None}]})
                         continue
-                    metrics.finished(ev)
-                    if ev.reason in ("error", "cancelled"):
-                        yield _sse({"error": {"message": f"generation failed: {ev.error or ev.reason}",
-                                              "type": "server_error", "param": None, "code": None}})
-                    else:
-                        yield _sse({**base, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                                         "finish_reason": ev.reason}]})
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(ev)})
-                    yield "data: [DONE]\n\n"
-                    return
-            finally:
-                stream.close()
-
-        return SSEResponse(gen(), stream)
-
-    events = await collect(EventStream(handle), request)
-    fin = events[-1]
-    assert isinstance(fin, FinishEvent)
-    metrics.finished(fin)
-    if fin.reason == "error":
-        raise ApiError(500, f"generation failed: {fin.error}")
-    if fin.reason == "cancelled":
-        raise ApiError(503, "the request was cancelled (server shutting down)")
-    text = "".join(ev.text for ev in events if isinstance(ev, TokenEvent))
-    lps = [lp for ev in events if isinstance(ev, TokenEvent) for lp in (ev.logprobs or [])]
-    choice = {"index": 0, "text": echo + text, "finish_reason": fin.reason,
-              "logprobs": _completion_logprobs(eng, lps, len(echo)) if want_lp else None}
-    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [choice], "usage": _usage(fin)})
+                    fins.append(ev)
+                    try:
+                        self._check(i, ev, streams[i])
+                    except ApiError as e:    # the first failure ends the whole answer
+                        failed = True
+                        yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param,
+                                              "code": e.code}})
+                        break
+                    yield _sse({**base, "choices": [{"index": i, "text": "", "logprobs": None,
+                                                     "finish_reason": ev.reason}]})
+            if include_usage and not failed:
+                yield _sse({**base, "choices": [], "usage": self._usage(fins)})
+            yield "data: [DONE]\n\n"
+        finally:
+            _Group(streams).close()
 
 
 @router.get("/v1/models", response_model=S.ModelList, responses=ERRORS, tags=["openai"])
 async def list_models(request: Request):
     state = _state(request)
-    eng = state.engine_or_503()
-    info = state.info()
-    card = {"id": state.model_id(), "object": "model", "created": int(state.started), "owned_by": "hivejet",
-            "context_length": eng.ctx_size,
-            "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
-                             "json_schema": True}}
-    return JSONResponse({"object": "list", "data": [card]})
+    state.engine_or_503()
+    return JSONResponse({"object": "list", "data": [_card(state)]})
 
 
 @router.get("/v1/models/{model_id:path}", response_model=S.ModelCard, responses=ERRORS, tags=["openai"])
 async def get_model(model_id: str, request: Request):
     state = _state(request)
-    eng = state.engine_or_503()
+    state.engine_or_503()
     state.check_model(model_id)
-    info = state.info()
-    return JSONResponse({"id": state.model_id(), "object": "model", "created": int(state.started),
-                         "owned_by": "hivejet", "context_length": eng.ctx_size,
-                         "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
-                                          "json_schema": True}})
+    return JSONResponse(_card(state))
+
+
+def _card(state: ServerState) -> dict:
+    eng, info = state.engine, state.info()
+    tpl = eng.template
+    return {"id": state.model_id(), "object": "model", "created": int(state.started), "owned_by": "hivejet",
+            "context_length": eng.ctx_size,
+            "capabilities": {"tools": True, "vision": info["vision"], "reasoning": info["reasoning"],
+                             "json_schema": True},
+            "chat_template": f"fallback:{tpl.name}" if tpl.is_fallback else "gguf"}

@@ -151,12 +151,15 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     enable_thinking: Optional[bool] = None
+    continue_final_message: Optional[bool] = Field(
+        default=None, description="continue the last (assistant) message instead of starting a new turn")
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
 
 
 class CompletionRequest(_SamplingFields):
     model: str
-    prompt: Union[str, list[int]] = Field(description="text, or a list of token ids")
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+        description="text, a list of token ids, or a list of either (one choice per prompt, at most 64)")
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -219,6 +222,8 @@ class ModelCard(BaseModel):
     owned_by: str
     context_length: int
     capabilities: dict[str, bool]
+    chat_template: Optional[str] = Field(default=None, description='"gguf" (the model\'s own) or '
+                                         '"fallback:NAME" (the model file has none: gemma, llama3 or chatml)')
 
 
 class ModelList(BaseModel):

@@ -9,16 +9,17 @@ import hmac
 import http.client
 import ipaddress
 import os
+import re
 import socket
-import time
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlparse
 
-__all__ = ["ServerSettings", "SettingsError", "is_loopback", "check_api_key", "BodySizeLimit", "ImageError",
-           "load_image", "fetch_image"]
+__all__ = ["ServerSettings", "SettingsError", "is_loopback", "check_api_key", "host_refusal", "BodySizeLimit",
+           "ImageError", "load_image", "fetch_image"]
 
 
 class SettingsError(ValueError):
@@ -42,6 +43,7 @@ class ServerSettings:
     api_keys: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)        # empty: CORS off
     max_body_bytes: int = 32 * 1024 * 1024
+    max_json_values: int = 100_000                               # objects + arrays in one request body
     allow_remote_images: bool = False
     remote_image_max_bytes: int = 20 * 1024 * 1024               # a fetched image (engine.vision's limit)
     remote_image_timeout: float = 10.0                           # seconds for the whole fetch
@@ -50,6 +52,7 @@ class ServerSettings:
     accept_any_model: bool = False                               # any "model" name maps to the loaded one
     max_tokens_limit: int = 0                                    # 0 = no cap beyond the context
     public_health: bool = True                                   # /health answers without a key
+    allowed_hosts: list[str] = field(default_factory=list)       # Host names accepted beyond loopback ("*": any)
 
     def validate(self) -> None:
         if not 0 <= int(self.port) <= 65535:
@@ -62,6 +65,9 @@ class ServerSettings:
                                 "needs an API key (--api-key KEY or HIVEJET_API_KEY)")
         if self.max_body_bytes < 1024:
             raise SettingsError("max_body_bytes must be at least 1024")
+        for h in self.allowed_hosts:
+            if not h or any(c in h for c in "/ @?#"):
+                raise SettingsError(f"allowed host {h!r}: give a host name or address (no scheme, path or port)")
         if self.media_dir is not None and not Path(self.media_dir).is_dir():
             raise SettingsError(f"media folder {self.media_dir} does not exist")
 
@@ -82,6 +88,31 @@ def check_api_key(given: str | None, keys: list[str]) -> bool:
     return ok and bool(g)
 
 
+def _host_name(header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" -> "::1")."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def host_refusal(host_header: str | None, settings: ServerSettings) -> str | None:
+    """Why a request's Host header is refused, or None. A server without API keys answers only requests
+    addressed to a loopback name (localhost, 127.0.0.1, [::1]), the address it listens on, or a name in
+    `allowed_hosts`: a web page that rebinds its own domain name to 127.0.0.1 (DNS rebinding) cannot drive
+    it. With keys, only `allowed_hosts` (when given) restricts the names."""
+    extra = [h.strip("[]").lower() for h in settings.allowed_hosts]
+    if "*" in extra or (settings.api_keys and not extra) or not host_header:
+        return None
+    name = _host_name(host_header)
+    if name in extra or (not settings.api_keys and (is_loopback(name)
+                                                    or name == settings.host.strip("[]").lower())):
+        return None
+    return (f"the Host header names {name!r}, which this server does not answer to: it answers requests "
+            f"addressed to localhost, 127.0.0.1 or [::1]{' or ' + ', '.join(extra) if extra else ''} (a guard "
+            "against DNS rebinding; start it with --allowed-hosts NAME to accept another name)")
+
+
 def key_from_headers(headers) -> str | None:
     auth = headers.get("authorization")
     if auth:
@@ -91,16 +122,39 @@ def key_from_headers(headers) -> str | None:
     return headers.get("x-api-key")
 
 
-class BodyTooLarge(Exception):
-    pass
+_KEEP = b'"{['
+_DROP = bytes(b for b in range(256) if b not in _KEEP)
+_STRING_OR_OPEN = re.compile(rb'"[^"]*"|[{\[]')
+
+
+def json_containers(body: bytes) -> int:
+    """How many objects and arrays a JSON text holds (brackets inside strings not counted), found without
+    parsing it: each costs hundreds of bytes once parsed and validated, so a body of many small ones costs
+    tens of times its size. The text is first reduced (in C) to its quotes and opening brackets, escaped
+    quotes and backslashes removed, then scanned one match at a time: memory stays a fraction of the body."""
+    bare = body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _DROP)
+    return sum(1 for m in _STRING_OR_OPEN.finditer(bare) if m.end() - m.start() == 1 and bare[m.start()] != 34)
+
+
+def release_freed_memory() -> None:
+    """Give the memory freed after a large request back to the system (glibc keeps large freed blocks in
+    the heap otherwise, and the process stays gigabytes larger after one big body)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class BodySizeLimit:
-    """ASGI middleware: refuse bodies over `limit` bytes with 413 (Content-Length checked up front, chunked
-    bodies counted as they arrive)."""
+    """ASGI middleware: refuse bodies over `limit` bytes with 413, before anything parses them. A declared
+    Content-Length over the limit is refused up front; otherwise the body is read here as it arrives (chunked
+    included) and refused the moment it passes the limit, so the route's JSON parsing sees only bodies within
+    it, whole, in one piece."""
 
-    def __init__(self, app, limit: int, error_body):
+    def __init__(self, app, limit: int, error_body, max_json_values: int = 100_000):
         self.app, self.limit, self.error_body = app, limit, error_body
+        self.max_json_values = max_json_values
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -114,35 +168,49 @@ class BodySizeLimit:
                     length = -1
         if length is not None and (length > self.limit or length < 0):
             return await self._refuse(scope, send, length)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLarge()
-            return msg
+            if msg["type"] != "http.request":      # the client went away before sending the whole body
+                return
+            part = msg.get("body", b"")
+            seen += len(part)
+            if seen > self.limit:
+                chunks.clear()
+                return await self._refuse(scope, send, seen)
+            if part:
+                chunks.append(part)
+            if not msg.get("more_body", False):
+                break
+        pending = [b"".join(chunks) if len(chunks) != 1 else chunks[0]]
+        chunks.clear()
+        n_values = pending[0].count(b"{") + pending[0].count(b"[")    # at most this many (some in strings)
+        if n_values > self.max_json_values:
+            from starlette.concurrency import run_in_threadpool
+            n_values = await run_in_threadpool(json_containers, pending[0])
+        if n_values > self.max_json_values:
+            return await self._refuse(scope, send, seen, f"the request body holds {n_values:,} JSON objects and "
+                                                         f"arrays, more than the {self.max_json_values:,} a request "
+                                                         "may have")
+        big = len(pending[0]) > 4 << 20
 
-        started = False
-
-        async def tracking_send(msg):
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
+        async def replay():
+            if pending:
+                return {"type": "http.request", "body": pending.pop(), "more_body": False}
+            return await receive()               # afterwards: http.disconnect, for the streaming routes
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._refuse(scope, send, seen)
+            await self.app(scope, replay, send)
+        finally:
+            if big:
+                pending.clear()
+                release_freed_memory()
 
-    async def _refuse(self, scope, send, length):
+    async def _refuse(self, scope, send, length, why: str | None = None):
         import json
         body = json.dumps(self.error_body(scope.get("path", ""), 413,
-                                          f"request body too large (limit {self.limit} bytes)")).encode()
+                                          why or f"request body too large (limit {self.limit} bytes)",
+                                          code="request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -173,35 +241,86 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+class _Deadline:
+    """Shuts down every socket a fetch opened once its time is up, so a server that sends a byte at a time
+    (each within the per-read timeout) cannot stretch the fetch past the limit."""
+
+    def __init__(self, seconds: float):
+        self.expired = False
+        self._socks: list = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def register(self, sock) -> None:
+        with self._lock:
+            self._socks.append(sock)
+            if self.expired:
+                self._shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._socks:
+                self._shut(sock)
+
+    @staticmethod
+    def _shut(sock) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _deadline_handlers(deadline: _Deadline):
+    """urllib handlers whose connections register their sockets with `deadline`."""
+
+    def conn_class(base):
+        class Conn(base):
+            def connect(self):
+                super().connect()
+                deadline.register(self.sock)
+        return Conn
+
+    class Http(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(conn_class(http.client.HTTPConnection), req)
+
+    class Https(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(conn_class(http.client.HTTPSConnection), req, context=self._context)
+
+    return [Http(), Https()]
+
+
 def fetch_image(url: str, settings: ServerSettings, where: str = "image") -> bytes:
-    """GET an http(s) image with the server's limits: at most `remote_image_max_bytes`, the whole fetch within
-    `remote_image_timeout` seconds, redirects only to http(s); then engine.vision.load_image checks the bytes.
-    Raises ImageError (HTTP 400) naming the problem."""
+    """GET an http(s) image with the server's limits: at most `remote_image_max_bytes`, the whole fetch
+    (connecting, headers, redirects, body) within `remote_image_timeout` seconds, redirects only to http(s);
+    then engine.vision.load_image checks the bytes. Raises ImageError (HTTP 400) naming the problem."""
     from engine.vision import ImageError as EngineImageError
     from engine.vision import load_image as decode_image
     if urlparse(url).scheme not in ("http", "https"):
         raise ImageError(f"{where}: only http and https image URLs can be fetched")
     limit = int(settings.remote_image_max_bytes)
-    deadline = time.monotonic() + float(settings.remote_image_timeout)
-    opener = urllib.request.build_opener(_HttpOnlyRedirects)
+    seconds = float(settings.remote_image_timeout)
+    deadline = _Deadline(seconds)
+    opener = urllib.request.build_opener(_HttpOnlyRedirects, *_deadline_handlers(deadline))
     req = urllib.request.Request(url, headers={"User-Agent": "hivejet", "Accept": "image/*"})
     chunks, n = [], 0
     try:
-        with opener.open(req, timeout=float(settings.remote_image_timeout)) as r:
+        with opener.open(req, timeout=seconds) as r:
             size = r.headers.get("Content-Length")
             if size and size.isdigit() and int(size) > limit:
                 raise ImageError(f"{where}: the image at {url} is {int(size):,} bytes, more than the "
                                  f"{limit:,} byte limit")
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                chunk = r.read1(min(1 << 16, limit + 1 - n)) if hasattr(r, "read1") else r.read(1 << 16)
+                if deadline.expired:
                     raise TimeoutError
-                if r.fp is not None and getattr(r.fp, "raw", None) is not None:
-                    try:
-                        r.fp.raw._sock.settimeout(left)
-                    except (AttributeError, OSError):
-                        pass
-                chunk = r.read(min(1 << 16, limit + 1 - n))
                 if not chunk:
                     break
                 chunks.append(chunk)
@@ -213,9 +332,15 @@ def fetch_image(url: str, settings: ServerSettings, where: str = "image") -> byt
     except urllib.error.HTTPError as e:
         raise ImageError(f"{where}: fetching {url} failed: HTTP {e.code} {e.reason}") from None
     except (TimeoutError, socket.timeout):
-        raise ImageError(f"{where}: fetching {url} took longer than {settings.remote_image_timeout:g} s") from None
+        raise ImageError(f"{where}: fetching {url} took longer than {seconds:g} s") from None
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        if deadline.expired:
+            raise ImageError(f"{where}: fetching {url} took longer than {seconds:g} s") from None
         raise ImageError(f"{where}: fetching {url} failed: {getattr(e, 'reason', e)}") from None
+    finally:
+        deadline.cancel()
+    if deadline.expired:
+        raise ImageError(f"{where}: fetching {url} took longer than {seconds:g} s")
     data = b"".join(chunks)
     try:
         decode_image(data, max_bytes=limit)

@@ -137,19 +137,47 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, fmt: ToolFo
     return out, tools
 
 
-def _call_schema(fmt: ToolFormat, tool: dict) -> dict:
+def _reroot(node, prefix: str):
+    """A copy of a schema with every local reference ("#", "#/...") rewritten to live under `prefix` (a JSON
+    pointer into the schema that embeds it), so "$defs"/"definitions" and "#" self-references keep resolving."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                out[k] = prefix + v[1:]
+            else:
+                out[k] = _reroot(v, prefix)
+        return out
+    if isinstance(node, list):
+        return [_reroot(v, prefix) for v in node]
+    return node
+
+
+def _call_schema(fmt: ToolFormat, tool: dict, defs: dict) -> dict:
+    """The schema of one call of `tool`. Its parameters schema is stored whole in `defs` (the wrapper's
+    "$defs") and referenced from there, with its own references re-rooted, so that a tool whose schema uses
+    "$defs"/"$ref" (pydantic models with nested models, openai.pydantic_function_tool, MCP tools) resolves
+    inside the larger schema."""
     fn = tool.get("function", tool)
     params = fn.get("parameters") or {"type": "object"}
+    args: dict = params
+    if isinstance(params, dict) and "$ref" in json.dumps(params):
+        key = f"hivejet_tool_{len(defs)}"
+        defs[key] = _reroot(params, f"#/$defs/{key}")
+        args = {"$ref": f"#/$defs/{key}"}
     return {"type": "object",
-            "properties": {"name": {"const": fn["name"]}, fmt.args_key: params},
+            "properties": {"name": {"const": fn["name"]}, fmt.args_key: args},
             "required": ["name", fmt.args_key], "additionalProperties": False}
 
 
 def forced_call_grammar(fmt: ToolFormat, tools: list[dict], only: str | None = None) -> str:
     """Lark (llguidance) grammar for exactly one call of `only` (or of any of `tools`) in `fmt`."""
     chosen = [t for t in tools if only is None or t.get("function", t).get("name") == only]
-    schemas = [_call_schema(fmt, t) for t in chosen]
+    defs: dict = {}
+    schemas = [_call_schema(fmt, t, defs) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if defs:
+        schema = {**schema, "$defs": defs}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
                                        "key_separator": ": "}}
     body = "%json " + json.dumps(schema, ensure_ascii=False)
@@ -322,9 +350,18 @@ class OutputParser:
             self.calls.append(c)
             out.append(("tool_call", c))
 
-    def finish(self) -> list[tuple[str, object]]:
+    def finish(self, truncated: bool = False) -> list[tuple[str, object]]:
+        """What is left at the end of the output. `truncated` (the output was cut by max_tokens): a call that
+        is still open is dropped rather than shown as text, since a half call is neither text nor a call."""
         out: list[tuple[str, object]] = []
         buf, self.buf = self.buf, ""
+        if self.state == "call" and truncated:
+            calls = parse_calls(buf, self.fmt) if not self.fmt.end else None
+            for c in calls or []:
+                c = {"id": new_call_id(), **c}
+                self.calls.append(c)
+                out.append(("tool_call", c))
+            return out
         if self.state == "call":
             start = self.fmt.start if not (self.fmt.name == "llama3" and not buf.startswith(self.fmt.start)) else ""
             self._finish_call(out, buf, start + buf)

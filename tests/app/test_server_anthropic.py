@@ -67,7 +67,8 @@ def test_tool_use_round_trip(client):
                                           {"type": "text", "text": "Thanks!"}]}]
     r2 = client.messages.create(model="m", max_tokens=6, extra_body={"temperature": 0}, tools=[WEATHER], messages=msgs)
     assert r2.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert r2.usage.input_tokens > r.usage.input_tokens
+    total = lambda u: u.input_tokens + u.cache_read_input_tokens
+    assert total(r2.usage) > total(r.usage)
     # the same call, streamed: a tool_use block with input_json_delta
     with client.messages.stream(model="m", max_tokens=40, extra_body={"temperature": 0}, tools=[WEATHER], messages=msgs[:1],
                                 tool_choice={"type": "any"}) as s:
@@ -94,4 +95,73 @@ def test_count_tokens_and_errors(client, server):
     r = httpx.post(server.url + "/v1/messages", json={"model": "m", "max_tokens": 5,
                                                       "messages": [{"role": "user", "content": "word " * 600}]},
                    headers={"x-api-key": "sk-local-test-key"})
-    assert r.status_code == 400 and "too many" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long: ")
+
+
+PERSON = {"name": "save_person", "description": "Save a person",
+          "input_schema": {"type": "object", "$defs": {"Address": {
+              "type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+              "required": ["street", "city"], "additionalProperties": False}},
+              "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/Address"}},
+              "required": ["name", "address"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "save_person"}])
+def test_forced_tool_use_with_defs_and_refs(client, choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    r = client.messages.create(model="m", max_tokens=60, extra_body={"temperature": 0}, tools=[PERSON, WEATHER],
+                               tool_choice=choice, messages=[{"role": "user", "content": "Ann, 1 Main St, Oslo."}])
+    assert r.stop_reason in ("tool_use", "max_tokens")
+    uses = [b for b in r.content if b.type == "tool_use"]
+    if r.stop_reason == "tool_use" and uses[0].name == "save_person":
+        jsonschema.validate(uses[0].input, PERSON["input_schema"])
+
+
+def test_usage_input_tokens_exclude_cache_reads(client):
+    """Anthropic's input_tokens counts only the prompt tokens not read from the cache."""
+    msgs = [{"role": "user", "content": "Tell me about the sea, the sky and the hills. " * 8}]
+    full = client.messages.count_tokens(model="m", messages=msgs).input_tokens
+    client.messages.create(model="m", max_tokens=2, extra_body={"temperature": 0}, messages=msgs)
+    r = client.messages.create(model="m", max_tokens=2, extra_body={"temperature": 0}, messages=msgs)
+    u = r.usage
+    assert u.cache_read_input_tokens > 0
+    assert u.input_tokens + u.cache_read_input_tokens == full
+    with client.messages.stream(model="m", max_tokens=2, extra_body={"temperature": 0}, messages=msgs) as s:
+        fu = s.get_final_message().usage
+    assert fu.cache_read_input_tokens > 0 and fu.input_tokens + fu.cache_read_input_tokens == full
+
+
+def test_prompt_too_long_in_anthropic_words(client):
+    """Clients (litellm, Claude Code) recognise an overflow by Anthropic's text "prompt is too long"."""
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "word " * 600}])
+    err = ei.value.body["error"]
+    assert err["type"] == "invalid_request_error"
+    import re
+    m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", err["message"])
+    assert m and int(m.group(1)) > int(m.group(2)) - 1 and int(m.group(2)) == 511, err
+
+
+def test_assistant_prefill_is_continued(client, server):
+    """A trailing assistant message is a prefill: the reply continues it (it does not start a new turn that
+    repeats it), as Anthropic's API does; the prompt ends with the prefill's text."""
+    msgs = [{"role": "user", "content": "What color is the sky? Answer in one sentence."},
+            {"role": "assistant", "content": "The color of the sky is"}]
+    r = client.messages.create(model="m", max_tokens=8, extra_body={"temperature": 0}, messages=msgs)
+    text = r.content[0].text
+    assert not text.lstrip().startswith("The color"), text
+    eng = server.engine
+    from engine.types import Request
+    ids = eng.prompt_ids(Request(messages=[{"role": "user", "content": msgs[0]["content"]}, msgs[1]],
+                                 template_kwargs={"continue_final_message": True}))
+    assert eng.tokenizer.decode(ids).endswith("The color of the sky is")
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(ids)
+
+
+def test_model_field_same_streaming_and_not(client):
+    kw = {"model": "claude-sonnet-4-5", "max_tokens": 3, "extra_body": {"temperature": 0},
+          "messages": [{"role": "user", "content": "Hi"}]}
+    r = client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert r.model == final.model == "claude-sonnet-4-5"

@@ -143,6 +143,93 @@ def test_required_tool_call_streamed(client, model):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+class _Address(__import__("pydantic").BaseModel):
+    street: str
+    city: str
+
+
+class _Person(__import__("pydantic").BaseModel):
+    name: str
+    address: _Address
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "_Person"}}])
+def test_forced_tool_call_with_defs_and_refs(client, model, choice):
+    """A tool schema with $defs/$ref (a pydantic model with a nested model, as openai.pydantic_function_tool
+    makes it) still resolves when the forced call's grammar embeds it; the arguments validate against it."""
+    tool = openai.pydantic_function_tool(_Person)
+    assert "$defs" in tool["function"]["parameters"]
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Ann lives at 1 Main St, Oslo."}],
+                                       tools=[tool, WEATHER], tool_choice=choice, max_tokens=60, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason in ("tool_calls", "length"), c
+    if c.finish_reason == "tool_calls":
+        args = json.loads(c.message.tool_calls[0].function.arguments)
+        if c.message.tool_calls[0].function.name == "_Person":
+            _Person.model_validate(args)
+
+
+def test_forced_call_grammar_reroots_references():
+    from app.server.tools import HERMES, forced_call_grammar
+    recursive = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"label": {"type": "string"},
+                                         "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["label"], "definitions": {"unused": {"$ref": "#/definitions/unused2"}, "unused2": {}}}}}
+    g = forced_call_grammar(HERMES, [recursive, openai.pydantic_function_tool(_Person)])
+    assert '"#/$defs/hivejet_tool_0"' in g and '"#/$defs/hivejet_tool_1/$defs/_Address"' in g
+    assert '"#/$defs/hivejet_tool_0/definitions/unused2"' in g
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call_cut_by_max_tokens_is_length_not_text(client, model, stream):
+    """A forced call that max_tokens cuts is finish_reason "length", with no half call shown as content."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+              tools=[WEATHER], tool_choice="required", max_tokens=6, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        c = client.chat.completions.create(**kw).choices[0]
+        content, calls, finish = c.message.content or "", c.message.tool_calls or [], c.finish_reason
+    assert finish == "length" and not calls
+    assert "<tool_call>" not in content and "get_weather" not in content, content
+
+
+def test_constraint_that_cannot_finish_is_not_success(server):
+    """A constrained generation that ends with its grammar incomplete (or in error) is a failure, not
+    finish_reason "stop": the server answers 400 constraint_unsatisfiable."""
+    from app.server.core import ApiError, constraint_error, constraint_failure
+    from app.server.grammar import GrammarConstraint, json_schema_grammar
+    from engine.types import FinishEvent, Timings, Usage
+    tok = server.engine.tokenizer
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fin = FinishEvent(reason="stop", usage=Usage(), timings=Timings())
+    c = GrammarConstraint(tok, json_schema_grammar(schema))
+    for t in tok.encode('{"a', add_special=False):
+        c.accept(t)
+    assert constraint_failure(c, fin) == "the output ended before the grammar was complete"
+    for t in tok.encode('": "x"', add_special=False):     # a string where an integer must be
+        c.accept(t)
+    assert c.error and constraint_failure(c, fin) == c.error
+    assert constraint_failure(c, FinishEvent(reason="length", usage=Usage(), timings=Timings())) is None
+    done = GrammarConstraint(tok, json_schema_grammar(schema))
+    for t in tok.encode('{"a": 1}', add_special=False):
+        done.accept(t)
+    assert constraint_failure(done, fin) is None
+    e = constraint_error("x", "response_format")
+    assert isinstance(e, ApiError) and e.status == 400 and e.code == "constraint_unsatisfiable"
+
+
+def test_unsatisfiable_schema_is_400(client, model):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}},
+              "required": ["a"]}
+    with pytest.raises(openai.BadRequestError, match="nsatisfiable"):
+        chat(client, model, "JSON", response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                           "schema": schema}})
+
+
 def test_tool_choice_none_gives_text(client, model):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER],
                                        tool_choice="none", max_tokens=4, temperature=0)
@@ -163,6 +250,54 @@ def test_json_schema_output_validates(client, model):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
         assert r.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_list_of_prompts(client, model, server, stream):
+    """A list of prompts (strings or token-id lists) gets one choice per prompt, with its index, as OpenAI's
+    /v1/completions does; each is what the prompt alone gives."""
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0).choices[0].text
+             for p in prompts]
+    tok = server.engine.tokenizer
+    for batch in (prompts, [tok.encode(p, add_special=False) for p in prompts]):
+        if stream:
+            texts = {0: "", 1: ""}
+            finish = {}
+            for ch in client.completions.create(model=model, prompt=batch, max_tokens=4, temperature=0,
+                                                stream=True):
+                for c in ch.choices:
+                    texts[c.index] += c.text
+                    if c.finish_reason:
+                        finish[c.index] = c.finish_reason
+            assert finish == {0: "length", 1: "length"}
+            got = [texts[0], texts[1]]
+        else:
+            r = client.completions.create(model=model, prompt=batch, max_tokens=4, temperature=0)
+            assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 8
+            got = [c.text for c in r.choices]
+        assert got == alone
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.completions.create(model=model, prompt=["a"] * 65, max_tokens=1)
+
+
+def test_cancelled_requests_counted_in_metrics(server, model):
+    """A stream whose client goes away is counted in /metrics as finished with reason "cancelled"."""
+    def cancelled():
+        m = httpx.get(server.url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in m.splitlines()
+                   if line.startswith('hivejet_requests_finished_total{reason="cancelled"}'))
+    before = cancelled()
+    body = {"model": model, "messages": _msgs("Write a long story."), "max_tokens": 300, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            for n, line in enumerate(r.iter_lines()):
+                if n >= 6:
+                    break
+    t0 = time.monotonic()
+    while cancelled() < before + 1:
+        assert time.monotonic() - t0 < 10, httpx.get(server.url + "/metrics").text
+        time.sleep(0.1)
 
 
 def test_completions_text_ids_echo_logprobs(client, model, server):
@@ -239,6 +374,39 @@ def test_context_too_long_says_by_how_much(server, model):
     assert r.status_code == 400
 
 
+def test_context_overflow_in_openai_words(client, model):
+    """Clients match OpenAI's wording and code to offer their token-limit help (litellm:
+    ContextWindowExceededError on "This model's maximum context length is"; aider on top of it)."""
+    import re
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, model, "word " * 600)
+    e = ei.value
+    assert e.code == "context_length_exceeded" and e.type == "invalid_request_error" and e.param == "messages"
+    m = re.search(r"This model's maximum context length is (\d+) tokens\. However, your messages resulted in "
+                 r"(\d+) tokens", e.message)
+    assert m and int(m.group(1)) == 512 and int(m.group(2)) > 512, e.message
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=model, prompt="word " * 600, max_tokens=2)
+    assert ei.value.code == "context_length_exceeded"
+    assert "maximum context length is 512 tokens. However, your prompt resulted in" in ei.value.message
+
+
+def test_huge_prompt_is_refused_without_tokenizing_it(server, model, monkeypatch):
+    """A prompt far over the context is refused before the whole text is rendered or tokenized (a 30 MB body
+    took a minute of CPU and gigabytes): the tokenizer never sees more than a bounded head of it."""
+    tok = server.engine.tokenizer
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: seen.append(len(text)) or real(text, *a, **k))
+    for body, path in (({"model": model, "messages": _msgs("word " * 400_000), "max_tokens": 2}, "/v1/chat/completions"),
+                       ({"model": model, "prompt": "w" * 50_000, "max_tokens": 2}, "/v1/completions"),
+                       ({"model": model, "prompt": "word " * 400_000, "max_tokens": 2}, "/v1/completions")):
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "resulted in at least" in r.json()["error"]["message"]
+    assert max(seen, default=0) <= 8 * 512, seen
+
+
 def test_sdk_raises_typed_errors(client, model):
     with pytest.raises(openai.NotFoundError):
         chat(client, "missing-model")
@@ -286,3 +454,36 @@ def test_client_disconnect_cancels_at_once(server, model):
     while eng.stats()["running"] or eng.stats()["waiting"]:
         assert time.monotonic() - t0 < 5, eng.stats()
         time.sleep(0.05)
+
+
+def test_sigterm_during_a_stream_sends_an_error_event(smollm2_path, tmp_path):
+    """`hivejet serve` stopped by SIGTERM mid-stream: the client gets an error event saying the server is
+    shutting down (not a stream cut without a word), and the process exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "app.server", "-m", str(smollm2_path), "--port", str(port),
+                             "-c", "512", "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while "serving" not in proc.stderr.readline():
+            assert proc.poll() is None and time.monotonic() - t0 < 120
+        body = {"model": "x", "messages": _msgs("Write a long story."), "max_tokens": 400, "stream": True}
+        lines = []
+        with httpx.Client(timeout=60) as c:
+            body["model"] = c.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+            with c.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 6:
+                        proc.send_signal(signal.SIGTERM)
+        errors = [json.loads(x[6:])["error"] for x in lines if x.startswith("data: {\"error\"")]
+        assert errors and "shutting down" in errors[0]["message"], lines[-4:]
+        assert proc.wait(30) in (0, -signal.SIGTERM)      # uvicorn re-raises the signal once stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -63,6 +63,21 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(PNG[i:i + 16])
                 self.wfile.flush()
                 time.sleep(0.1)
+        elif self.path in ("/drip-headers.png", "/drip-body.png"):   # 1 byte every 0.05 s, for ~10 s
+            head = (b"HTTP/1.0 200 OK\r\nContent-Type: image/png\r\nContent-Length: 200\r\n"
+                    + b"X-Pad: " + b"p" * 150 + b"\r\n\r\n")
+            data = head + PNG[:200] if self.path == "/drip-headers.png" else None
+            try:
+                if data is None:
+                    self.wfile.write(head)
+                    data = PNG[:200]
+                for i in range(len(data)):
+                    self.wfile.write(data[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                pass
+            self.close_connection = True
         else:
             self.send_error(404)
 
@@ -93,6 +108,11 @@ def test_fetch_rules(web):
                       ("/text", "not a PNG"), ("/to-ftp", "not http"), ("/slow.png", "longer than 1 s")):
         with pytest.raises(ImageError, match=msg):
             load_image(web + path, s)
+    for path in ("/drip-headers.png", "/drip-body.png"):    # the limit is a deadline for the whole fetch
+        t0 = time.monotonic()
+        with pytest.raises(ImageError, match="longer than 1 s"):
+            load_image(web + path, s)
+        assert time.monotonic() - t0 < 1.6, path
     with pytest.raises(ImageError, match="failed"):
         load_image("http://127.0.0.1:9/cat.png", s)                 # nothing listens there
     with pytest.raises(ImageError, match="disabled"):

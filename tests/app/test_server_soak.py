@@ -50,7 +50,7 @@ def test_32_streaming_clients_with_disconnects(server):
                         if r.status_code == 429:
                             assert r.headers.get("retry-after"), "429 without Retry-After"
                             r.read()
-                            assert r.json()["error"]["type"] == "rate_limit_error"
+                            assert r.json()["error"]["type"] == "requests"
                             with lock:
                                 stats["429"] += 1
                             time.sleep(0.2 + rng.random() * 0.5)

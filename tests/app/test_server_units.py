@@ -141,12 +141,19 @@ def test_load_image_rules(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- HTTP without a model
-async def _call(app, method, path, headers=None, body=None):
-    """One request through the ASGI app (no network, no engine)."""
-    sent = {"status": None, "headers": {}, "body": b""}
+LAST_CALL: dict = {}   # what the last _call saw (pieces_read: body pieces the app asked for)
+
+
+async def _call(app, method, path, headers=None, body=None, chunk: int = 0):
+    """One request through the ASGI app (no network, no engine). chunk > 0: the body arrives in pieces of
+    that size with no Content-Length (Transfer-Encoding: chunked)."""
+    sent = {"status": None, "headers": {}, "body": b"", "pieces_read": 0}
     payload = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else b"")
     hdrs = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    hdrs.append((b"content-length", str(len(payload)).encode()))
+    if not chunk:
+        hdrs.append((b"content-length", str(len(payload)).encode()))
+    else:
+        hdrs.append((b"transfer-encoding", b"chunked"))
     if body is not None:
         hdrs.append((b"content-type", b"application/json"))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
@@ -154,11 +161,15 @@ async def _call(app, method, path, headers=None, body=None):
              "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000), "root_path": ""}
     done = False
 
+    pieces = [payload[i:i + chunk] for i in range(0, len(payload), chunk)] if chunk else [payload]
+
     async def receive():
         nonlocal done
         if not done:
-            done = True
-            return {"type": "http.request", "body": payload, "more_body": False}
+            sent["pieces_read"] += 1
+            piece = pieces.pop(0)
+            done = not pieces
+            return {"type": "http.request", "body": piece, "more_body": not done}
         await asyncio.sleep(3600)
 
     async def send(msg):
@@ -169,11 +180,13 @@ async def _call(app, method, path, headers=None, body=None):
             sent["body"] += msg.get("body", b"")
 
     await app(scope, receive, send)
+    LAST_CALL.clear()
+    LAST_CALL.update(sent)
     return sent["status"], sent["headers"], sent["body"]
 
 
-def call(app, method, path, headers=None, body=None):
-    status, headers, raw = asyncio.run(_call(app, method, path, headers, body))
+def call(app, method, path, headers=None, body=None, chunk: int = 0):
+    status, headers, raw = asyncio.run(_call(app, method, path, headers, body, chunk))
     try:
         return status, headers, json.loads(raw)
     except ValueError:
@@ -188,7 +201,8 @@ def test_auth_required_on_every_api_route_and_health_503_while_loading():
                             ("POST", "/v1/completions", {"model": "x", "prompt": "a"}), ("GET", "/metrics", None),
                             ("GET", "/slots", None), ("POST", "/tokenize", {"content": "a"})):
         status, headers, err = call(app, method, path, body=b)
-        assert status == 401 and err["error"]["type"] == "authentication_error", path
+        assert status == 401 and err["error"]["type"] == "invalid_request_error", path   # OpenAI's type
+        assert err["error"]["code"] == "invalid_api_key"
         status, _, err = call(app, method, path, headers={"Authorization": "Bearer wrong-key"}, body=b)
         assert status == 401
     status, _, err = call(app, "POST", "/v1/messages", body={"model": "x", "max_tokens": 1,
@@ -202,7 +216,7 @@ def test_auth_required_on_every_api_route_and_health_503_while_loading():
                         body={"model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert status == 503
     status, _, err = call(app, "GET", "/health")
-    assert status == 503 and err["error"]["type"] == "unavailable_error"
+    assert status == 503 and err["error"]["type"] == "server_error"
 
 
 def test_body_limit_cors_and_unknown_route():
@@ -210,7 +224,8 @@ def test_body_limit_cors_and_unknown_route():
     app = create_app(None, ServerSettings(max_body_bytes=2048, cors_origins=["http://ok.example"]))
     status, _, err = call(app, "POST", "/v1/chat/completions", body={"model": "x", "pad": "a" * 5000,
                                                                       "messages": [{"role": "user", "content": "hi"}]})
-    assert status == 413 and err["error"]["type"] == "request_too_large"
+    assert status == 413 and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["code"] == "request_too_large"
     status, headers, _ = call(app, "OPTIONS", "/v1/chat/completions",
                               headers={"Origin": "http://ok.example", "Access-Control-Request-Method": "POST"})
     assert status == 200 and headers.get("access-control-allow-origin") == "http://ok.example"
@@ -223,6 +238,86 @@ def test_body_limit_cors_and_unknown_route():
     app = create_app(None, ServerSettings())
     _, headers, _ = call(app, "GET", "/health", headers={"Origin": "http://ok.example"})
     assert "access-control-allow-origin" not in headers
+
+
+def test_chunked_body_over_the_limit_is_413_while_it_arrives():
+    """A chunked body (no Content-Length) is counted as it arrives and refused with 413 as soon as it passes
+    the limit: the rest is not read and nothing parses it."""
+    from app.server.app import create_app
+    app = create_app(None, ServerSettings(max_body_bytes=4096))
+    big = json.dumps({"model": "x", "pad": "a" * 40_000, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _, err = call(app, "POST", "/v1/chat/completions", body=big, chunk=1000)
+    assert status == 413 and err["error"]["code"] == "request_too_large", err
+    assert LAST_CALL["pieces_read"] == 5          # 5 x 1000 bytes > 4096: refused there, not at the end
+    status, _, err = call(app, "POST", "/v1/messages", body=big, chunk=1000)
+    assert status == 413 and err["type"] == "error" and err["error"]["type"] == "request_too_large"
+    # a chunked body within the limit reaches the route whole (here: 503, no model loaded)
+    ok = json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _, err = call(app, "POST", "/v1/chat/completions", body=ok, chunk=7)
+    assert status == 503, err
+
+
+def test_body_of_too_many_json_values_is_refused_before_parsing():
+    """Many small objects cost tens of times their bytes once parsed and validated: a body with more than
+    max_json_values objects and arrays is refused unparsed; brackets inside strings do not count."""
+    from app.server.app import create_app
+    from app.server.security import json_containers
+    assert json_containers(json.dumps({"a": [1, {"b": 'x{["\\'}], "c": '{{{\\"', "d": []}).encode()) == 4
+    app = create_app(None, ServerSettings(max_json_values=50))
+    msgs = [{"role": "user", "content": "hi"}] * 60
+    status, _, err = call(app, "POST", "/v1/chat/completions", body={"model": "x", "messages": msgs})
+    assert status == 413 and "62" in err["error"]["message"] and "JSON objects" in err["error"]["message"], err
+    code = "{[" * 100        # brackets in a string are text, not values
+    status, _, err = call(app, "POST", "/v1/chat/completions", body={"model": "x", "messages": [
+        {"role": "user", "content": code}]})
+    assert status == 503, err
+
+
+@pytest.mark.parametrize("host,keys,allowed,status", [
+    ("127.0.0.1:18080", [], [], 503), ("localhost:18080", [], [], 503), ("[::1]:18080", [], [], 503),
+    ("LOCALHOST", [], [], 503), (None, [], [], 503),
+    ("evil.example", [], [], 403), ("evil.example:18080", [], [], 403), ("127.0.0.1.evil.example", [], [], 403),
+    ("my-box.lan:18080", [], ["my-box.lan"], 503), ("anything.example", [], ["*"], 503),
+    ("evil.example", ["the-right-key"], [], 503),                # a key guards it: any name
+    ("evil.example", ["the-right-key"], ["my-box.lan"], 403),     # unless names are given
+])
+def test_host_header_check(host, keys, allowed, status):
+    """DNS rebinding: a keyless server answers only requests addressed to a loopback name (or a configured
+    one)."""
+    from app.server.app import create_app
+    app = create_app(None, ServerSettings(api_keys=keys, allowed_hosts=allowed))
+    headers = {"Authorization": "Bearer the-right-key"} if keys else {}
+    if host is not None:
+        headers["Host"] = host
+    got, _, err = call(app, "GET", "/v1/models", headers=headers)
+    assert got == status, err
+    if status == 403:
+        assert err["error"]["code"] == "host_not_allowed" and "--allowed-hosts" in err["error"]["message"]
+        got, _, err = call(app, "POST", "/v1/messages", headers=headers,
+                           body={"model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert got == 403 and err["error"]["type"] == "permission_error"
+
+
+def test_allowed_hosts_option():
+    import argparse
+
+    from app.server import add_serve_args, settings_from_args
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    s = settings_from_args(p.parse_args(["--allowed-hosts", "a.lan,b.lan", "--allowed-hosts", "c.lan"]))
+    assert s.allowed_hosts == ["a.lan", "b.lan", "c.lan"]
+    with pytest.raises(SettingsError):
+        ServerSettings(allowed_hosts=["http://a.lan/"]).validate()
+
+
+def test_openai_error_types_are_openais():
+    """The OpenAI routes write OpenAI's error types: invalid_request_error for client errors (401, 404, 413
+    included; `code` tells them apart), "requests" for 429, server_error for 5xx."""
+    from app.server.core import ApiError, error_body
+    assert ApiError(404, "x").type == "invalid_request_error"
+    assert ApiError(401, "x").type == "invalid_request_error"
+    assert ApiError(429, "x").type == "requests" and ApiError(503, "x").type == "server_error"
+    assert error_body("/v1/messages", 404, "x")["error"]["type"] == "not_found_error"   # Anthropic's own
 
 
 def test_serve_refuses_public_bind_without_key(capsys, monkeypatch):

@@ -367,6 +367,54 @@ def test_fallback_chatml(source):
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n")
 
 
+def test_fallback_gemma_turns():
+    from engine.chat_template import fallback_for
+    t = ChatTemplate(None, bos_token="<bos>", fallback="gemma")
+    assert t.is_fallback and t.name == "gemma" and "<end_of_turn>" in t.stop_strings
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "U"}]},
+            {"role": "assistant", "content": "A "}, {"role": "user", "content": "V"}]
+    assert t.render(msgs) == ("<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n"
+                              "<start_of_turn>user\nV<end_of_turn>\n<start_of_turn>model\n")
+    vocab = {"<start_of_turn>", "<end_of_turn>"}
+    assert fallback_for(vocab.__contains__) == "gemma"
+    assert fallback_for({"<|start_header_id|>", "<|eot_id|>"}.__contains__) == "llama3"
+    assert fallback_for(set().__contains__) == "chatml"
+    assert ChatTemplate("{{ 'x' }}").name == "gguf" and ChatTemplate("{{ 'x' }}").stop_strings == ()
+
+
+def test_continue_final_message():
+    """Assistant prefill: the rendering stops right after the final assistant text (no end of turn, no new
+    turn), so generation continues it."""
+    t = ChatTemplate(None)
+    msgs = [{"role": "user", "content": "Sky colour?"}, {"role": "assistant", "content": "The color is"}]
+    assert t.render(msgs, continue_final_message=True) == (
+        "<|im_start|>user\nSky colour?<|im_end|>\n<|im_start|>assistant\nThe color is")
+    g = ChatTemplate(None, fallback="gemma")
+    assert g.render(msgs + [], continue_final_message=True).endswith("<start_of_turn>model\nThe color is")
+    with pytest.raises(ChatTemplateError, match="assistant"):
+        t.render(msgs[:1], continue_final_message=True)
+
+
+def test_gemma3_without_template_stops_at_its_end_marker(gemma3_path):
+    """Gemma-3-270M's GGUF has no chat template: the engine says which fallback it uses, picks Gemma's turns
+    from the vocabulary, and no turn marker leaks into the reply."""
+    from engine.engine import Engine, EngineConfig
+    from engine.sampling import SamplingParams
+    from engine.types import FinishEvent, Request
+    eng = Engine(EngineConfig(model=str(gemma3_path), ctx_size=256, max_seqs=1))
+    try:
+        assert eng.template.is_fallback and eng.template.name == "gemma"
+        sp = SamplingParams(max_tokens=40, temperature=0.0)
+        events = list(eng.submit(Request(messages=[{"role": "user", "content": "What color is the sky?"}],
+                                         sampling=sp)))
+        text = "".join(getattr(e, "text", "") for e in events)
+        assert not any(m in text for m in ("<|im_", "<start_of_turn>", "<end_of_turn>", "\nuser\n")), text
+        fin = events[-1]
+        assert isinstance(fin, FinishEvent) and fin.stop_string is None
+    finally:
+        eng.shutdown()
+
+
 def test_chat_template_error_is_value_error():
     assert issubclass(ChatTemplateError, ValueError)
 
