@@ -103,7 +103,7 @@ def test_deb_install_run_upgrade_uninstall(deb, tmp_path):
     work.mkdir()
 
     p = run(["sh", root / "DEBIAN" / "postinst", "configure"], env=env, cwd=work)
-    assert "CPU mode" in p.stdout and "hivejet " in p.stdout
+    assert "nothing to do: PyTorch" in p.stdout and "hivejet " in p.stdout
     venv_py = prefix / "venv" / "bin" / "python"
     assert venv_py.exists()
 
@@ -123,12 +123,17 @@ def test_deb_install_run_upgrade_uninstall(deb, tmp_path):
     p = run(["sh", root / "usr" / "bin" / "hivejet-gpu-setup", "plan"], env=env, cwd=work)
     assert '"cpu_mode": true' in p.stdout
 
-    # upgrade in place: prerm upgrade keeps the venv, postinst updates it
+    # upgrade in place: prerm upgrade keeps the venv, postinst updates it. A GPU appeared meanwhile (a fake
+    # nvidia-smi): the upgrade still never downloads the CUDA build (the user may have chosen "Always use the
+    # CPU"; the app asks at its start); pip runs with --no-index here, so any download would fail the test.
     marker = prefix / "venv" / "kept-across-upgrade"
     marker.write_text("")
-    run(["sh", root / "DEBIAN" / "prerm", "upgrade", "0.0.1"], env=env, cwd=work)
-    run(["sh", root / "DEBIAN" / "postinst", "configure", "0.0.1"], env=env, cwd=work)
-    assert marker.exists()
+    from tests.installer.test_firstrun import SMI_BANNER, SMI_QUERY, fake_smi
+    gpu_env = dict(env, HIVEJET_NVIDIA_SMI=fake_smi(tmp_path, SMI_QUERY, SMI_BANNER))
+    run(["sh", root / "DEBIAN" / "prerm", "upgrade", "0.0.1"], env=gpu_env, cwd=work)
+    p = run(["sh", root / "DEBIAN" / "postinst", "configure", "0.0.1"], env=gpu_env, cwd=work)
+    assert marker.exists() and "nothing to do" in p.stdout and "cu12" not in p.stdout + p.stderr
+    assert not (prefix / "venv" / "hivejet-incomplete").exists()
     run(["sh", root / "usr" / "bin" / "hivejet", "--version"], env=env, cwd=work)
 
     # uninstall: prerm removes what postinst made, postrm purge the rest; dpkg removes its own files
@@ -137,6 +142,24 @@ def test_deb_install_run_upgrade_uninstall(deb, tmp_path):
     p = run(["sh", root / "usr" / "bin" / "hivejet", "--version"], env=env, cwd=work, check=False)
     assert p.returncode == 1 and "missing" in p.stderr
     run(["sh", root / "DEBIAN" / "postrm", "purge"], env=env, cwd=work)
+    shutil.rmtree(root)
+
+
+def test_postinst_without_network_leaves_apt_working(deb, tmp_path):
+    """No torch and no network (pip --no-index, nothing inherited): postinst exits 0, the environment is marked
+    incomplete, and `hivejet` says how to finish it instead of failing with an import error."""
+    root = tmp_path / "root"
+    run(["dpkg-deb", "-x", deb, root])
+    run(["dpkg-deb", "-e", deb, root / "DEBIAN"])
+    prefix = root / "opt" / "hivejet"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PIP_"))}
+    env.update(HIVEJET_PREFIX=str(prefix), HIVEJET_PYTHON=sys.base_prefix + "/bin/python3", HIVEJET_NVIDIA_SMI="",
+               HIVEJET_PIP_ARGS="--no-index", PIP_CONFIG_FILE=os.devnull, HOME=str(tmp_path))
+    p = run(["sh", root / "DEBIAN" / "postinst", "configure"], env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0 and "not complete" in p.stderr and "setup-env.sh" in p.stderr
+    assert "PyTorch download failed" in (prefix / "venv" / "hivejet-incomplete").read_text()
+    p = run(["sh", root / "usr" / "bin" / "hivejet", "--version"], env=env, check=False)
+    assert p.returncode == 1 and "not complete" in p.stderr and "PyTorch download failed" in p.stderr
     shutil.rmtree(root)
 
 
