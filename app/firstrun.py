@@ -652,6 +652,30 @@ def ask_and_setup(plan: Plan, *, command: Sequence[str] | None = None, ask: bool
             return dlg.result_ok, dlg.result_message
 
 
+# ----------------------------------------------------------------------------------------------- start check
+VC_REDIST_URL = "https://aka.ms/vs/17/release/vc_redist.x64.exe"
+
+
+def torch_import_error(importer: Callable[[str], object] = __import__, platform: str = sys.platform) -> str:
+    """'' when torch imports, else what the user is told: the error itself and the fix. On Windows the usual
+    cause is a missing Microsoft Visual C++ runtime DLL (MSVCP140.dll, VCRUNTIME140_1.dll, ...): the installer
+    ships them in python\\ beside python.exe, so a missing one means a damaged install."""
+    try:
+        importer("torch")
+        return ""
+    except Exception as e:    # ImportError, OSError (WinError 126: a DLL or one of its dependencies), ...
+        err = f"{type(e).__name__}: {e}"
+    msg = f"PyTorch could not be loaded ({err})."
+    if platform == "win32":
+        msg += (" A DLL it needs is missing: most often the Microsoft Visual C++ runtime (MSVCP140.dll, "
+                "VCRUNTIME140_1.dll, MSVCP140_ATOMIC_WAIT.dll, VCRUNTIME140_THREADS.dll), which HiveJet's installer "
+                "puts in its python folder. Run the HiveJet installer again to repair it, or install Microsoft's "
+                f"Visual C++ Redistributable ({VC_REDIST_URL}).")
+    else:
+        msg += " Repair HiveJet's environment: sudo /opt/hivejet/lib/setup-env.sh (or sudo hivejet-gpu-setup)."
+    return msg
+
+
 # ----------------------------------------------------------------------------------------------- entry points
 def launch(argv: Sequence[str] = (), smi: str | None = None) -> int:
     """Desktop entry / Start menu: first-run GPU check and setup, then the app. argv: [-m MODEL] [--smoke]."""
@@ -681,6 +705,14 @@ def launch(argv: Sequence[str] = (), smi: str | None = None) -> int:
             print(f"hivejet: {plan.message}\nhivejet: run `hivejet-gpu-setup` to install it.", file=sys.stderr)
     elif plan.cpu_mode:
         print(f"hivejet: {plan.message}", file=sys.stderr)
+    err = torch_import_error()
+    if err:
+        print(f"hivejet: {err}", file=sys.stderr)
+        if gui:
+            from PySide6.QtWidgets import QApplication, QMessageBox
+            _app = QApplication.instance() or QApplication(sys.argv[:1])
+            QMessageBox.critical(None, "HiveJet cannot start", err)
+        return 1
     if gui:
         from app.gui import run_gui
         return run_gui(a.model, smoke=a.smoke)

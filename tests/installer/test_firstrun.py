@@ -342,3 +342,24 @@ def test_ask_and_setup_shows_the_error_and_retries(qtbot, tmp_path, monkeypatch)
                       "sys.exit(0 if n else 1)\n")
     assert fr.ask_and_setup(plan, command=[sys.executable, str(script)], ask=False) == (True, "GPU support is ready")
     assert len(shown) == 1 and "exit code 1" in shown[0] and "no space left on device" in shown[0]
+
+
+def test_start_check_names_the_missing_vc_runtime():
+    def broken(name):
+        raise OSError('[WinError 126] The specified module could not be found. Error loading "C:\\HiveJet\\python\\'
+                      'Lib\\site-packages\\torch\\lib\\c10.dll" or one of its dependencies.')
+    msg = fr.torch_import_error(broken, platform="win32")
+    assert "c10.dll" in msg and "MSVCP140.dll" in msg and "installer again" in msg and fr.VC_REDIST_URL in msg
+    assert "setup-env.sh" in fr.torch_import_error(broken, platform="linux")
+    assert fr.torch_import_error(lambda name: None) == ""
+
+
+def test_launch_stops_with_the_message_when_torch_does_not_import(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HIVEJET_HOME", str(tmp_path))
+    monkeypatch.setattr(fr, "current_plan", lambda smi=None: fr.choose([], "no NVIDIA driver found", CPU))
+    monkeypatch.setattr(fr, "torch_import_error", lambda: "PyTorch could not be loaded (OSError: c10.dll).")
+    import app.gui
+    monkeypatch.setattr(app.gui, "display_available", lambda: False)
+    monkeypatch.setattr(app.gui, "run_gui", lambda *a, **k: pytest.fail("the app must not open"))
+    assert fr.launch([]) == 1
+    assert "c10.dll" in capsys.readouterr().err

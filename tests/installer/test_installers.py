@@ -170,18 +170,39 @@ def test_setup_env_refuses_without_wheel(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ Windows NSIS
-def test_nsis_script_compiles_with_stub_payload(tmp_path):
-    makensis = need_tool("makensis")
-    payload = tmp_path / "payload"
+VC_RUNTIME = ("msvcp140.dll", "msvcp140_atomic_wait.dll", "vcruntime140.dll", "vcruntime140_1.dll",
+              "vcruntime140_threads.dll")
+
+
+def stub_payload(root: Path, dlls=VC_RUNTIME) -> Path:
+    payload = root / "payload"
     (payload / "python" / "Lib" / "site-packages" / "app").mkdir(parents=True)
     for f in ("python/python.exe", "python/pythonw.exe", "python/Lib/site-packages/app/__init__.py", "hivejet.cmd",
-              "README.txt"):
+              "README.txt", *(f"python/{d}" for d in dlls)):
         (payload / f).write_text("stub")
     shutil.copy(REPO / "resources" / "icons" / "hivejet.ico", payload / "hivejet.ico")
+    return payload
+
+
+def makensis_run(makensis: str, payload: Path, exe: Path, check=True):
+    return run([makensis, "-V2", "-WX", "-DVERSION=0.1.0", "-DVIVERSION=0.1.0.0", f"-DPAYLOAD={payload}",
+                f"-DOUTFILE={exe}", WINDOWS / "hivejet.nsi"], check=check)
+
+
+def test_nsis_script_compiles_with_stub_payload(tmp_path):
+    makensis = need_tool("makensis")
     exe = tmp_path / "HiveJet-0.1.0-setup.exe"
-    run([makensis, "-V2", "-WX", "-DVERSION=0.1.0", "-DVIVERSION=0.1.0.0", f"-DPAYLOAD={payload}", f"-DOUTFILE={exe}",
-         WINDOWS / "hivejet.nsi"])
+    makensis_run(makensis, stub_payload(tmp_path), exe)
     assert exe.read_bytes()[:2] == b"MZ" and exe.stat().st_size > 50_000
+
+
+def test_nsis_refuses_a_payload_without_the_vc_runtime(tmp_path):
+    """torch and Triton load MSVCP140.dll & co.: an installer without them works only where Visual Studio or
+    vc_redist happens to be installed (CI's Windows runner), so makensis stops."""
+    makensis = need_tool("makensis")
+    payload = stub_payload(tmp_path, dlls=[d for d in VC_RUNTIME if d != "msvcp140_atomic_wait.dll"])
+    p = makensis_run(makensis, payload, tmp_path / "x.exe", check=False)
+    assert p.returncode != 0 and "msvcp140_atomic_wait.dll is missing" in p.stdout + p.stderr
 
 
 def test_nsis_script_promises():
@@ -194,6 +215,13 @@ def test_nsis_script_promises():
     assert 'ReadRegStr $0 HKCU "${UNINST_KEY}" "InstallLocation"' in nsi          # upgrade in place
     assert "MB_YESNO" in nsi and "/SD IDNO" in nsi and 'RMDir /r "${DATA_DIR}"' in nsi   # asks about user data
     assert 'RMDir /r "$INSTDIR"' not in nsi                                    # never a blind recursive delete
+    # atomic upgrade: unpack beside, swap with renames, roll back; never RMDir /r the live python\
+    assert 'File /r "${PAYLOAD}\\python\\*"' in nsi and 'SetOutPath "$INSTDIR\\python.new"' in nsi
+    assert 'Rename "$INSTDIR\\python" "$INSTDIR\\python.old"' in nsi
+    assert 'Rename "$INSTDIR\\python.new" "$INSTDIR\\python"' in nsi and "Function .onInstFailed" in nsi
+    assert 'RMDir /r "$INSTDIR\\python"\n' not in nsi and 'RMDir /r "$INSTDIR\\python"' not in nsi.replace(
+        'RMDir /r "$INSTDIR\\python.', "")
+    assert "/SD IDCANCEL" in nsi                              # a silent install gives up instead of deleting
 
 
 def test_no_makensis_error_without_payload(tmp_path):
