@@ -76,8 +76,11 @@ incomplete() {
 fr=""
 for a in $PIP_ARGS; do fr="$fr --pip-arg=$a"; done
 say "PyTorch (the CPU build, unless a build is installed already)"
+# The offline package's wheelhouse is the download folder itself: nothing is copied, nothing downloaded.
+cache=""
+[ -d "$PREFIX/wheelhouse" ] && cache="--cache $PREFIX/wheelhouse"
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m app.firstrun setup --yes --flavor cpu --if-missing $fr ||
+"$VENV/bin/python" -m app.firstrun setup --yes --flavor cpu --if-missing $cache $fr ||
   incomplete "the PyTorch download failed (see above)"
 say "installing HiveJet's other dependencies"
 pip install --no-warn-script-location "$WHEEL" || incomplete "installing HiveJet's dependencies failed (see above)"
