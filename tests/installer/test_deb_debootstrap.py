@@ -59,6 +59,7 @@ def in_root(root: Path, cmd: str, timeout: int = 600, network: bool = False) -> 
 
 @pytest.fixture(scope="module")
 def demo_model() -> Path:
+    need_root_tools()              # skip before fetching anything
     from engine.catalog import ensure_model
     return ensure_model("demo", progress=lambda s: None)
 
