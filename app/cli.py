@@ -133,7 +133,7 @@ def cmd_perplexity(args) -> int:
     from engine.gguf.reader import GGUFFile  # noqa: F401  (errors surface as GGUFError)
     from engine.catalog import ensure_model
     from engine.models import open_model
-    from engine.perplexity import load_base, perplexity
+    from engine.tools.perplexity import load_base, perplexity
     from engine.tokenizer import Tokenizer
     import torch
     from engine.engine import default_threads
@@ -281,22 +281,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_top_args(tp)
     tp.set_defaults(func=run_top)
 
-    from engine import planner
+    from app import cli_plan
     pl = sub.add_parser("plan", help="memory plan: weights, KV per cache type, largest context that fits")
-    planner.add_plan_args(pl)
-    pl.set_defaults(func=planner.run_plan)
+    cli_plan.add_plan_args(pl)
+    pl.set_defaults(func=cli_plan.run_plan)
 
     gui = sub.add_parser("gui", help="open the desktop app (the default when a display is available)")
     gui.add_argument("-m", "--model", default=None, help="model to load (default: the last one, else the demo)")
     gui.set_defaults(func=lambda a: _run_gui(a.model))
 
-    from engine import bench
+    from engine.tools import bench
     b = sub.add_parser("bench", help="benchmarks on the GPU")
     bench.add_bench_args(b)
     b.set_defaults(func=bench.run_bench)
 
     try:
-        from engine import synth
+        from engine.tools import synth
         s = sub.add_parser("synth", help="write a synthetic GGUF model (random weights) for tests and benchmarks")
         synth.add_synth_args(s)
         s.set_defaults(func=synth.run_synth)

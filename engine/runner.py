@@ -38,7 +38,6 @@ checkpoint (enable_checkpoints); the result is bit for bit a cold run's (tests/e
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import gc
 import hashlib
@@ -55,6 +54,7 @@ from engine.kv.sequence import SequenceKV
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
 from engine.runner_attention import AttentionMixin
+from engine.runner_checkpoints import StateCheckpoints
 from engine.runner_keyprep import KeyPrep, KeyPrepMixin
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
@@ -71,8 +71,8 @@ if TYPE_CHECKING:
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HOST_CHECKPOINT_STRIDE = 4   # host-memory checkpoints: every 4th prompt chunk end (and each prompt's last: _grid_step)
 # Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
-# agents read the weights once, not once each). On by default since the thirty-third session (H200, 27B: each
-# piece the bits its prompt gets alone; 16 agents 1191 -> 1420 tok/s); HIVEJET_PROMPT_PIECES=0 turns it off.
+# agents read the weights once, not once each). On by default: each piece gets the bits its prompt gets alone,
+# and 16 agents make 1420 tok/s instead of 1191 (H200, 27B, docs/PERFORMANCE.md); HIVEJET_PROMPT_PIECES=0 turns it off.
 # For qwen35 on a GPU it needs the pieces' delta-rule kernel (kernels/gdn/rows.py, on unless
 # HIVEJET_GDN_ROWS_KERNEL=0).
 PROMPT_PIECES_ON = os.environ.get("HIVEJET_PROMPT_PIECES", "1") != "0"
@@ -167,15 +167,6 @@ def slot_prep_bytes(model: DecoderModel, cache_type_k: str = "f16", max_ctx: int
     s = model.spec
     n_seg = max(1, -(-max_ctx // SequenceKV.SEGMENT))
     return len(_attn_layers(s)) * (4 * s.n_head_kv * s.head_dim * (1 + n_seg) + 8)
-
-
-def _empty_host_cache() -> None:
-    """Free the pinned host memory torch's caching host allocator keeps (torch >= 2.9 names it
-    torch.accelerator.empty_host_cache; torch 2.11's CUDA build also has torch._C._host_emptyCache)."""
-    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
-        or getattr(torch._C, "_host_emptyCache", None)
-    if fn is not None:
-        fn()
 
 
 def state_checkpoint_bytes(model: DecoderModel) -> int:
@@ -422,13 +413,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         # recurrent states are at (-1: not known); recurrent-state checkpoints (enable_checkpoints)
         self._grid: list[tuple[int, list]] = [(0, [b""]) for _ in range(n_slots)]
         self._live = [0] * n_slots
-        self.n_checkpoints = 0
-        self._ckpt: collections.OrderedDict[tuple, int] = collections.OrderedDict()   # key -> buffer, LRU first
-        self._ckpt_bufs: list[tuple[dict, dict]] = []   # buffer -> (conv states, ssm states) by layer
-        self.checkpoints_on_host = False     # buffers in pinned host memory (enable_checkpoints(host=True))
-        self._ckpt_last: dict[int, tuple] = {}   # slot -> the last checkpoint it saved (its chain's end)
-        self._ckpt_superseded: set[tuple] = set()   # checkpoints a later one of the same chain followed
-        self.checkpoints_evicted = 0
+        self.checkpoints = StateCheckpoints(self.conv_state, self.ssm_state, dev)   # (enable_checkpoints)
         # a decode step with drafts (several rows of a slot): states before it and the delta-rule inputs
         self._snapshots: dict[int, tuple] = {}
         self._replay_inputs: dict[int, tuple] = {}
@@ -449,9 +434,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
     def checkpoint_bytes(self, host: bool = False) -> int:
         """The recurrent-state checkpoint buffers (enable_checkpoints) on the device (host: those in host
         memory instead, allocated as they are first used)."""
-        if host != self.checkpoints_on_host:
-            return 0
-        return sum(t.numel() * t.element_size() for buf in self._ckpt_bufs for d in buf for t in d.values())
+        return self.checkpoints.bytes(host)
 
     def device_bytes(self) -> int:
         """Everything the runner allocated besides the model's weights."""
@@ -502,13 +485,11 @@ class Runner(AttentionMixin, KeyPrepMixin):
         is unusable after this."""
         for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_waves, self._graph_replay,
                   self._replay_bufs, self._replay_inputs, self._snapshots, self.k, self.v, self.kprep,
-                  self.conv_state, self.ssm_state, self._ckpt):
+                  self.conv_state, self.ssm_state):
             d.clear()
-        self._ckpt_bufs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-            if self.checkpoints_on_host:
-                _empty_host_cache()   # (torch keeps freed pinned blocks for reuse: give them back to the OS)
+        self.checkpoints.close()
 
     def release(self, slot: int) -> None:
         """Give back all of slot's blocks (a dropped or evicted conversation, or a restart)."""
@@ -624,18 +605,18 @@ class Runner(AttentionMixin, KeyPrepMixin):
         last token) or followed up (its last) (a copy over PCIe costs ~3 % of a chunk's time)."""
         c, digests = (chunk, [b""]) if lo == 0 else self._grid[slot]
         if lo == 0:
-            self._ckpt_last.pop(slot, None)   # a new chain
+            self.checkpoints.new_chain(slot)
         self._live[slot] = hi
         if c != chunk or lo != c * (len(digests) - 1) or hi - lo != chunk or (self.conv_state and live != lo):
             self._grid[slot] = (c, digests)
             return
         # digests are the checkpoints' keys: only computed when there are checkpoints (host tokens only)
-        hashing = self.n_checkpoints > 0 and digests[-1] is not None and tokens.device.type == "cpu"
+        hashing = self.checkpoints.max > 0 and digests[-1] is not None and tokens.device.type == "cpu"
         digests.append(_digest(digests[-1], tokens) if hashing else None)
         self._grid[slot] = (c, digests)
-        if hashing and (not self.checkpoints_on_host or hi // chunk % HOST_CHECKPOINT_STRIDE == 0
+        if hashing and (not self.checkpoints.on_host or hi // chunk % HOST_CHECKPOINT_STRIDE == 0
                         or not prompt_end or hi >= (prompt_end - 1) // chunk * chunk):
-            self._save_checkpoint(slot, (digests[-1], hi, chunk))
+            self.checkpoints.save(slot, (digests[-1], hi, chunk), self._on_chain)
 
     def enable_checkpoints(self, count: int, host: bool = False) -> None:
         """Keep up to `count` snapshots of recurrent states (qwen35; nothing for other models), taken after
@@ -644,67 +625,24 @@ class Runner(AttentionMixin, KeyPrepMixin):
         request sharing a shorter prefix of it needs one of these. Each costs state_checkpoint_bytes: of
         device memory, allocated now; with `host` on a GPU, of pinned host memory instead, allocated as
         each is first used (a save or a restore is then a copy over PCIe: ~6 ms for the 27B's 150 MB)."""
-        count = max(0, count) if self.conv_state else 0
-        self.n_checkpoints = count
-        self._ckpt.clear()
-        self._ckpt_last.clear()
-        self._ckpt_superseded.clear()
-        self._ckpt_bufs = []
-        self.checkpoints_on_host = bool(host) and count > 0   # (on the CPU path: allocated as used, no more)
-        if not self.checkpoints_on_host:
-            self._ckpt_bufs = [self._new_checkpoint_buffer() for _ in range(count)]
+        self.checkpoints.enable(count, host)
 
-    def _new_checkpoint_buffer(self) -> tuple[dict, dict]:
-        where = dict(device="cpu", pin_memory=self.device.type == "cuda") if self.checkpoints_on_host else {}
-        return ({il: t.new_zeros(t.shape[1:], **where) for il, t in self.conv_state.items()},
-                {il: t.new_zeros(t.shape[1:], **where) for il, t in self.ssm_state.items()})
+    @property
+    def n_checkpoints(self) -> int:
+        return self.checkpoints.max
+
+    @property
+    def checkpoints_on_host(self) -> bool:
+        return self.checkpoints.on_host
 
     def checkpoint_stats(self) -> dict | None:
         """The recurrent-state checkpoints (None without): how many are kept of how many, where, and the
         bytes their buffers take (host ones as allocated so far), evictions so far."""
-        if not self.n_checkpoints:
-            return None
-        host = self.checkpoints_on_host
-        return dict(kept=len(self._ckpt), max=self.n_checkpoints, memory="host" if host else "device",
-                    bytes=self.checkpoint_bytes(host=host), evicted=self.checkpoints_evicted)
+        return self.checkpoints.stats()
 
     def checkpoint_lengths(self) -> list[int]:
         """The lengths the checkpoints were taken at, least recently used first."""
-        return [key[1] for key in self._ckpt]
-
-    def _save_checkpoint(self, slot: int, key: tuple) -> None:
-        """Keep slot's states under `key`. The slot's previous checkpoint, on the same chain, is superseded:
-        when all buffers are taken, superseded checkpoints go first (least recently used first), then the
-        others. So each prompt's last checkpoint (what a follow-up or a re-sent prompt needs) outlives the
-        intermediate ones of longer prompts (wanted only by a prompt that leaves this one part way)."""
-        prev = self._ckpt_last.get(slot)
-        self._ckpt_last[slot] = key
-        if prev is not None and prev in self._ckpt and self._on_chain(slot, prev, key):
-            self._ckpt_superseded.add(prev)
-        if key in self._ckpt:                 # the same prefix on the same grid: the same states
-            self._ckpt.move_to_end(key)
-            self._ckpt_superseded.discard(key)
-            return
-        if len(self._ckpt) < self.n_checkpoints and len(self._ckpt) == len(self._ckpt_bufs):
-            try:   # a host buffer, first used now
-                self._ckpt_bufs.append(self._new_checkpoint_buffer())
-            except RuntimeError as e:   # (pinned memory refused: keep the ones there are)
-                log.warning("state checkpoints: host memory for no more than %d (%s)", len(self._ckpt_bufs), e)
-                self.n_checkpoints = len(self._ckpt_bufs)
-                if not self._ckpt_bufs:
-                    return
-        if len(self._ckpt) < self.n_checkpoints:
-            i = len(self._ckpt)               # (buffers are only ever reused, never freed)
-        else:
-            old = next((k for k in self._ckpt if k in self._ckpt_superseded), next(iter(self._ckpt)))
-            i = self._ckpt.pop(old)
-            self._ckpt_superseded.discard(old)
-            self.checkpoints_evicted += 1
-        conv, ssm = self._ckpt_bufs[i]
-        for il in self.conv_state:   # (stream-ordered: the host's buffers are only ever read by a restore)
-            conv[il].copy_(self.conv_state[il][slot], non_blocking=True)
-            ssm[il].copy_(self.ssm_state[il][slot], non_blocking=True)
-        self._ckpt[key] = i
+        return self.checkpoints.lengths()
 
     def _on_chain(self, slot: int, prev: tuple, key: tuple) -> bool:
         """Whether checkpoint `prev` is an earlier point of the prefix slot's checkpoint `key` ends (the
@@ -731,12 +669,12 @@ class Runner(AttentionMixin, KeyPrepMixin):
         src = max(lim, key=lim.get)
         if not self.conv_state:
             return PrefixMatch(src, lim[src])
-        keys = prefix_digests(prompt, chunk, lim[src]) if self._ckpt else []
+        keys = prefix_digests(prompt, chunk, lim[src]) if len(self.checkpoints) else []
         for n in range(lim[src], self.block_size - 1, -chunk):
             live = [d for d, m in lim.items() if m >= n and self._live[d] == n]
             if live:
                 return PrefixMatch(live[0], n, live[0])
-            if self._ckpt and (keys[n // chunk], n, chunk) in self._ckpt:
+            if keys and (keys[n // chunk], n, chunk) in self.checkpoints:
                 return PrefixMatch(src, n, (keys[n // chunk], n, chunk))
         return None
 
@@ -799,20 +737,14 @@ class Runner(AttentionMixin, KeyPrepMixin):
         self.copy_prefix(match.src, dst, match.n)
         if not self.conv_state:
             return
-        self._ckpt_last.pop(dst, None)   # what dst saves next does not supersede the shared prefix's checkpoint
+        self.checkpoints.new_chain(dst)   # what dst saves next does not supersede the shared prefix's checkpoint
         if isinstance(match.state, int):
             if match.state != dst:
                 for il in self.conv_state:
                     self.conv_state[il][dst].copy_(self.conv_state[il][match.state])
                     self.ssm_state[il][dst].copy_(self.ssm_state[il][match.state])
         else:
-            i = self._ckpt[match.state]
-            self._ckpt.move_to_end(match.state)
-            self._ckpt_superseded.discard(match.state)   # wanted after all: kept like a chain's end
-            conv, ssm = self._ckpt_bufs[i]
-            for il in self.conv_state:
-                self.conv_state[il][dst].copy_(conv[il], non_blocking=True)
-                self.ssm_state[il][dst].copy_(ssm[il], non_blocking=True)
+            self.checkpoints.restore(match.state, dst)
         self._live[dst] = match.n
 
     # ----- the pieces the model calls back into -----
@@ -1083,7 +1015,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         """After rows prefilled with images and no keys: the slot offers no prefix to other slots (image
         placeholder ids do not say what its rows hold) and saves no checkpoints; its states are at hi."""
         self._grid[slot] = (0, [b""])
-        self._ckpt_last.pop(slot, None)
+        self.checkpoints.new_chain(slot)
         self._live[slot] = hi
 
     def _begin_piece(self, slot: int, lo: int, hi: int) -> int:
@@ -1202,7 +1134,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
         if not self.padded_prefill or not (sizes or passes) or not free or chunk > self.max_ctx \
                 or self.blocks_needed(free[0], 0, chunk) > self.pool.n_free:
             return
-        n_ckpt, self.n_checkpoints = self.n_checkpoints, 0     # (no checkpoint of the dummy prompt)
+        n_ckpt, self.checkpoints.max = self.checkpoints.max, 0     # (no checkpoint of the dummy prompt)
         try:
             with capture_guard():
                 for rows in sizes:
@@ -1221,7 +1153,7 @@ class Runner(AttentionMixin, KeyPrepMixin):
                         for i in range(k):
                             self.reset(free[i])
         finally:
-            self.n_checkpoints = n_ckpt
+            self.checkpoints.max = n_ckpt
             self.reset(free[0])
 
     @torch.inference_mode()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
 # float caches: the rows' new K and V written into the pool by one Triton kernel (kernels/attention/kv_write.py)
 # instead of two casts and two index_copy_ (torch kernels, outside the step's programmatic dependent launch);
-# the same bits. Measured on the H200 (docs/PERFORMANCE.md, twenty-seventh session): the 27B's 1-row step
+# the same bits. Measured on the H200 (docs/PERFORMANCE.md): the 27B's 1-row step
 # 8.09 -> 7.99 ms. HIVEJET_KV_WRITE_KERNEL=0 restores the torch path.
 KV_WRITE_KERNEL = os.environ.get("HIVEJET_KV_WRITE_KERNEL", "1") != "0"
 

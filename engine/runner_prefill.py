@@ -1,7 +1,7 @@
 """A prompt chunk on the GPU as CUDA graphs between its attention layers (piecewise graphs).
 
 A 512-token chunk of the 27B launches ~8,500 kernels; run eagerly the host needs ~190 ms to launch what
-the GPU runs in ~110 ms (docs/PERFORMANCE.md, seventh session), so a prompt chunk was bound by the host.
+the GPU runs in ~110 ms (docs/PERFORMANCE.md), so an eager prompt chunk is bound by the host.
 Everything in a chunk has shapes fixed by the chunk size except attention, whose keys grow with the
 slot's depth: so the chunk is captured as one graph per stretch between two attention layers and the
 attention runs eagerly in between (from the graph's static q, k, v into a static output), ~17 replays

@@ -27,8 +27,8 @@ PACKED_LAYOUT: dict[str, tuple[int, int, str]] = {
 # Whether the coded kinds keep their 8-bit codes on the GPU (environment HIVEJET_PACKED_CODES=1) or are
 # stored as fp16 products ("codes" as "f16", "codes+min" as "f16+min"; the default). The codes take 1.3 GB
 # less for the 27B Q4_K_M (16.9 against 18.4 GB) but its decode step 14 % longer on the H200 (18.1 against
-# 15.9 ms: making the scales in the kernel costs more than the bytes it saves; docs/PERFORMANCE.md,
-# 2026-12-01): the choice for a card where those 1.3 GB decide whether a model fits at all.
+# 15.9 ms: making the scales in the kernel costs more than the bytes it saves; docs/PERFORMANCE.md):
+# the choice for a card where those 1.3 GB decide whether a model fits at all.
 CODED_SCALES = os.environ.get("HIVEJET_PACKED_CODES", "0") == "1"
 
 
@@ -51,10 +51,10 @@ def default_tile_n(n: int) -> int:
 
 
 # Values per tile along K (environment HIVEJET_PACKED_TILE_K: 256, 128, 64 or 32; by default 128, or 256 for
-# weights that keep their 8-bit scale codes). 128 since the thirteenth session: the decode matmul holds its
+# weights that keep their 8-bit scale codes). 128 because the decode matmul holds its
 # whole dequantized tile in registers as the dot's operand, and a 128 x 256 tile needs 221 registers per
 # thread on sm_90 (two programs per SM), 128 x 128 needs 139; the 27B's Q4_K matmuls run 18-26 % faster
-# and its decode step 13.6 instead of 15.8 ms on the H200 (docs/PERFORMANCE.md, 2026-12-01). Coded
+# and its decode step 13.6 instead of 15.8 ms on the H200 (docs/PERFORMANCE.md). Coded
 # weights keep 256: their fp16 factor per tile row would cost 0.125-0.25 bits per value more at 128,
 # most of what storing the codes saves.
 TILE_K = int(os.environ.get("HIVEJET_PACKED_TILE_K", "0")) or None
@@ -65,7 +65,7 @@ if TILE_K not in (None, 256, 128, 64, 32):
 # values per tile along K for matrices in 64-row tiles, over TILE_K's default (environment
 # HIVEJET_PACKED_NARROW_TILE_K: 256 or 128; unset, or HIVEJET_PACKED_TILE_K set: TILE_K's). An experiment: a
 # 64 x 256 tile needs the registers of a 128 x 128 one, for one pass of the decode matmul's loop instead of
-# two (docs/PERFORMANCE.md, twenty-third session), measured slower end to end in the twenty-fourth (a step
+# two, but slower end to end (docs/PERFORMANCE.md: a step
 # 8.66 against 8.19 ms; its 140 registers leave three programs per SM, not four), so off by default. 128
 # changes only weights that keep their scale codes (256 by default), at more bytes: one fp16 d per tile row.
 NARROW_TILE_K = int(os.environ.get("HIVEJET_PACKED_NARROW_TILE_K", "0")) or None

@@ -15,11 +15,10 @@ Rules that keep it correct:
   everything before it, so the usual stream order holds transitively (torch's kernels, launched
   without PDL, wait for full completion as always);
 - PDL is on only for CUDA devices of compute capability 9.0+ (the instructions do not exist before),
-  never under Triton's interpreter, and not with HIVEJET_PDL=0. It was off by default from the thirtieth
-  session, which found a 27B prompt's prefill not the same bits twice with it on, to the thirty-second, which
-  found why (docs/PERFORMANCE.md): not the launch order but the packed matmul compiled with its L2 prefetch in
-  64-row blocks of x, which gave another result nearly every run, launched with PDL or not. The prefetch is now
-  kept to 16-row blocks (kernels/quant/packed.py: prefetch_tiles), and PDL is on again: ~7 % of a decode step.
+  never under Triton's interpreter, and not with HIVEJET_PDL=0. PDL is on by default (~7 % of a decode step,
+  docs/PERFORMANCE.md). A 27B prompt's prefill that is not the same bits twice is not a PDL launch-order problem:
+  the packed matmul compiled with its L2 prefetch in 64-row blocks of x gives another result nearly every run,
+  launched with PDL or not, so the prefetch is kept to 16-row blocks (kernels/quant/packed.py: prefetch_tiles).
 """
 from __future__ import annotations
 
@@ -42,12 +41,12 @@ except ImportError:          # a Triton without grid dependency control (before 
 ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "1") != "0" \
     and os.environ.get("TRITON_INTERPRET", "0") != "1"
 # the order of pdl_enter (kernels/pdl.py's small kernels): "trigger" lets the next kernel launch before this
-# one waits (the default since the sixteenth session: a chain of small kernels may all be launched, each
+# one waits (the default: a chain of small kernels may all be launched, each
 # waiting on the one before), "wait" only after (at most one kernel ahead, the order CUTLASS-style kernels
-# use): a suspect of the thirtieth session's race, measured not to be it and 0.5 % slower (thirty-second session)
+# use): measured not to change the prefill race above, and 0.5 % slower (docs/PERFORMANCE.md)
 WAIT_FIRST = os.environ.get("HIVEJET_PDL_ENTER", "trigger") == "wait"
 # which kernels launch with PDL when it is on: "all", "matmul" (the packed decode matmul and its sums only) or
-# "small" (every other kernel): how the thirty-second session told which kernels brought the race (.ci/gpu/s30.sh 3)
+# "small" (every other kernel): to tell which kernels bring a difference between runs (.ci/gpu/prefill_repeat.py)
 KERNELS = os.environ.get("HIVEJET_PDL_KERNELS", "all")
 
 

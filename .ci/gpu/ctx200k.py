@@ -19,7 +19,7 @@ turbo4, turbo3_tcq. The cache before the depth is NOT prefilled (128K x 4 types 
 head and an outlier channel, as real keys have; rotated K types get segment centers as a prefill would),
 which is what a decode step reads; its speed does not depend on the values. No memory cap in this mode.
 
-The model is generated at /tmp/m27.gguf first when missing (as .ci/gpu/bench27b.sh does).
+The model is generated at /tmp/m27.gguf first when missing (as .ci/gpu/env.sh: m27_start does).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def sync() -> None:
 def ensure_model() -> float:
     if os.path.exists(MODEL):
         return 0.0
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     t = time.perf_counter()
     log(f"generating {MODEL} (synthetic Qwen3.5-27B Q4_K_M) ...")
     write_synthetic(MODEL, "qwen35", "27b-q4_k_m", threads=os.cpu_count() or 16)
@@ -120,6 +120,7 @@ def mem() -> dict:
 
 
 def run_ctx200k(budget: float) -> dict:
+    from app.cli_plan import format_plan
     from engine import planner as P
     from engine.models import open_model
     from engine.runner import Runner
@@ -137,7 +138,7 @@ def run_ctx200k(budget: float) -> dict:
     plan = P.plan(facts, CTX, KV, 1, CAP, kv_type_v=KV, step_tokens=CHUNK)
     res["plan"] = plan.breakdown()
     res["plan_command"] = f"hivejet plan -m {MODEL} --kv {KV} --ctx {CTX} --vram 24GiB"
-    log("plan:\n" + P.format_plan(plan))
+    log("plan:\n" + format_plan(plan))
     save("ctx200k.json", res)
     try:
         t = time.perf_counter()
@@ -241,7 +242,7 @@ def run_depth(steps: int, profile: bool = False) -> dict:
             r = {"cache_type": kt, "depth": d, "tok_s": steps / secs, "ms_per_token": 1e3 * secs / steps,
                  "kv_gb_read_per_token": runner.kv_bytes() / max(runner.max_ctx, 1) * d / 1e9}
             if profile and d == DEPTHS[0]:   # CUDA time per kernel of one eager step at this depth
-                from engine.bench_decode import _profile_step
+                from engine.tools.bench_decode import _profile_step
                 r["profile"] = _profile_step(runner, 1, d)
             res["results"].append(r)
             log(f"{kt:>10} depth {d:>7}: {r['tok_s']:6.2f} tok/s ({r['ms_per_token']:.2f} ms/token; "

@@ -12,13 +12,13 @@ mkdir -p "$HIVEJET_MODELS"
 # The synthetic 27B at /tmp/m27.gguf (14 s on 16 cores): `m27_start` begins writing it in the background
 # (beside the tests), `m27_wait` waits for it; nothing when it is already there. It is written under
 # another name and renamed when whole, and a writer already running (started by a script that sourced
-# this before: bench27b.sh inside an sNN.sh call) is waited for rather than joined, so nothing reads or
+# this before: bench.sh inside a call that started it) is waited for rather than joined, so nothing reads or
 # writes half a file.
 M27_PID=
 m27_writing() { pgrep -f "m27.part.gguf" >/dev/null; }
 m27_start() {
     [ -f /tmp/m27.gguf ] || m27_writing && return
-    python3 -c "import os; from engine.synth import write_synthetic as w
+    python3 -c "import os; from engine.tools.synth import write_synthetic as w
 w('/tmp/m27.part.gguf', 'qwen35', '27b-q4_k_m', threads=16); os.replace('/tmp/m27.part.gguf', '/tmp/m27.gguf')" \
         > /tmp/gen.log 2>&1 &
     M27_PID=$!

@@ -2,8 +2,8 @@
 (stacks as one), grouped by (type, rows, K, tile), each timed alone with the engine's settings at 1 and
 16 rows (cloned past the L2, in one CUDA graph: sweep_scales.graph_time), times how often a step runs
 it. The sum is what the matmuls would cost back to back; `bench decode` gives the whole step. x is fp16,
-as the engine hands it over (Weight.input_dtype); --x32 also times float32 x (the kernel rounding it, as
-before the eighteenth session).
+as the engine hands it over (Weight.input_dtype); --x32 also times float32 x (the kernel rounding it: what
+handing x over in fp16 saves).
 
     python3 -u .ci/gpu/matmul_shapes.py /tmp/m27.gguf [--x32] [--json OUT]
 """

@@ -3,7 +3,7 @@
     ncu --clock-control none -k regex:_packed_mm --launch-skip 4 --launch-count 1 --section ... \\
         python3 .ci/gpu/ncu_matmul.py Q4_K 34816 5120 [--rows 1] [--maxnreg 128]
 
-(`ncu.sh` runs it with the sections that say where the warps wait.)
+(`profile.sh ncu|stalls|source` runs it with the sections that say where the warps wait.)
 """
 from __future__ import annotations
 

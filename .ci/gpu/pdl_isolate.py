@@ -1,5 +1,5 @@
-"""On the GPU machine: which part of PDL makes the packed matmul's result change from run to run? The thirty-second
-session's `s30.sh 3` found a 27B prefill reproducible with PDL on for the small kernels only and not with it on for
+"""On the GPU machine: which part of PDL makes the packed matmul's result change from run to run? A 27B prefill
+(prefill_repeat.py under HIVEJET_PDL_KERNELS) was reproducible with PDL on for the small kernels only and not with it on for
 the matmul only, the first difference in layer 0's gate+up partial sums (a 34816 x 5120 Q4_K stack, a 32-token
 prompt's small-prompt settings). Here that one matmul alone, after an rms_norm each time as in the model, run many
 times against its first result, with the kernel compiled with its PDL code or not, launched with the PDL attribute

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from engine.bench_decode import ready_rows
+from engine.tools.bench_decode import ready_rows
 from engine.models import open_model
 from engine.runner import Runner
 

@@ -93,7 +93,7 @@ print(json.dumps(results["f16"][-1]), flush=True)
 grid = [dict(block_t=bt, num_warps=nw, num_stages=ns, min_keys=mk)
         for bt, nw, ns, mk in itertools.product((16, 32, 64), (4, 8), (1, 2, 3), (64, 256)) if mk >= bt]
 if SHORT:   # the short rows' split (short_keys; 0: none), then fewer keys per program for every row, around the
-    # float rows' settings (the twenty-eighth session's run 2, before short_keys)
+    # float rows' settings
     grid = [dict(short_keys=sk) for sk in (0, 128)] + [
         dict(block_t=bt, num_warps=nw, num_stages=2, min_keys=mk, short_keys=0)
         for bt, nw, mk in itertools.product((32, 64), (4, 8), (32, 64, 128, 256)) if mk >= bt]

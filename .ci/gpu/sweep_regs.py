@@ -1,7 +1,7 @@
 """The decode matmul with a cap on its registers per thread (ptxas's .maxnreg through Triton's `maxnreg`), on
 every decode matrix of the 27B (H200). Compiled for sm_90 on the CPU machine, the Q4_K kernel takes 138
 registers at 128-row tiles (3 programs of 4 warps per SM) and 87 at 64-row tiles (5 programs); capped at
-128 the first needs no spill (4 programs per SM). The Nsight Compute profile of the fourth session found
+128 the first needs no spill (4 programs per SM). Nsight Compute found
 the kernel latency-bound (0.83 eligible warps per scheduler), so more resident warps is what a cap buys.
 Each cap is timed with the engine's split-K and with a split sized for the programs the cap lets an SM
 hold (two waves); every variant's output is checked against the engine's (the same bits: a register cap

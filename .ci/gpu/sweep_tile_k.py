@@ -1,20 +1,19 @@
 """The decode matmul with shorter tiles along K, on the 27B's shapes (H200). Compiled for sm_90 on the CPU
-machine, the Q4_K decode kernel on 128 x 256-value tiles (the default until the thirteenth session; the
-weight tile as the dot's first operand) needs 221 registers per thread: the whole dequantized fp16 tile is the wgmma's register operand,
+machine, the Q4_K decode kernel on 128 x 256-value tiles (the weight tile as the dot's first operand) needs 221 registers per thread: the whole dequantized fp16 tile is the wgmma's register operand,
 so only two 4-warp programs fit an SM. Tiles of 128 values need 139 registers, of 64 values 80. Shorter
 tiles cannot take their scales by TMA (a box row is at least 16 bytes), so they run with per-thread loads.
 Each weight is cloned past the L2 and its matmuls timed in one CUDA graph (sweep_scales.py's time_it),
 M = 1 and 16; every variant's output is checked against the engine's.
 --hi: the weights with a high plane (Q6_K, the 27B's ffn_down of some layers and its output matrix) at
-128-value tiles, warps x stages x swap_ab (chose their settings in the thirteenth session).
---q4: the same settings for the Q4_K shapes (after the 4-bit plane went to fragment order, fourteenth).
---split: the engine's settings with other split-K counts and 64 / 128 / 256-row tiles (fifteenth).
---warps: 4 or 8 warps per program x 2-4 stages at 64- and 128-row tiles (seventeenth: the matmuls run
+128-value tiles, warps x stages x swap_ab (how their settings were chosen).
+--q4: the same settings for the Q4_K shapes (the 4-bit plane in fragment order).
+--split: the engine's settings with other split-K counts and 64 / 128 / 256-row tiles.
+--warps: 4 or 8 warps per program x 2-4 stages at 64- and 128-row tiles (the matmuls run
 about 3.2-3.6 G values per ms whatever their bytes per value, so bound by the instructions per value and
 the warps an SM holds to hide their latency, 12 at 140 registers).
 
 --stages: the engine's settings with 2, 3 or 4 pipeline stages on every decode matrix of the 27B
-(seventeenth: --warps found Q4_K 5120x17408 at 64-row tiles 8 % faster with 4 stages than with 3).
+(--warps found Q4_K 5120x17408 at 64-row tiles 8 % faster with 4 stages than with 3).
 
     python3 -u .ci/gpu/sweep_tile_k.py [--hi | --q4 | --split | --warps | --stages] [--json OUT]
 """
@@ -70,7 +69,7 @@ def main():
         for st in (2, 3, 4) if args.stages else ():
             cases.append((f"engine, {st} stages", base, dict(cfg0, num_stages=st)))
         # the previous default, 256-value tiles: by TMA on sm_90 for 128-row or coded-scale tiles; 64-row ones
-        # with fp16 scales keep the tile in registers since the twenty-third session
+        # with fp16 scales keep the tile in registers
         if base.tile_k != 256 and not args.stages:
             p = pack_weight(raw, QT[qt], n, k, tile_k=256)
             cases.append(("tile_k 256", p, tuned_config(p, False, n_sm, tma=tma)))

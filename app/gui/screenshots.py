@@ -61,7 +61,7 @@ def _run(out: Path, theme: str, home: Path) -> int:
     from app.gui.theme import apply_theme
     from app.store import Store
     from engine.catalog import ensure_model, models_dir
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
 
     out.mkdir(parents=True, exist_ok=True)
     src = ensure_model("demo")                       # the user's copy; the shots use their own folder

@@ -82,7 +82,7 @@ def _release_tables(tables: dict) -> None:
 class SequenceKV:
     """A sequence's KV in a paged pool.
 
-    SequenceKV(n_layer, dtype) (the old signature) makes a private pool with that float cache type;
+    SequenceKV(n_layer, dtype) makes a private pool with that float cache type;
     models pass their shared pool: SequenceKV(pool=model.kv_pool(...)). `cache_type_k/v` choose the
     private pool's cache types by name instead of `dtype`.
     """

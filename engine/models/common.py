@@ -110,7 +110,7 @@ class Weight:
         on a CUDA device, else None (as it is). Packed matmuls round x to fp16 before anything else, so a
         producer that rounds instead gives the same bits, and the decode matmul then copies x straight into
         its tensor-core operand instead of converting each tile's x on the way (on the H200, ~14 % of the
-        gate+up stack's stall samples were that conversion: docs/PERFORMANCE.md, eighteenth session)."""
+        gate+up stack's stall samples are that conversion without it: docs/PERFORMANCE.md)."""
         g = self.gpu
         if g is None or isinstance(g, torch.Tensor) or g.device.type != "cuda":
             return None
@@ -258,7 +258,7 @@ class StackedWeights:
         as out_dtype. On the GPU's decode rows (and small prompt chunks) the stack's split-K partial sums go
         to the activation unadded: it adds them in slice order, the sums the matmul would make (the same
         bits), and the matmul's slices skip their fence and arrival count (0.5-0.8 ms of a 27B step's
-        split-K sums, docs/PERFORMANCE.md, twenty-sixth session)."""
+        split-K sums, docs/PERFORMANCE.md)."""
         one_stack = not self.single and [i for i, _ in self.groups[0][1]] == [0, 1] \
             and self.parts[0].n_out == self.parts[1].n_out
         if not (GATED_SUMS and one_stack and self._stacked_rows(x)):

@@ -174,7 +174,7 @@ class DraftLength:
     def __init__(self, k_max: int, probe_every: int = PROBE_EVERY, probe_k: int = PROBE_K,
                  decay: float = DECAY, prior: tuple[float, float] = PRIOR, probe_max: int = PROBE_MAX):
         self.k_max = max(0, int(k_max))
-        self.k = self.k_max                # the first step drafts in full (optimistic, as before)
+        self.k = self.k_max                # the first step drafts in full (optimistic: nothing measured yet)
         self.probe_every, self.probe_k, self.decay, self.prior = probe_every, probe_k, decay, prior
         self.probe_max = max(probe_max, probe_every)
         self.interval = probe_every        # steps between probes now

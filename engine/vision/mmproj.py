@@ -12,33 +12,13 @@ import re
 from pathlib import Path
 
 from engine.gguf.reader import GGUFError, GGUFFile
-from engine.vision.encoders import Gemma3Encoder, MmprojError, Qwen3VLEncoder, VisionEncoder
-
-ENCODERS: dict[str, type[VisionEncoder]] = {
-    "qwen3vl_merger": Qwen3VLEncoder,
-    "gemma3": Gemma3Encoder,
-}
+from engine.vision.encoders import ENCODERS, MmprojError, VisionEncoder, mmproj_facts, projector_type
 
 # which language-model architectures each projector feeds (general.architecture of the model file)
 PROJECTOR_ARCHS: dict[str, tuple[str, ...]] = {
     "qwen3vl_merger": ("qwen35", "qwen35moe", "qwen3vl", "qwen3vlmoe"),
     "gemma3": ("gemma3",),
 }
-
-
-def projector_type(f: GGUFFile) -> str:
-    md = f.metadata
-    arch = md.get("general.architecture")
-    if arch != "clip":
-        if isinstance(arch, str):
-            raise MmprojError(f.path, f"this is a {arch!r} model file, not a vision projector (mmproj) file")
-        raise MmprojError(f.path, "not a vision projector (mmproj) file: no general.architecture")
-    if not md.get("clip.has_vision_encoder", False):
-        raise MmprojError(f.path, "this projector file has no vision encoder (an audio-only mmproj?)")
-    proj = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
-    if not isinstance(proj, str) or not proj:
-        raise MmprojError(f.path, "no clip.projector_type key")
-    return proj
 
 
 def open_mmproj(path: str | os.PathLike, device: str = "cpu", **options) -> VisionEncoder:
@@ -105,36 +85,6 @@ def mmproj_info(path: str | os.PathLike) -> dict:
         return mmproj_facts(f)
     finally:
         f.close()
-
-
-def mmproj_facts(f: GGUFFile) -> dict:
-    """mmproj_info from a file already open (an encoder's `file`: its header is not read again)."""
-    proj = projector_type(f)
-    md = f.metadata
-    n_params = sum(t.n_elements for t in f.tensors.values())
-    n_bytes = sum(t.n_bytes for t in f.tensors.values())
-    E = int(md.get("clip.vision.embedding_length", 0))
-    FF = int(md.get("clip.vision.feed_forward_length", 0))
-    patch = int(md.get("clip.vision.patch_size", 0)) or 1
-    if proj == "gemma3":
-        size = int(md.get("clip.vision.image_size", 896))
-        max_patches = (size // patch) ** 2
-        pool = int(md.get("clip.vision.projector.scale_factor", 4))
-        max_tokens = max_patches // (pool * pool)
-    elif proj == "qwen3vl_merger":
-        merge = int(md.get("clip.vision.spatial_merge_size", 2))
-        area = (patch * merge) ** 2
-        max_pixels = int(md.get("clip.vision.image_max_pixels", 0)) or Qwen3VLEncoder.DEFAULT_MAX_TOKENS * area
-        max_tokens = max_pixels // area
-        max_patches = max_tokens * merge * merge
-    else:
-        max_patches = max_tokens = 0
-    # residual + normed input + qkv + MLP hidden per patch, x2 for temporaries; attention is
-    # computed by SDPA without materializing the full score matrix
-    workspace = 2 * 4 * max_patches * (6 * E + FF) if E else 0
-    return dict(path=str(f.path), projector=proj, supported=proj in ENCODERS, n_params=n_params,
-                n_bytes=n_bytes, n_embd=int(md.get("clip.vision.projection_dim", 0)),
-                max_image_tokens=max_tokens, workspace_bytes=workspace)
 
 
 __all__ = ["ENCODERS", "PROJECTOR_ARCHS", "MmprojError", "GGUFError", "open_mmproj", "check_pair",

@@ -281,12 +281,12 @@ def _check(k_cache, v_cache, codec_k, codec_v, q_st_dim):
 DECODE_CONFIG = dict(block_t=16, num_warps=4, num_stages=1, min_keys=64, max_split=64, dot="f16")
 # K and V both fp16/bf16 rows, read with 16-byte loads: longer tiles, pipelined (H200, 27B shape, inside
 # CUDA graphs: one row at 23K 67.7 -> 43.6 us, four at 23K 165.7 -> 126.2, one at 128K 306 -> 151.5;
-# .ci/gpu/sweep_attn.py, docs/PERFORMANCE.md twelfth session). The coded types decode bytes per value and
+# .ci/gpu/sweep_attn.py, docs/PERFORMANCE.md). The coded types decode bytes per value and
 # are slower with these settings (twice as slow for turbo4), so they keep DECODE_CONFIG.
 # A row under 8 * 256 keys gets about 8 programs of at least 64 keys (short_keys; H200, 27B shape, in CUDA
 # graphs, us a layer: one row at 512 keys 17.0 -> 9.0, four 17.3 -> 10.0; the 27B's 1-row step 7.81 ->
 # 7.73-7.76 ms; a fixed 64 for every row lost at 16 rows of 2-4K keys, 46.8 -> 60.9; .ci/gpu/
-# sweep_attn.py --short, docs/PERFORMANCE.md twenty-eighth session). HIVEJET_ATTN_SHORT_KEYS=0: as before.
+# sweep_attn.py --short, docs/PERFORMANCE.md). HIVEJET_ATTN_SHORT_KEYS=0: min_keys for every row.
 FLOAT_DECODE_CONFIG = dict(DECODE_CONFIG, block_t=64, num_warps=8, num_stages=2, min_keys=256,
                            short_keys=int(os.environ.get("HIVEJET_ATTN_SHORT_KEYS", "64")))
 

@@ -7,11 +7,11 @@ Per head, with the pieces' precomputed terms (u, w from the UT transform, qg, qk
     out[i] = qg[i] @ S + qk[i] @ v_new
     S = S * g_last[i] + kg[i]^T @ v_new
 
-Five launches per piece (40 per layer for a 512-token chunk). A one-launch Triton version was tried
-(eighth session, docs/PERFORMANCE.md): on the H200 it gave wrong values at the 27B's sizes and took
-2.3x the kernel time of a whole prompt chunk's torch loops (one program per head and block of state
-columns, float32 dots without tensor cores); it was removed once prompt chunks became CUDA graphs
-(engine/runner_prefill.py), which made the launches themselves cheap.
+Five launches per piece (40 per layer for a 512-token chunk). These stay torch: prompt chunks run as CUDA
+graphs (engine/runner_prefill.py), which makes the launches cheap, and a one-launch Triton version (one
+program per head and block of state columns, float32 dots without tensor cores) gave wrong values at the
+27B's sizes on the H200 and took 2.3x the kernel time of a whole prompt chunk's torch loops
+(docs/decisions/).
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ on the GPU: a short request, a follow-up's new tokens; engine/runner.py chunk_ro
 
 The chunkwise-parallel form (engine/models/qwen35.py: delta_rule_chunked) is what long chunks need, but on a
 64-row chunk it is ~80 small torch and cuBLAS kernels a layer (triangular solves, batched products, masks,
-cumulative sums): about 8 of a small chunk's 31 ms on the H200 for the 27B (docs/PERFORMANCE.md, twentieth
-session). Here one program per (v-head, block of BV v-columns) keeps its [D, BV] slice of the state in
+cumulative sums): about 8 of a small chunk's 31 ms on the H200 for the 27B (docs/PERFORMANCE.md).
+Here one program per (v-head, block of BV v-columns) keeps its [D, BV] slice of the state in
 registers and walks the tokens in order, each through the decode kernel's step (recurrent.py: _delta_step):
 
     S <- S exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t D^-1/2
@@ -34,8 +34,8 @@ except ImportError:   # CPU-only installs keep the torch forms
     triton = None
 
 # the most tokens one launch takes (longer runs keep the chunked form: its work grows with T / 64, this
-# kernel's latency with T). On by default since the thirty-third session (H200, 27B: a 32-token prompt's pass
-# 30 -> 26.6 ms, thirtieth session; the same bits run after run); HIVEJET_GDN_ROWS_KERNEL=0 turns it off.
+# kernel's latency with T). On by default (H200, 27B: a 32-token prompt's pass 30 -> 26.6 ms,
+# docs/PERFORMANCE.md; the same bits run after run); HIVEJET_GDN_ROWS_KERNEL=0 turns it off.
 # Compiled for sm_90 here at BV 16 and 4 warps: 95 registers for one run, 114 for pieces, no spills.
 ROWS_KERNEL_MAX = 64
 ROWS_KERNEL_ON = os.environ.get("HIVEJET_GDN_ROWS_KERNEL", "1") != "0"

@@ -1,4 +1,4 @@
-"""The turbo codecs' tables, made by kernels/kvcodec/train_codebooks.py and stored in
+"""The turbo codecs' tables, made by engine/tools/train_codebooks.py and stored in
 resources/codebooks/turbo_codebooks.npz (resources/codebooks/README.md says how):
   signs1, signs2  int8 [128]  the rotation's random signs (rotation.py)
   lm2, lm3, lm4   float32     Lloyd-Max centroids (ascending) for one coordinate of a rotated
@@ -25,6 +25,6 @@ def load_codebooks(path: str | None = None) -> dict[str, np.ndarray]:
     p = Path(path) if path else CODEBOOK_FILE
     if not p.exists():
         raise FileNotFoundError(f"{p}: turbo codebooks missing; make them with "
-                                "`python -m kernels.kvcodec.train_codebooks` (see resources/codebooks/README.md)")
+                                "`python -m engine.tools.train_codebooks` (see resources/codebooks/README.md)")
     with np.load(p) as d:
         return {k: d[k] for k in d.files}

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kvcodec.base import HAVE_TRITON
-
-if HAVE_TRITON:
+try:
     import triton
     import triton.language as tl
+    HAVE_TRITON = True
+    from kernels._interpreter_compat import apply as _fix_interpreter
+    _fix_interpreter()
+except ImportError:  # CPU-only installs run the torch references
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
 
     @triton.jit
     def _f16_at(ptr, mask):

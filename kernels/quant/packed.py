@@ -68,11 +68,11 @@ kernels.quant.ref.dequantize (= gguf.quants.dequantize); otherwise each scale/mi
 rounding (2^-11 relative) of the exact one. The fp16 scales must not overflow (|d*sc| < 65504),
 which real weights never approach.
 
-Either way the values, and so the kernel's results, are the same bits. Until 2026-12-01 every type
-also stored its min (the 27B's matrices 18.05 GB; 17.4 GB now, 16.1 GB with the codes kept, against
-16.1 GB of GGUF bytes). The codes are not the default because making the scales in the kernel costs
-more than the bytes they save: the 27B's decode step takes 18.1 ms with them, 15.9 ms without
-(docs/PERFORMANCE.md, 2026-12-01). The 2- and 3-bit types and the IQ4 types cost 1.3-2.3x their GGUF
+Either way the values, and so the kernel's results, are the same bits. Only types whose min is not a
+fixed multiple of the scale store it (the 27B's matrices 17.4 GB, 18.05 GB with every type's min,
+16.1 GB with the codes kept, against 16.1 GB of GGUF bytes). The codes are not the default because
+making the scales in the kernel costs more than the bytes they save: the 27B's decode step takes 18.1 ms
+with them, 15.9 ms without (docs/PERFORMANCE.md). The 2- and 3-bit types and the IQ4 types cost 1.3-2.3x their GGUF
 bytes (their q in a 4-bit or int8 plane); the other types stay within 1.11x.
 
 The matmul kernel is split-K like q4_matmul: program (m-block, n-tile, k-slice) loads each
@@ -301,7 +301,7 @@ def _interleave_nibbles(q: torch.Tensor, tile_k: int) -> torch.Tensor:
     together: byte 4 * runs * t + 4 * run + 2 * chunk + parity (runs = tile_k / 32). So a thread reads its
     row of a tile as one 16-byte shared-memory load (128-value tiles), and the 8 rows a warp reads at once
     are one contiguous stretch: no bank conflicts (with the words of one run together, 8 rows 64 bytes
-    apart hit the same banks 4 ways: the H200 profile of the eighteenth session, docs/PERFORMANCE.md)."""
+    apart hit the same banks 4 ways: an H200 profile, docs/PERFORMANCE.md)."""
     r = q.shape[0]
     v = q.view(r, -1, tile_k // 32, 2, 2, 4, 2)      # [R, tile, run, chunk, high, t, parity]
     v = v.permute(0, 1, 5, 2, 3, 6, 4)               # [R, tile, t, run, chunk, parity, high]
@@ -930,7 +930,7 @@ def _split_for(n_tiles: int, steps: int, n_sm: int, waves: int) -> int:
 
 def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, waves: dict | None = None) -> dict:
     """Launch settings from the weight's shape only (never from M: batch invariance), measured on the
-    H200 (.ci/gpu/diag_tiled.py, docs/PERFORMANCE.md). The tile is the weight's (tile_n x tile_k).
+    H200 (docs/decisions/tiled-weight-layout.md). The tile is the weight's (tile_n x tile_k).
     prefill: the rows a prompt chunk is padded to (0: decode rows); a small prompt chunk (at most
     SMALL_PROMPT_ROWS rows) takes the decode settings with all its rows in one block of x (small_prompt).
     decode rows (M <= 64): memory-bound; 4 warps (8 with a high plane: registers), 4 pipeline stages
@@ -962,18 +962,19 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
         split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, c.pop("waves", 4))
         return dict(block_m=16, tma=True, split_k=split, **c)
     # at least DECODE_WAVES programs per SM (8 for 128-row tiles, of which 4 fit on an SM at once; 8 for
-    # 64-row ones: docs/PERFORMANCE.md, twenty-second session)
+    # 64-row ones: docs/PERFORMANCE.md)
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
     if in_registers:
         # tiles in registers (measured for tiles under 256 values, .ci/gpu/sweep_tile_k.py on the H200; the
         # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K end to end only, slower): 4 warps, 3 stages, the
         # weight tile as the dot's first operand, in registers: with the 4-bit plane in fragment order that
         # holds for the high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared
-        # memory, 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124; docs/perf/sweep_hi_h200_s15.json,
-        # sweep_tile_k_q4_h200_s15.json; Q5_K not measured). 4 stages for the 4-bit-only types' projections
+        # memory, 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124;
+        # docs/perf/sweep_fragment_order_hi_h200.json, sweep_fragment_order_q4_h200.json; Q5_K not measured).
+        # 4 stages for the 4-bit-only types' projections
         # back to a hidden size of at most DEEP_PIPELINE_MAX_N (the split-K'd ones streaming long runs of K:
         # Q4_K 5120x17408 30.7 -> 28.4 us, 5120x6144 13.4 -> 12.7; on 6272x5120 and 16512x5120, and with a
-        # high plane, 3 stages measured faster; docs/perf/sweep_stages_h200_s17.json, same bits either way)
+        # high plane, 3 stages measured faster; docs/perf/sweep_stages_h200.json, same bits either way)
         deep = p.hi_bits == 0 and p.n <= DEEP_PIPELINE_MAX_N
         cfg = dict(block_m=16, num_warps=4, num_stages=4 if deep else 3, swap_ab=True, split_k=split)
         cap = DECODE_MAXNREG.get(p.tile_n)
@@ -1104,10 +1105,10 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
 def prefetch_tiles(block_m: int) -> int:
     """How many tiles each program of the packed matmul asks L2 for before its PDL wait: PREFETCH_TILES for
     16-row blocks of x (decode rows of up to 16, the only setting whose results under PDL were measured the same
-    bits as without), none for wider blocks. On the H100 (thirty-second session, .ci/gpu/pdl_isolate.py) the
-    small prompt's 64-row blocks, compiled with the prefetch, gave a different result nearly every run (up to
-    60 apart), launched with PDL or not, and the same bits every run without the prefetch: the race that had
-    made a 27B prefill differ between runs with PDL on (thirtieth session). The prefetch only reads weights,
+    bits as without), none for wider blocks. On the H100 (.ci/gpu/pdl_isolate.py) the
+    small prompt's 64-row blocks, compiled with the prefetch, give a different result nearly every run (up to
+    60 apart), launched with PDL or not, and the same bits every run without the prefetch: with it a 27B
+    prefill differs between runs with PDL on. The prefetch only reads weights,
     so this looks like a miscompile of the spilling 64-row kernel with the bulk prefetch, not a missing wait."""
     return PREFETCH_TILES if block_m <= 16 else 0
 
@@ -1289,8 +1290,9 @@ _CONFIGS: dict = {}
 # ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA.
 # (Only 256-value tiles load by TMA: weights that keep their scale codes, HIVEJET_PACKED_CODES=1, and
 # 128-row ones under HIVEJET_PACKED_TILE_K=256; 64-row ones with fp16 scales keep the tile in registers,
-# tuned_config. Since the planes went to fragment order, "hi" with the tile in shared memory runs Q6_K
-# 5120x17408 in 87 us against 37 at the default 128-value tiles, docs/perf/sweep_hi2_h200_s15.json; the tile
+# tuned_config. With the planes in fragment order, "hi" with the tile in shared memory runs Q6_K
+# 5120x17408 in 87 us against 37 at the default 128-value tiles,
+# docs/perf/sweep_fragment_order_q6_high_plane_h200.json; the tile
 # in registers was not measured at 128 x 256 values, where it needs ~220 registers.)
 TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
@@ -1298,7 +1300,7 @@ TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swa
 # the same bits either way (HIVEJET_SPLIT_SUM_HERE=0: the second kernel, to tell the two apart on the GPU)
 SPLIT_SUM_HERE = os.environ.get("HIVEJET_SPLIT_SUM_HERE", "1") != "0"
 # with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
-# for the previous kernel (0: none; 2, 4 and 8 made the 27B's step 0.13-0.76 ms longer, twenty-fourth session:
+# for the previous kernel (0: none; 2, 4 and 8 make the 27B's step 0.13-0.76 ms longer, docs/PERFORMANCE.md:
 # the prefetches slow the predecessor's last programs, which the wait is for); in 16-row blocks only: prefetch_tiles)
 PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
 # and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
@@ -1313,21 +1315,21 @@ SMALL_PROMPT_ROWS = int(os.environ.get("HIVEJET_SMALL_PROMPT_ROWS", "64"))
 if SMALL_PROMPT_ROWS and (SMALL_PROMPT_ROWS < 16 or SMALL_PROMPT_ROWS & (SMALL_PROMPT_ROWS - 1)):
     raise ValueError(f"HIVEJET_SMALL_PROMPT_ROWS={SMALL_PROMPT_ROWS}: a power of two, at least 16 (or 0)")
 # what small prompt chunks change in the decode settings, per weight class (weight_class): picked by
-# .ci/gpu/small_prompt.py on the H200 over the 27B's matrices at 64 rows (docs/perf/small_prompt_h200_s20.json:
+# .ci/gpu/small_prompt.py on the H200 over the 27B's matrices at 64 rows (docs/perf/small_prompt_chunks_h200.json:
 # 4 warps, 3 stages, the weight tile as the dot's first operand; a chunk's matmuls 15.7 ms against 40.1 for
 # dequantize + cuBLAS padded to 256 rows, 21.8 with the decode rows' 16-row blocks); "int8" (Q8_0) was not
 # measured and keeps its decode settings. HIVEJET_SMALL_PROMPT_CONFIG (JSON, same form) replaces it.
 SMALL_PROMPT_CONFIG: dict | None = json.loads(os.environ.get("HIVEJET_SMALL_PROMPT_CONFIG", "null")) or {
     "plain": dict(num_warps=4, num_stages=3, swap_ab=True), "hi": dict(num_warps=4, num_stages=3, swap_ab=True)}
 # the most rows of x one decode program multiplies with its weight tiles (wide_decode_rows: a power of two, 16
-# or more; 16 keeps 16-row blocks for any number of rows, as before); HIVEJET_DECODE_BLOCK_M overrides
+# or more; 16 keeps 16-row blocks for any number of rows); HIVEJET_DECODE_BLOCK_M overrides
 DECODE_BLOCK_M = int(os.environ.get("HIVEJET_DECODE_BLOCK_M", "64"))
 if DECODE_BLOCK_M < 16 or DECODE_BLOCK_M & (DECODE_BLOCK_M - 1):
     raise ValueError(f"HIVEJET_DECODE_BLOCK_M={DECODE_BLOCK_M}: a power of two, at least 16")
 # the warps of those wider blocks (0: the weight's decode warps). Compiled for sm_90, 64-row blocks on 128-row tiles
 # take 255 registers and spill at 4 warps, 243-245 at 8 (.ci/gpu/sass_stats.py --block-m); on the H200 8 warps kept
-# each row's bits but made 32- and 64-row steps ~30 % slower (docs/PERFORMANCE.md, twenty-eighth session), so the
-# default stays 0. HIVEJET_DECODE_WIDE_WARPS=8 tries it again (another GPU)
+# each row's bits but make 32- and 64-row steps ~30 % slower (docs/PERFORMANCE.md), so the
+# default is 0. HIVEJET_DECODE_WIDE_WARPS=8 tries it again (another GPU)
 DECODE_WIDE_WARPS = int(os.environ.get("HIVEJET_DECODE_WIDE_WARPS", "0"))
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
 # HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
@@ -1346,16 +1348,17 @@ def _by_tile_rows(env: str, default: str) -> dict[int, int]:
 
 # split-K's target for decode rows, in programs per SM, by tile rows (tuned_config: the smallest split that
 # gives at least this many). 64-row tiles at 8 rather than 4: a 27B decode step on the H200 8.35 -> 8.21 ms
-# at one row, 9.07 -> 8.61 at four (.ci/gpu/s22.sh 4, docs/PERFORMANCE.md). HIVEJET_DECODE_WAVES="128:8,64:8"
+# at one row, 9.07 -> 8.61 at four (docs/decisions/split-k-target-8-programs-per-sm.md).
+# HIVEJET_DECODE_WAVES="128:8,64:8"
 # (tile rows: programs per SM) overrides.
 DECODE_WAVES = _by_tile_rows("HIVEJET_DECODE_WAVES", "128:8,64:8")
-# the same for small prompt chunks (small_prompt): what SMALL_PROMPT_CONFIG was picked with (the decode
-# targets of the twentieth session); the larger decode target was not measured on them.
+# the same for small prompt chunks (small_prompt): the targets SMALL_PROMPT_CONFIG was picked with (64-row tiles
+# at 4 programs per SM); the larger decode target was not measured on them.
 # HIVEJET_SMALL_PROMPT_WAVES overrides.
 SMALL_PROMPT_WAVES = _by_tile_rows("HIVEJET_SMALL_PROMPT_WAVES", "128:8,64:4")
 # a cap on the decode matmul's registers per thread by tile rows (packed_matmul's maxnreg), so that more
 # programs share an SM: 128-row tiles need ~141 (3 programs of 4 warps per SM), capped at 128 without a spill
-# (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_regs2_h200_s18.json);
+# (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_register_cap_h200.json);
 # 64-row tiles gained nothing from caps of 80 / 72 / 64. HIVEJET_DECODE_MAXNREG="128:128,64:80" (tile rows:
 # registers; "" for none) overrides.
 DECODE_MAXNREG = _by_tile_rows("HIVEJET_DECODE_MAXNREG", "128:128")

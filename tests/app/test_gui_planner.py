@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("PySide6")
 
 from engine import planner as P  # noqa: E402
-from engine.synth import write_synthetic  # noqa: E402
+from engine.tools.synth import write_synthetic  # noqa: E402
 
 
 def test_planner_page_matches_engine_planner(qtbot, tmp_path):

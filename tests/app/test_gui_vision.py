@@ -21,7 +21,7 @@ SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=3, re
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from engine.vision.synth_mmproj import write_mmproj, write_vlm
+    from engine.tools.synth_mmproj import write_mmproj, write_vlm
     d = tmp_path_factory.mktemp("gui_vlm")
     model = write_vlm(d / "qwen35-vlm.gguf", "qwen35")["path"]
     write_mmproj(d / "mmproj-qwen35-vlm.gguf", "qwen3vl_merger")

@@ -7,7 +7,7 @@ import re
 from app.server.metrics import Metrics
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
-from engine.synth import write_synthetic
+from engine.tools.synth import write_synthetic
 from engine.types import Request
 
 PATTERN = [11, 12, 13, 14, 15, 16, 17]

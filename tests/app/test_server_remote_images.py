@@ -102,7 +102,7 @@ def test_fetch_rules(web):
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     from engine.engine import Engine, EngineConfig
-    from engine.vision.synth_mmproj import write_mmproj, write_vlm
+    from engine.tools.synth_mmproj import write_mmproj, write_vlm
     d = tmp_path_factory.mktemp("remote_images")
     model = write_vlm(d / "qwen35-vlm.gguf", "qwen35")["path"]
     write_mmproj(d / "mmproj-qwen35-vlm.gguf", "qwen3vl_merger")

@@ -8,7 +8,7 @@ import pytest
 def tiny(request, tmp_path_factory):
     """tiny(arch) -> the path of a tiny synthetic GGUF of that architecture, written on first use, once per
     test module, with the module's TINY_SEED (each module keeps the weights its tolerances were measured on)."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     seed = request.module.TINY_SEED
     d = tmp_path_factory.mktemp("tiny")
     paths = {}

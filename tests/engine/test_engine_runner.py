@@ -66,7 +66,7 @@ def test_slots_engine_errors(smollm2_path):
 def test_slots_engine_every_cache_type_matches_cpu_engine(tmp_path, arch, kt, vt):
     """Any KV cache types, K and V apart, on the GPU path's scheduling (static slots, here on the CPU):
     the same greedy tokens as the CPU path's engine with the same types, several requests at once."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=17)
     prompts = [[1 + (5 * i + 3 * j) % 300 for j in range(25 + 11 * i)] for i in range(3)]
@@ -107,7 +107,7 @@ def test_cuda_engine_matches_cpu_path(smollm2_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen35"])
 def test_cuda_engine_matches_cpu_engine_on_synthetic_models(tmp_path, arch):
     """Every architecture family through the Engine on the GPU: the same greedy tokens as the CPU."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=11)
     prompts = [[1 + (7 * i + j) % 300 for j in range(20 + 9 * i)] for i in range(3)]
@@ -127,7 +127,7 @@ def test_cuda_engine_matches_cpu_engine_on_synthetic_models(tmp_path, arch):
 def test_parked_slot_serves_the_follow_up(tmp_path, arch):
     """GPU path (static slots, here on the CPU): a finished conversation stays in its slot and a follow-up
     that continues it computes only the new tokens, with the tokens a cold engine gives."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=13)
     first = [1 + (3 * j + j * j) % 400 for j in range(50)]
@@ -156,8 +156,8 @@ def test_runner_path_drafters(tmp_path, device):
     MTP block (tests/engine/test_spec_mtp.py has more) and a DFlash drafter reading the runner's rows at
     its target layers; the tokens are those of spec off every way, and the derived synthetic DFlash
     drafter's drafts are accepted often."""
-    from engine.spec.dflash_synth import synthetic_drafter, write_gguf
-    from engine.synth import write_synthetic
+    from engine.tools.synth_dflash import synthetic_drafter, write_gguf
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "mtp.gguf"
     write_synthetic(path, "qwen35", "tiny", seed=3, mtp=True)
     drafter = write_gguf(tmp_path / "drafter.gguf", *synthetic_drafter(path, seed=1))
@@ -191,8 +191,8 @@ def test_backed_off_drafters_overlap_steps(tmp_path, device, monkeypatch):
     MTP rows and DFlash context written late are the same), and the tokens are those of spec off. An n-gram
     lookup that finds nothing waits a few steps, which are overlapped."""
     import engine.spec.engine_spec as es
-    from engine.spec.dflash_synth import synthetic_drafter, write_gguf
-    from engine.synth import write_synthetic
+    from engine.tools.synth_dflash import synthetic_drafter, write_gguf
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "mtp.gguf"
     write_synthetic(path, "qwen35", "tiny", seed=3, mtp=True)
     drafter = write_gguf(tmp_path / "drafter.gguf", *synthetic_drafter(path, seed=1))
@@ -238,7 +238,7 @@ def test_backed_off_drafters_overlap_steps(tmp_path, device, monkeypatch):
 
 
 # --- tokens chosen on the device, and the next step launched before the host streams them ------------------
-# (engine/sample_device.py; EngineConfig.device_sampling / overlap_steps; docs/ARCHITECTURE.md, GPU path)
+# (engine/sample_device.py; EngineConfig.device_sampling / overlap_steps; docs/ARCHITECTURE.md, Decode step graphs)
 
 def _outcome(h):
     """Everything a client sees of a request: text, ids, finish reason, stop string, usage, and how many
@@ -300,7 +300,7 @@ def test_overlapped_steps_give_the_outputs_of_plain_steps(tmp_path, arch):
     logprobs; stop strings and an end-of-generation token end requests mid-output (their extra row is
     discarded) and max_tokens ends others. Without recurrent layers the slots are left exactly as without
     overlap (parked tokens, pool blocks)."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=17)
     prompts = [[1 + (7 * i + 3 * j + i * j) % 400 for j in range(20 + 5 * i)] for i in range(8)]
@@ -342,7 +342,7 @@ def test_queued_requests_and_follow_ups_with_overlap(tmp_path, overlap):
     """Two slots, five requests (three wait for a slot), then a follow-up to a conversation a stop string
     ended mid-output: the same outputs with and without overlap, the follow-up takes the parked slot over (cached
     tokens as without overlap) and gives a cold engine's tokens."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "llama.gguf"
     write_synthetic(path, "llama", "tiny", seed=23)
     prompts = [[1 + (11 * i + 5 * j + i * j) % 400 for j in range(18 + 7 * i)] for i in range(5)]
@@ -384,7 +384,7 @@ def test_cancel_while_a_row_runs_ahead(tmp_path, overlap):
     """A request cancelled mid-generation beside another: it finishes "cancelled" with usage counting exactly
     the tokens it streamed (a prefix of its uncancelled output); the other's output is unchanged; the slot
     is parked with the tokens whose KV was computed before the cancel (the row that ran ahead discarded)."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     from engine.types import TokenEvent
     path = tmp_path / "llama.gguf"
     write_synthetic(path, "llama", "tiny", seed=29)
@@ -425,7 +425,7 @@ def test_cuda_overlapped_steps_give_the_outputs_of_plain_steps(tmp_path, arch):
     """On the GPU (CUDA graphs, ids copied to pinned memory, the next step launched first): the same client
     outputs with and without overlap_steps; greedy ones also those of the host Sampler (device_sampling
     off) and of the CPU path."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=17)
     prompts = [[1 + (7 * i + 3 * j + i * j) % 400 for j in range(20 + 5 * i)] for i in range(8)]
@@ -467,7 +467,7 @@ def test_recurrent_conversation_ended_by_a_stop_string_parks_its_last_token(tmp_
     """qwen35 with overlap: a stop string ends the request while its next row (fed the last token) runs; the
     recurrent states are past that token, so the slot is parked with it, and a follow-up that continues the
     conversation (the answer's ids, last one included) takes the slot over and gives a cold engine's tokens."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "qwen35.gguf"
     write_synthetic(path, "qwen35", "tiny", seed=19)
     prompt = [1 + (9 * j + j * j) % 400 for j in range(40)]
@@ -507,7 +507,7 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
     import engine.runner as runner_mod
     from engine.engine import Engine as Eng
     from engine.runner import Runner
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=29)
     prompts = [[1 + (13 * i + 7 * j + i * j) % 400 for j in range(n)] for i, n in enumerate((20, 33, 47, 64, 9))]
@@ -554,7 +554,7 @@ def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
     EngineConfig.shared_prompt_passes), and for qwen35 the rows kernel on."""
     import engine.runner as runner_mod
     from engine import planner as P
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=5)
     facts = P.model_facts(path)

@@ -212,7 +212,7 @@ def test_smollm2_every_cache_type(smollm2, reference_dir):
 def test_qwen35_pool_holds_attention_layers_only(tmp_path):
     from engine.models import open_model
     from engine.models.common import SeqChunk
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "q35.gguf"
     write_synthetic(path, "qwen35", "tiny", seed=3)
     m = open_model(path)

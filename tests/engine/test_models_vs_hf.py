@@ -16,7 +16,7 @@ import torch
 
 from engine.models import open_model
 from engine.models.common import SeqChunk
-from engine.synth import write_synthetic
+from engine.tools.synth import write_synthetic
 
 transformers = pytest.importorskip("transformers")
 

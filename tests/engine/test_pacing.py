@@ -60,7 +60,7 @@ def test_times_arriving_late_count_only_steps_planned_after_the_chunk():
 def test_engine_holds_later_chunks_back_and_keeps_the_tokens(tmp_path):
     """A sequence generates while a 10-chunk prompt arrives: with a small share the prompt's later chunks
     wait (counted in stats), and both requests get the tokens an unpaced engine gives."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "llama.gguf"
     write_synthetic(path, "llama", "tiny", seed=3)
     short = [1 + (5 * j) % 300 for j in range(12)]
@@ -83,7 +83,7 @@ def test_engine_holds_later_chunks_back_and_keeps_the_tokens(tmp_path):
 
 
 def test_engine_refuses_a_bad_share(tmp_path):
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "llama.gguf"
     write_synthetic(path, "llama", "tiny", seed=3)
     with pytest.raises(EngineError, match="prefill_share"):
@@ -104,9 +104,9 @@ def test_steps_still_running_count_at_their_usual_time():
 @pytest.mark.parametrize("runner", [False, True], ids=["cpu_engine", "runner"])
 def test_a_whole_chunk_fits_beside_the_decode_rows(tmp_path, runner):
     """step_tokens = prefill_chunk: a prompt arriving while another sequence generates still advances a
-    whole chunk per step beside the decode row (before, the chunk waited for a step without decode rows,
-    so a long prompt starved until every other sequence had finished), with the same tokens."""
-    from engine.synth import write_synthetic
+    whole chunk per step beside the decode row (a chunk that waited for a step without decode rows would
+    starve a long prompt until every other sequence had finished), with the same tokens."""
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "llama.gguf"
     write_synthetic(path, "llama", "tiny", seed=3)
     short = [1 + (5 * j) % 300 for j in range(12)]
@@ -152,7 +152,7 @@ def test_automatic_prefill_chunk(tmp_path):
     """prefill_chunk=0 picks PREFILL_CHUNK on the CPU and on a GPU short of memory, the larger chunk with
     LARGE_CHUNK_FREE free after the weights; a negative chunk is refused."""
     from engine.planner import LARGE_CHUNK_FREE, PREFILL_CHUNK, PREFILL_CHUNK_LARGE, auto_prefill_chunk
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     assert auto_prefill_chunk(None) == PREFILL_CHUNK == 512
     assert auto_prefill_chunk(LARGE_CHUNK_FREE - 1) == PREFILL_CHUNK
     assert auto_prefill_chunk(LARGE_CHUNK_FREE) == PREFILL_CHUNK_LARGE == 1024

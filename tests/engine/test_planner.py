@@ -6,9 +6,10 @@ import math
 
 import pytest
 
+from app import cli_plan as C
 from engine import planner as P
 from engine.gguf.reader import GGUFError, GGUFFile
-from engine.synth import write_synthetic
+from engine.tools.synth import write_synthetic
 from kernels.packed_layout import PACKED_LAYOUT, packed_bytes
 
 
@@ -79,14 +80,14 @@ def test_plan_without_shared_passes(q27, capsys):
     assert P.plan_table(f, vram, kv_types=["f16"], n_seqs=16, shared_passes=False)["f16"][0].workspace \
         == P.plan(f, P.CONTEXTS[0], "f16", 16, vram, shared_passes=False).workspace
     ap = argparse.ArgumentParser()
-    P.add_plan_args(ap)
+    C.add_plan_args(ap)
     for extra in ([], ["--no-shared-passes"]):
-        assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB", "--seqs", "16", "--kv", "f16"] + extra)) == 0
+        assert C.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB", "--seqs", "16", "--kv", "f16"] + extra)) == 0
     table_on, table_off = capsys.readouterr().out.split(f"{f.name} (")[1:]
     assert "--no-shared-passes leaves to the KV cache" in table_on
     assert "--no-shared-passes" not in table_off
     assert f"{mc_on:>11}" in table_on and f"{mc_off:>11}" in table_off
-    assert P.run_plan(ap.parse_args(["-m", str(q27), "--seqs", "16", "--ctx", "8192", "--no-shared-passes"])) == 0
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--seqs", "16", "--ctx", "8192", "--no-shared-passes"])) == 0
     assert f"{off.workspace:>15,} B" in capsys.readouterr().out
 
 
@@ -140,12 +141,12 @@ def test_parse_size_and_errors(tmp_path):
 
 def test_cli(q27, capsys):
     ap = argparse.ArgumentParser()
-    P.add_plan_args(ap)
-    assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB"])) == 0
+    C.add_plan_args(ap)
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB"])) == 0
     out = capsys.readouterr().out
     assert "turbo3_tcq" in out and "262K" in out and "max context" in out
-    assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "lots"])) == 2
-    assert P.run_plan(ap.parse_args(["-m", "/nonexistent.gguf"])) == 1
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--vram", "lots"])) == 2
+    assert C.run_plan(ap.parse_args(["-m", "/nonexistent.gguf"])) == 1
 
 
 @pytest.mark.parametrize("coded", [False, True])
@@ -257,8 +258,8 @@ def test_device_weight_bytes_are_what_the_model_puts_on_the_gpu(tmp_path, arch, 
 
 def test_cli_one_plan(q27, capsys):
     ap = argparse.ArgumentParser()
-    P.add_plan_args(ap)
-    assert P.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB", "--kv", "turbo3_tcq", "--ctx", "200032"])) == 0
+    C.add_plan_args(ap)
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB", "--kv", "turbo3_tcq", "--ctx", "200032"])) == 0
     out = capsys.readouterr().out
     f = P.model_facts(q27)
     p = P.plan(f, 200032, "turbo3_tcq", vram=P.parse_size("24GiB"))
@@ -310,7 +311,7 @@ def test_dflash_drafter_counted(tmp_path, q27, capsys):
     import torch
 
     from engine.spec.dflash import load_drafter
-    from engine.spec.dflash_synth import synthetic_drafter, write_gguf
+    from engine.tools.synth_dflash import synthetic_drafter, write_gguf
     model = tmp_path / "tiny.gguf"
     write_synthetic(model, "qwen35", "tiny", seed=2)
     path = write_gguf(tmp_path / "drafter.gguf", *synthetic_drafter(model, seed=1))
@@ -324,19 +325,19 @@ def test_dflash_drafter_counted(tmp_path, q27, capsys):
     assert with_d.drafter == d.weight_bytes() + per_token * seqs * ctx
     assert with_d.total - without.total == with_d.drafter and without.drafter == 0
     ap = argparse.ArgumentParser()
-    P.add_plan_args(ap)
-    assert P.run_plan(ap.parse_args(["-m", str(model), "--ctx", str(ctx), "--seqs", str(seqs),
+    C.add_plan_args(ap)
+    assert C.run_plan(ap.parse_args(["-m", str(model), "--ctx", str(ctx), "--seqs", str(seqs),
                                      "--drafter", str(path)])) == 0
     out = capsys.readouterr().out
     assert "DFlash drafter" in out and f"{with_d.drafter:,}" in out and f"{with_d.total:,}" in out
-    assert P.run_plan(ap.parse_args(["-m", str(q27), "--ctx", "4096", "--drafter", str(path)])) == 2
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--ctx", "4096", "--drafter", str(path)])) == 2
     assert "made for another model" in capsys.readouterr().err
     llama = tmp_path / "llama.gguf"                 # the same hidden size, 2 layers: its layer ids do not fit
     write_synthetic(llama, "llama", "tiny", seed=1)
     assert P.model_facts(llama).n_layer == 2
-    assert P.run_plan(ap.parse_args(["-m", str(llama), "--ctx", "4096", "--drafter", str(path)])) == 2
+    assert C.run_plan(ap.parse_args(["-m", str(llama), "--ctx", "4096", "--drafter", str(path)])) == 2
     assert "out of range" in capsys.readouterr().err
-    assert P.run_plan(ap.parse_args(["-m", str(model), "--ctx", "4096", "--drafter", str(tmp_path / "none")])) == 2
+    assert C.run_plan(ap.parse_args(["-m", str(model), "--ctx", "4096", "--drafter", str(tmp_path / "none")])) == 2
 
 
 def test_prompt_chunk_follows_the_card(q27):
@@ -368,5 +369,5 @@ def test_checkpoints_counted_only_when_the_device_keeps_them(q27):
     big = P.plan(f, 262144, "f16", 4)
     n = int(0.02 * big.kv) // one
     assert n >= MIN_DEVICE_CHECKPOINTS and big.checkpoints == min(64, n) * one and big.host_checkpoints == 0
-    assert "host RAM" not in P.format_plan(big) and "host RAM" in P.format_plan(small)
+    assert "host RAM" not in C.format_plan(big) and "host RAM" in C.format_plan(small)
     assert small.breakdown()["host_checkpoints"] == small.host_checkpoints

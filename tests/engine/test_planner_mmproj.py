@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from app import cli_plan as C
 from engine import planner as P
 from engine.vision import mmproj_info
-from engine.vision.synth_mmproj import write_mmproj, write_vlm
+from engine.tools.synth_mmproj import write_mmproj, write_vlm
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def test_mmproj_in_plan(pair):
 
 def test_plan_cli_shows_projector_line(pair, capsys):
     model, mm, alone = pair
-    assert P.run_plan(argparse.Namespace(model=str(model), vram="1GiB", kv="f16", seqs=1)) == 0
+    assert C.run_plan(argparse.Namespace(model=str(model), vram="1GiB", kv="f16", seqs=1)) == 0
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("vision projector"))
     assert Path(mm).name in line and "qwen3vl_merger" in line and "included in the totals" in line
     assert "+ vision projector" in out
-    assert P.run_plan(argparse.Namespace(model=str(alone), vram="1GiB", kv="f16", seqs=1)) == 0
+    assert C.run_plan(argparse.Namespace(model=str(alone), vram="1GiB", kv="f16", seqs=1)) == 0
     assert "vision projector" not in capsys.readouterr().out

@@ -7,7 +7,7 @@ import pytest
 
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
-from engine.synth import write_synthetic
+from engine.tools.synth import write_synthetic
 from engine.types import Request
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from engine.models import open_model
 from engine.models.common import Rope, SeqChunk
 from engine.models.qwen35 import MRope, delta_rule_chunked, delta_rule_recurrent, l2_norm
-from engine.synth import write_synthetic
+from engine.tools.synth import write_synthetic
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GPL3 = Path(__file__).resolve().parents[3] / "shared" / "reference" / "texts" / "gpl3.txt"
@@ -287,7 +287,7 @@ def test_mtp_forward(model, files):
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen3"])
 def test_perplexity_matches_llama_cpp(tmp_path, arch):
-    from engine.perplexity import load_base, perplexity
+    from engine.tools.perplexity import load_base, perplexity
     from engine.tokenizer import Tokenizer
     fx = FIXTURES / f"llamacpp_ppl_{arch}.npz"
     ref = np.load(fx)
@@ -295,7 +295,7 @@ def test_perplexity_matches_llama_cpp(tmp_path, arch):
     write_synthetic(path, arch, "tiny", seed=0)
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     assert sha == str(ref["model_sha256"]), (
-        f"engine/synth.py now writes a different {arch} tiny file than the one llama.cpp scored; "
+        f"engine/tools/synth.py now writes a different {arch} tiny file than the one llama.cpp scored; "
         "regenerate the fixture with tests/fixtures/make_llamacpp_ppl.py")
     m = open_model(path)
     try:

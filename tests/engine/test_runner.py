@@ -240,7 +240,7 @@ def test_perplexity_through_the_runner(tiny):
     """`hivejet perplexity --device` evaluates through Runner.prefill(all_logits=True): same log-probs."""
     import numpy as np
 
-    from engine.perplexity import _chunk_logprobs
+    from engine.tools.perplexity import _chunk_logprobs
     model = open_model(tiny("llama"))
     try:
         chunk = np.array(prompt(48, 3, model.spec.vocab_size), dtype=np.int32)
@@ -818,7 +818,7 @@ def test_gpu_stacked_weights_match_separate_matmuls(tmp_path, arch, wtype):
     fold the residual add into the output projections' kernel: against the same model with every matrix
     on its own, the logits agree to fp32 summation order (the split-K slices differ with the shapes) and
     64 greedy tokens are the same; the stacks took the parts' place (no second copy of the weights)."""
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=3, weight_type=wtype)
     stacked, alone = open_model(path), open_model(path)

@@ -94,7 +94,7 @@ def test_checkpoint_lru_and_exact_prefix_rules(tiny):
         r.enable_checkpoints(2)
         assert r.checkpoint_bytes() == 2 * (r.state_bytes() // 3)
         r.prefill(0, A[:48], chunk=PC)                 # checkpoints at 16, 32, 48: 16 is evicted
-        assert r.checkpoint_lengths() == [32, 48] and r.checkpoints_evicted == 1
+        assert r.checkpoint_lengths() == [32, 48] and r.checkpoints.evicted == 1
         r.decode([0], [5], [48])                       # slot 0's states move on: only checkpoints serve now
         q = A[:40] + [9] * 30
         m = r.find_prefix(q, {0: A[:49]}, PC)
@@ -102,7 +102,7 @@ def test_checkpoint_lru_and_exact_prefix_rules(tiny):
         r.share_prefix(m, 1)                           # 32 becomes the most recently used
         assert r.checkpoint_lengths() == [48, 32]
         r.prefill(1, q[32:48], start=32, chunk=PC)     # slot 1 continues on the grid: a checkpoint at 48 of q
-        assert r.checkpoint_lengths() == [32, 48] and r.checkpoints_evicted == 2
+        assert r.checkpoint_lengths() == [32, 48] and r.checkpoints.evicted == 2
         assert r.find_prefix(A[:20] + [9] * 30, {0: A[:49]}, PC) is None       # 16 was evicted
         assert r.find_prefix(A[:15] + [9] * 30, {0: A[:49]}, PC) is None       # less than a block
         # slot 1 rewritten from 40 (off the grid): its exact prefix is back to 32
@@ -358,7 +358,7 @@ def test_checkpoints_go_to_host_memory_when_few_fit_on_the_device(tiny):
     """checkpoint_memory "auto" on a GPU: the default checkpoints stay on the device when the 2 % of the
     KV cache holds at least MIN_DEVICE_CHECKPOINTS of them, else they go to host memory (a 24 GiB card
     with the 27B: none fit); "device", an explicit count, the CPU and models without recurrent layers keep
-    the old rule."""
+    them on the device."""
     from engine.runner import slot_bytes_per_token
     eng = _engine(tiny("qwen35"))
     try:
@@ -396,7 +396,7 @@ def test_host_checkpoints_on_the_gpu(tiny):
             got_b, again = _run(eng, B), _run(eng, A)
             assert got_b[:2] == _run(cold, B)[:2] and got_b[2].usage.cached_tokens == 64
             assert again[:2] == _run(cold, A)[:2] and again[2].usage.cached_tokens == 80
-        bufs = warm.runner._ckpt_bufs
+        bufs = warm.runner.checkpoints.buffers
         assert bufs and all(t.is_pinned() for conv, ssm in bufs for d in (conv, ssm) for t in d.values())
         held = warm.runner.checkpoint_bytes(host=True)
         stats = getattr(torch.cuda, "host_memory_stats", None)    # (the closed runner's pinned memory: given back)

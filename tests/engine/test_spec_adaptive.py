@@ -17,9 +17,9 @@ from engine.models.common import SeqChunk
 from engine.sampling import SamplingParams
 from engine.spec.adaptive import DraftLength, StepCosts, choose_k, expected_tokens
 from engine.spec.dflash import load_drafter
-from engine.spec.dflash_synth import write_synthetic_dflash
+from engine.tools.synth_dflash import write_synthetic_dflash
 from engine.spec.mtp import CatchUp, MtpState, catch_up
-from engine.synth import write_synthetic
+from engine.tools.synth import write_synthetic
 from engine.types import Request
 
 PROMPTS = [[3 + (5 * i + 11 * j) % 400 for j in range(40 + 13 * i)] for i in range(3)]

@@ -1,5 +1,5 @@
 """DFlash drafting (engine/spec/dflash.py) and drafter chains on the CPU engine path, with a synthetic
-DFlash drafter (engine/spec/dflash_synth.py) for a synthetic qwen35 target:
+DFlash drafter (engine/tools/synth_dflash.py) for a synthetic qwen35 target:
 - loading: a z-lab-style directory (config.json + model.safetensors) and the GGUF port give the same
   drafter; clear errors for drafters made for another target;
 - the forward: the incrementally kept context K/V gives what an independent full recompute following
@@ -22,8 +22,8 @@ from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.sampling import Sampler, SamplingParams
 from engine.spec.dflash import DFlashError, DraftRequest, gguf_to_hf_name, load_drafter, propose, read_safetensors
-from engine.spec.dflash_synth import hf_to_gguf_name, synthetic_drafter, write_dir, write_gguf, write_safetensors
-from engine.synth import write_synthetic
+from engine.tools.synth_dflash import hf_to_gguf_name, synthetic_drafter, write_dir, write_gguf, write_safetensors
+from engine.tools.synth import write_synthetic
 from engine.types import EngineError, Request
 from tests.engine.test_spec_ngram import _chi2_p
 
@@ -291,7 +291,7 @@ def test_sampled_distribution_with_dflash(pair, slots):
 
 def test_command_line_and_bench(pair, capsys):
     from app.cli import main
-    from engine.bench_spec import measure
+    from engine.tools.bench_spec import measure
     assert main(["generate", "-m", str(pair.target), "--spec", "dflash", "--spec-drafter", str(pair.dir), "-p",
                  "hello", "--temp", "0", "-n", "6", "--no-echo", "--ignore-eos", "--device", "cpu"]) == 0
     assert "generated 6 tokens" in capsys.readouterr().err

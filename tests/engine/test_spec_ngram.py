@@ -11,7 +11,7 @@ import torch
 
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
-from engine.synth import write_synthetic
+from engine.tools.synth import write_synthetic
 from engine.types import EngineError, Request
 
 CODE = (Path(__file__).resolve().parents[2] / "engine" / "prefix.py").read_text()[:1200]

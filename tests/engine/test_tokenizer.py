@@ -185,7 +185,7 @@ def test_long_fragments_are_tokenized_once(tokenizers, name, monkeypatch):
     """A chat follow-up re-renders the whole conversation: fragments between special tokens that were
     seen before come from the fragment cache with the same ids (BPE and SPM, after a special token and
     not), only new ones are tokenized, and the cache stays within its character budget."""
-    import engine.tokenizer as T
+    import engine.tokenizer.tokenizer as T
     tok = tokenizers[name]
     start, end = ("<|im_start|>", "<|im_end|>") if name == "smollm2" else ("<start_of_turn>", "<end_of_turn>")
     body = "def f(x):\n    return x * 2  # " + "the quick brown fox jumps over it. " * 30
@@ -279,7 +279,7 @@ def test_unknown_pre_tokenizer():
 
 # --------------------------------------------------------------- handcrafted vocabularies
 def _byte_chars() -> list[str]:
-    from engine.tokenizer import _BYTE_TO_UNICODE
+    from engine.tokenizer.vocab import BYTE_TO_UNICODE as _BYTE_TO_UNICODE
     return list(_BYTE_TO_UNICODE)
 
 

@@ -14,7 +14,7 @@ from engine.gguf.reader import GGUFError
 from engine.models.common import SeqChunk
 from engine.types import EngineError, Request
 from engine.vision import MmprojError, check_pair, mmproj_info, open_mmproj
-from engine.vision.synth_mmproj import write_mmproj, write_vlm
+from engine.tools.synth_mmproj import write_mmproj, write_vlm
 
 transformers = pytest.importorskip("transformers")
 from tests.engine import vision_hf  # noqa: E402

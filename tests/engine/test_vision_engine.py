@@ -18,7 +18,7 @@ from engine.sampling import SamplingParams
 from engine.types import EngineError, Request
 from engine.vision import ImageError, smart_resize
 from engine.vision.prompt import ImageSpan, VisionPrompt
-from engine.vision.synth_mmproj import write_mmproj, write_vlm
+from engine.tools.synth_mmproj import write_mmproj, write_vlm
 
 
 @pytest.fixture(scope="module")

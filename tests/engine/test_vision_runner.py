@@ -259,7 +259,7 @@ def test_image_chunk_longer_than_a_step_runs_beside_decoding(files, tmp_path, mo
     instead of waiting for that request to end."""
     import dataclasses
 
-    from engine.vision import synth_mmproj
+    from engine.tools import synth_mmproj
     big = dataclasses.replace(synth_mmproj.PRESETS[("gemma3", "tiny")], pool=1)       # 8 x 8 = 64 tokens
     monkeypatch.setitem(synth_mmproj.PRESETS, ("gemma3", "pool1"), big)
     mm = synth_mmproj.write_mmproj(tmp_path / "mmproj-pool1.gguf", "gemma3", "pool1")["path"]

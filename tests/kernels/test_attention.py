@@ -231,8 +231,8 @@ def _split_probe(len_ptr, out_ptr, NSPLIT, MIN_KEYS: triton.language.constexpr,
 @pytest.mark.parametrize("short", [64, 0])
 def test_short_rows_get_about_eight_split_programs(short):
     """The float caches' split (64 programs at most, 256 keys each at least, tiles of 64): a row under
-    8 * 256 keys is cut into about 8 programs of at least 64 keys (short_keys), longer rows as before;
-    short_keys 0 is the old split. Keys per program by row length:"""
+    8 * 256 keys is cut into about 8 programs of at least 64 keys (short_keys), longer rows by min_keys;
+    short_keys 0 splits every row by min_keys. Keys per program by row length:"""
     lens = torch.tensor([1, 128, 512, 1000, 1024, 2048, 4096, 23000], dtype=torch.int32)
     per = torch.zeros(len(lens), dtype=torch.int32)
     _split_probe[(len(lens),)](lens, per, 64, MIN_KEYS=256, BLOCK_T=64, SHORT_KEYS=short)
@@ -360,7 +360,7 @@ def test_decode_kernel_reads_float_rows_16_bytes_at_a_time():
     """The f16 decode attention compiled for the H200 (sm_90; no GPU needed: Triton's own compiler and
     ptxas, in a process without TRITON_INTERPRET) loads K/V rows with 16-byte vector loads, not one 2-byte
     load per value (addressed as bytes and cast, every value was a load of its own and the kernel ran at
-    ~0.6 TB/s; docs/PERFORMANCE.md, twelfth session)."""
+    ~0.6 TB/s; docs/PERFORMANCE.md)."""
     pytest.importorskip("triton")
     small, wide = sm90_figures(_PTX_SCRIPT)[-2:]
     assert small == 0

@@ -163,10 +163,10 @@ def test_decode_matmul_reads_the_planes_as_words(qtype):
     """The Q4_K and Q6_K decode matmuls compiled for the H200 (sm_90, on this machine: Triton's compiler
     and ptxas, in a process without TRITON_INTERPRET) read the 4-bit plane (and Q6_K's 2-bit plane) from
     shared memory as one 16-byte (8-byte) load per tile row and thread and spread the fields with PRMT
-    (_nibbles_f16, _crumbs_f16): not one byte load and ~4 instructions per byte as before the planes went
-    to fragment order (Q4_K's matmuls 15-20 % slower on the H200, Q6_K's 1.3-1.45x; fifteenth session),
-    nor ldmatrix over rows 64 bytes apart, whose 4-way bank conflicts were 30 % of the gate+up stack's
-    shared-memory wavefronts (eighteenth session; docs/PERFORMANCE.md)."""
+    (_nibbles_f16, _crumbs_f16): not one byte load and ~4 instructions per byte, as planes outside
+    fragment order need (Q4_K's matmuls 15-20 % slower on the H200, Q6_K's 1.3-1.45x), nor ldmatrix over
+    rows 64 bytes apart, whose 4-way bank conflicts are 30 % of the gate+up stack's shared-memory
+    wavefronts (docs/PERFORMANCE.md)."""
     byte_loads, pair_loads, quads, pairs, ldmatrix, prmt = sm90_figures(_PTX_SCRIPT, qtype)[-6:]
     assert byte_loads == 0 and pair_loads == 0
     # two per 8 values of the 4-bit plane, and for Q6_K two per 8 of the 2-bit one: 128 values per
@@ -196,7 +196,7 @@ print(u["REG"], u.get("STACK", 0), u.get("LOCAL", 0))
 def test_128_row_decode_matmul_fits_four_programs_per_sm():
     """The engine caps the 128-row decode matmul's registers (DECODE_MAXNREG) so that four 4-warp programs
     share an SM (128 registers per thread; ~141 uncapped: three), without spilling to local memory: the
-    Q4_K gate+up stack 5 % faster on the H200 (eighteenth session)."""
+    Q4_K gate+up stack 5 % faster on the H200 (.ci/gpu/sweep_regs.py)."""
     regs, stack, local = sm90_figures(_REGS_SCRIPT)[-3:]
     assert regs <= 128 and stack == 0 and local == 0
 
@@ -399,7 +399,7 @@ def test_fp16_input_gives_the_same_bits(qtype):
 
 def test_deep_pipeline_only_where_it_measured_faster():
     """4 stages for 4-bit-only weights with at most DEEP_PIPELINE_MAX_N outputs (the 27B's projections back
-    to its 5120 hidden values), 3 elsewhere: a high plane, or more rows (H200, seventeenth session)."""
+    to its 5120 hidden values), 3 elsewhere: a high plane, or more rows (H200, .ci/gpu/sweep_tile_k.py --stages)."""
     from kernels.quant.packed import DEEP_PIPELINE_MAX_N, tuned_config
     stages = {}
     for qtype, n in ((QT.Q4_K, DEEP_PIPELINE_MAX_N), (QT.Q4_K, DEEP_PIPELINE_MAX_N + 1152), (QT.Q6_K, 1024)):

@@ -148,7 +148,7 @@ def gate_up_27b():
 def test_packed_matmul_same_bits_with_pdl_every_run(monkeypatch, gate_up_27b, rows, prefill):
     """The 27B's gate+up stack with PDL on, ten runs after an rms_norm each (as in the model): every run the
     bits it gets with PDL off. The small prompt's settings (prefill 64) failed this with the L2 prefetch in
-    64-row blocks (thirty-second session)."""
+    64-row blocks."""
     from kernels.fused import rms_norm
     from kernels.quant.packed import matmul_tuned
     p, k = gate_up_27b, gate_up_27b.k
