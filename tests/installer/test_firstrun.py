@@ -363,3 +363,17 @@ def test_launch_stops_with_the_message_when_torch_does_not_import(monkeypatch, t
     monkeypatch.setattr(app.gui, "run_gui", lambda *a, **k: pytest.fail("the app must not open"))
     assert fr.launch([]) == 1
     assert "c10.dll" in capsys.readouterr().err
+
+
+def test_failed_setup_keeps_the_download_for_the_retry(tmp_path):
+    """Linux drops the download folder only after a successful install: a retry skips the wheels already there."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    plan = fr.choose([gpu()], "", CPU, platform="linux")
+    res = fr.run_setup(plan, python=str(venv / "bin" / "python"), runner=FakePip(fail="install"),
+                       on_line=lambda s: None, platform="linux", raw_progress=False, resume=False)
+    cache = tmp_path / "gpu-cache" / "cu128"
+    assert not res.ok and any(cache.glob("torch-*.whl"))
+    res = fr.run_setup(plan, python=str(venv / "bin" / "python"), runner=FakePip(), on_line=lambda s: None,
+                       platform="linux", raw_progress=False, resume=False)
+    assert res.ok and not cache.exists()
