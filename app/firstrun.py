@@ -8,8 +8,9 @@ the machine: a CUDA build matching the NVIDIA driver, or the CPU build. This mod
   compute capability ([] plus a reason when there is no NVIDIA driver).
 * `installed_torch()` reads which torch build the environment holds, without importing torch (so that it can
   still be replaced: Windows locks the DLLs of a loaded torch).
-* `choose()` turns those two into a Plan: nothing to do, or install the `cu130`/`cu128`/`cu126`/`cpu` build,
-  with the message the user sees (CPU mode and why, when there is no suitable GPU).
+* `choose()` turns those two into a Plan: nothing to do, or install one of the pinned stacks of
+  app/gpu_stack.json (torch version, CUDA wheel index, triton-windows version; `app/gpu_stack.py`) or the
+  pinned CPU build, with the message the user sees (CPU mode and why, when there is no suitable GPU).
 * `run_setup()` carries a plan out in three steps: download the wheels (nothing is changed if this fails), install
   them offline from that download, check that torch imports and sees the GPU. On Windows triton-windows comes
   with the CUDA build (on Linux the CUDA torch wheels depend on triton themselves).
@@ -33,17 +34,12 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-TORCH_INDEX = os.environ.get("HIVEJET_TORCH_INDEX", "https://download.pytorch.org/whl")
-TORCH_SPEC = "torch>=2.6"
-# CUDA builds of torch, newest first: (the driver's CUDA version it needs, build tag).
-CUDA_BUILDS: list[tuple[tuple[int, int], str]] = [((13, 0), "cu130"), ((12, 8), "cu128"), ((12, 6), "cu126")]
-MIN_CUDA = CUDA_BUILDS[-1][0]
-MIN_COMPUTE = (7, 5)          # Turing or newer: what Triton (and HiveJet's kernels) support
-# triton-windows releases follow torch's: torch 2.N needs triton-windows 3.(N-4).x (2.7 -> 3.3, 2.9 -> 3.5).
+from app import gpu_stack
+
 TRITON_WINDOWS = "triton-windows"
 SIZES_MB = {"cuda": 2800, "cpu": 200}   # rough download sizes, for the question the user is asked
 
@@ -175,56 +171,79 @@ class Plan:
     message: str                  # what the user is told
     cpu_mode: bool = False        # True: no suitable GPU, HiveJet runs on the CPU
     download_mb: int = 0
+    torch_spec: str = ""          # the pinned torch, e.g. "torch==2.11.0+cu128" ("": the flavor's pinned one)
+    index: str = ""               # the wheel index it comes from
+    triton_spec: str = ""         # Windows: the pinned triton-windows, e.g. "triton-windows==3.6.0.post26"
+
+    def pinned(self, platform: str = sys.platform) -> "Plan":
+        """This plan with its pins filled in from app/gpu_stack.json (a plan made from a flavor alone)."""
+        if self.torch_spec:
+            return self
+        if self.flavor == "cpu":
+            c = gpu_stack.cpu_stack(platform)
+            return replace(self, torch_spec=c.torch_spec, index=c.index)
+        st = gpu_stack.for_flavor(self.flavor, self.gpu.compute if self.gpu else None, platform)
+        if st is None:
+            raise ValueError(f"no pinned {self.flavor} stack for this platform and GPU (see app/gpu_stack.json)")
+        return replace(self, torch_spec=st.torch_spec, index=st.index,
+                       triton_spec=st.triton_spec if platform == "win32" else "")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
 
-def suitable(gpu: GpuProbe) -> str:
-    """'' when HiveJet's GPU build runs on `gpu`, else why not."""
-    if gpu.compute is not None and gpu.compute < MIN_COMPUTE:
+def suitable(gpu: GpuProbe, platform: str = sys.platform) -> str:
+    """'' when one of the pinned GPU stacks runs on `gpu`, else why not."""
+    low = gpu_stack.min_compute(platform)
+    if gpu.compute is not None and gpu.compute < low:
         return (f"the {gpu.name} (compute capability {gpu.compute[0]}.{gpu.compute[1]}) is older than what "
-                f"HiveJet's GPU kernels need ({MIN_COMPUTE[0]}.{MIN_COMPUTE[1]}: GeForce RTX 20 / Turing or newer)")
-    if gpu.cuda is None or gpu.cuda < MIN_CUDA:
-        have = f"CUDA {gpu.cuda[0]}.{gpu.cuda[1]}" if gpu.cuda else "an unknown CUDA version"
-        return (f"NVIDIA driver {gpu.driver} supports {have}; HiveJet's GPU build needs CUDA "
-                f"{MIN_CUDA[0]}.{MIN_CUDA[1]} or newer. Update the driver (nvidia.com/drivers) and start HiveJet "
-                "again to use the GPU")
-    return ""
+                f"HiveJet's GPU kernels need ({low[0]}.{low[1]}: GeForce RTX 20 / Turing or newer)")
+    if gpu_stack.pick(gpu.compute, gpu.cuda, platform):
+        return ""
+    rows = [s for s in gpu_stack.gpu_stacks(platform) if s.fits(gpu.compute, (99, 0))]
+    if not rows:
+        return (f"the {gpu.name} (compute capability {gpu.compute[0]}.{gpu.compute[1]}) is not supported by "
+                "HiveJet's pinned Triton on this system" if gpu.compute else f"the {gpu.name} is not supported")
+    need = min(s.min_cuda for s in rows)
+    have = f"CUDA {gpu.cuda[0]}.{gpu.cuda[1]}" if gpu.cuda else "an unknown CUDA version"
+    return (f"NVIDIA driver {gpu.driver} supports {have}; HiveJet's GPU build needs CUDA "
+            f"{need[0]}.{need[1]} or newer. Update the driver (nvidia.com/drivers) and start HiveJet "
+            "again to use the GPU")
 
 
-def cuda_flavor(cuda: tuple[int, int]) -> str:
-    for need, tag in CUDA_BUILDS:
-        if cuda >= need:
-            return tag
-    raise ValueError(f"no CUDA build for CUDA {cuda}")
-
-
-def choose(gpus: list[GpuProbe], reason: str, torch: TorchBuild) -> Plan:
+def choose(gpus: list[GpuProbe], reason: str, torch: TorchBuild, platform: str = sys.platform) -> Plan:
     """What to install, given the GPUs and the torch build in the environment."""
-    good = [g for g in gpus if not suitable(g)]
+    good = [g for g in gpus if not suitable(g, platform)]
     if not good:
-        why = suitable(max(gpus, key=lambda g: g.memory_mib)) if gpus else reason or "no NVIDIA GPU found"
+        why = suitable(max(gpus, key=lambda g: g.memory_mib), platform) if gpus else reason or "no NVIDIA GPU found"
         msg = f"No suitable NVIDIA GPU: HiveJet runs in CPU mode ({why}). Small models run well on the CPU."
         if torch.version:      # any build runs on the CPU, a CUDA one too
             return Plan("none", torch.flavor or "cpu", None, msg, cpu_mode=True)
         return Plan("install", "cpu", None, msg + " Installing the CPU build of PyTorch.", cpu_mode=True,
-                    download_mb=SIZES_MB["cpu"])
+                    download_mb=SIZES_MB["cpu"]).pinned(platform)
     gpu = max(good, key=lambda g: g.memory_mib)
-    want = cuda_flavor(gpu.cuda)
+    stack = gpu_stack.pick(gpu.compute, gpu.cuda, platform)
+    assert stack is not None     # suitable() said so
+    want = stack.flavor
+    pins = dict(torch_spec=stack.torch_spec, index=stack.index,
+                triton_spec=stack.triton_spec if platform == "win32" else "")
     if torch.is_cuda:
         have = _tag_cuda(torch.flavor)
-        if have is None or have <= gpu.cuda:  # an untagged (PyPI) CUDA build, or one the driver runs
+        # A stack bounded above (Windows Turing: Triton <= 3.2) needs exactly its torch; else any CUDA build the
+        # driver runs is kept (an untagged PyPI one too).
+        same = stack.max_compute is None or (torch.version or "").partition("+")[0] == stack.torch
+        if (have is None or have <= gpu.cuda) and same:
             return Plan("none", torch.flavor, gpu, f"GPU mode: {gpu.name} (torch {torch.version}).")
-        msg = (f"The installed PyTorch ({torch.version}) needs a newer driver than {gpu.driver}: installing the "
-               f"{want} build for your {gpu.name}.")
+        why = (f"needs a newer driver than {gpu.driver}" if same else
+               f"comes with a Triton that does not support the {gpu.name}")
+        msg = f"The installed PyTorch ({torch.version}) {why}: installing {stack.torch_spec} ({want} build)."
     elif torch.version:
         msg = (f"Found {gpu.name} ({gpu.memory_mib // 1024} GiB, driver {gpu.driver}). GPU support needs the "
                f"CUDA build of PyTorch ({want}, about {SIZES_MB['cuda'] / 1000:.1f} GB to download once); until "
                "then HiveJet runs in CPU mode.")
     else:
         msg = f"Found {gpu.name}: installing the CUDA build of PyTorch ({want})."
-    return Plan("install", want, gpu, msg, download_mb=SIZES_MB["cuda"])
+    return Plan("install", want, gpu, msg, download_mb=SIZES_MB["cuda"], **pins)
 
 
 def current_plan(smi: str | None = None) -> Plan:
@@ -257,10 +276,19 @@ def terminal_runner(argv: Sequence[str], on_line: Callable[[str], None]) -> int:
         return 127
 
 
-def pip_supports_raw_progress(python: str, capture=_run_capture) -> bool:
+def pip_version(python: str, capture=_run_capture) -> tuple[int, int]:
+    """The environment's pip version ((0, 0) when pip does not run)."""
     rc, out = capture([python, "-m", "pip", "--version"])
     m = re.search(r"pip (\d+)\.(\d+)", out)
-    return rc == 0 and bool(m) and (int(m.group(1)), int(m.group(2))) >= (24, 1)
+    return (int(m.group(1)), int(m.group(2))) if rc == 0 and m else (0, 0)
+
+
+def pip_supports_raw_progress(python: str, capture=_run_capture) -> bool:
+    return pip_version(python, capture) >= (24, 1)
+
+
+RESUME_RETRIES = 20       # pip >= 25.1: a dropped connection resumes the wheel where it stopped
+TAIL_LINES = 12           # how much of a failing step's own output its message quotes
 
 
 @dataclass
@@ -285,30 +313,41 @@ def wheel_version(cache: Path, project: str) -> str | None:
     return best[0] if best else None
 
 
-def triton_windows_spec(torch_version: str) -> str:
-    m = re.match(r"2\.(\d+)", torch_version)
-    if not m or int(m.group(1)) < 6:
-        return TRITON_WINDOWS
-    minor = int(m.group(1)) - 4
-    return f"{TRITON_WINDOWS}>=3.{minor},<3.{minor + 1}"
+def _tail(lines: list[str], n: int = TAIL_LINES) -> str:
+    """The last meaningful lines of a step's output (pip's or pkexec's error), for the message the user sees."""
+    keep = [ln for ln in lines if ln.strip() and not ln.startswith(("@@", "Progress "))]
+    return "\n".join(keep[-n:])
 
 
 def run_setup(plan: Plan, *, python: str = sys.executable, cache: Path | None = None, runner: Runner = subprocess_runner,
               on_line: Callable[[str], None] = print, pip_args: Sequence[str] = (), platform: str = sys.platform,
-              raw_progress: bool | None = None, check_runner: Runner | None = None) -> SetupResult:
-    """Download and install the torch build `plan.flavor` into `python`'s environment. Steps are announced as
-    `@@step K N title` lines, pip's progress as `Progress X of Y` (pip >= 24.1), the end as `@@result ok|fail`.
-    `runner` runs the pip steps, `check_runner` (default: `runner`) the final import check, whose output it reads."""
+              raw_progress: bool | None = None, check_runner: Runner | None = None,
+              resume: bool | None = None) -> SetupResult:
+    """Download and install the pinned torch build of `plan` into `python`'s environment. Steps are announced as
+    `@@step K N title` lines, pip's progress as `Progress X of Y` (pip >= 24.1), the end as `@@result ok|fail`;
+    a failure's message ends with the failing step's own output. `runner` runs the pip steps, `check_runner`
+    (default: `runner`) the final import check, whose output it reads. The download folder is kept until the
+    install succeeded, so a retry skips the wheels already there; pip >= 25.1 also resumes a wheel cut off
+    mid-download (`resume`, default: when the environment's pip has it)."""
     check_runner = check_runner or runner
+    plan = plan.pinned(platform)
     log: list[str] = []
+    step_out: list[str] = []
 
     def say(line: str) -> None:
         log.append(line)
+        step_out.append(line)
         on_line(line)
 
-    def done(ok: bool, gpu_ready: bool, msg: str, tv: str = "") -> SetupResult:
-        say(f"@@result {'ok' if ok else 'fail'} {msg}")
+    def done(ok: bool, gpu_ready: bool, msg: str, tv: str = "", quote: bool = False) -> SetupResult:
+        if quote and _tail(step_out):
+            msg += "\n\n" + _tail(step_out)
+        say(f"@@result {'ok' if ok else 'fail'} {msg}".replace("\n", "\\n"))
         return SetupResult(ok, gpu_ready, msg, tv, log)
+
+    def step(k: int, title: str) -> None:
+        step_out.clear()
+        say(f"@@step {k} {total} {title}")
 
     cuda = plan.flavor != "cpu"
     win = platform == "win32"
@@ -318,38 +357,39 @@ def run_setup(plan: Plan, *, python: str = sys.executable, cache: Path | None = 
     keep = cache is not None or win
     cache = Path(cache) if cache else _env_prefix(python).parent / "gpu-cache" / plan.flavor
     cache.mkdir(parents=True, exist_ok=True)
-    if raw_progress is None:
-        raw_progress = pip_supports_raw_progress(python)
-    progress = ["--progress-bar", "raw"] if raw_progress else []
+    if raw_progress is None or resume is None:
+        pv = pip_version(python)
+        raw_progress = pv >= (24, 1) if raw_progress is None else raw_progress
+        resume = pv >= (25, 1) if resume is None else resume
+    dl_opts = (["--progress-bar", "raw"] if raw_progress else []) + (
+        ["--resume-retries", str(RESUME_RETRIES)] if resume else [])
     pip = [python, "-m", "pip"]
-    index = f"{TORCH_INDEX}/{plan.flavor}"
-    total = 4 if cuda and win else 3
-    what = f"PyTorch ({plan.flavor} build" + (", CUDA" if cuda else "") + ")"
+    total = 4 if plan.triton_spec else 3
+    what = f"PyTorch ({plan.torch_spec.partition('==')[2]}" + (", CUDA" if cuda else "") + ")"
 
-    say(f"@@step 1 {total} Downloading {what}")
-    rc = runner(pip + ["download", "--only-binary=:all:", "--dest", str(cache), "--index-url", index, TORCH_SPEC,
-                       *progress, *pip_args], say)
+    step(1, f"Downloading {what}")
+    rc = runner(pip + ["download", "--only-binary=:all:", "--dest", str(cache), "--index-url", plan.index, plan.torch_spec, *dl_opts, *pip_args], say)
     tv = wheel_version(cache, "torch")
     if rc != 0 or not tv:
-        return done(False, False, f"Downloading {what} failed (exit {rc}); nothing was changed. "
-                    "Check the internet connection and start HiveJet again. HiveJet runs in CPU mode until then.")
+        return done(False, False, f"Downloading {what} from {plan.index} failed (exit {rc}); nothing was changed. "
+                    "Check the internet connection and try again; what was downloaded is kept. HiveJet runs in "
+                    "CPU mode until then.", quote=True)
     extra: list[str] = []
-    if cuda and win:
-        say(f"@@step 2 {total} Downloading Triton for Windows")
-        rc = runner(pip + ["download", "--only-binary=:all:", "--dest", str(cache), triton_windows_spec(tv),
-                           *progress, *pip_args], say)
-        trv = wheel_version(cache, TRITON_WINDOWS)
-        if rc != 0 or not trv:
-            return done(False, False, f"Downloading triton-windows failed (exit {rc}); nothing was changed. "
-                        "HiveJet runs in CPU mode until the next try.")
-        extra = [f"{TRITON_WINDOWS}=={trv}"]
-    say(f"@@step {total - 1} {total} Installing {what}")
+    if plan.triton_spec:
+        step(2, "Downloading Triton for Windows")
+        rc = runner(pip + ["download", "--only-binary=:all:", "--no-deps", "--dest", str(cache), plan.triton_spec,
+                           *dl_opts, *pip_args], say)
+        if rc != 0 or not wheel_version(cache, TRITON_WINDOWS):
+            return done(False, False, f"Downloading {plan.triton_spec} failed (exit {rc}); nothing was changed. "
+                        "HiveJet runs in CPU mode until the next try.", quote=True)
+        extra = [plan.triton_spec]
+    step(total - 1, f"Installing {what}")
     rc = runner(pip + ["install", "--no-index", "--find-links", str(cache), "--upgrade", f"torch=={tv}", *extra,
                        "--no-warn-script-location", *pip_args], say)
     if rc != 0:
         return done(False, False, f"Installing {what} failed (exit {rc}). Run the setup again "
-                    "(see docs/INSTALL.md); HiveJet may not start until it succeeds.", tv)
-    say(f"@@step {total} {total} Checking PyTorch")
+                    "(see docs/INSTALL.md); HiveJet may not start until it succeeds.", tv, quote=True)
+    step(total, "Checking PyTorch")
     out: list[str] = []
     rc = check_runner([python, "-c", "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"],
                 lambda s: (out.append(s), say(s)))
@@ -367,6 +407,7 @@ def run_setup(plan: Plan, *, python: str = sys.executable, cache: Path | None = 
         return done(True, True, f"GPU support is ready: PyTorch {tv} on {plan.gpu.name if plan.gpu else 'the GPU'}.",
                     tv)
     return done(True, False, f"PyTorch {tv} (CPU build) is installed: HiveJet runs in CPU mode.", tv)
+
 
 
 def _env_prefix(python: str) -> Path:
@@ -462,6 +503,7 @@ def make_progress_dialog(command: Sequence[str], title: str = "Setting up GPU su
                 v.addWidget(w)
             self.result_ok = False
             self.result_message = ""
+            self.recent: list[str] = []     # the last output lines: quoted when the setup stops without a result
             self.step = (0, 1)
             self._buf = ""
             self.proc = QProcess(self)
@@ -495,7 +537,7 @@ def make_progress_dialog(command: Sequence[str], title: str = "Setting up GPU su
             elif line.startswith("@@result "):
                 status, _, msg = line[9:].partition(" ")
                 self.result_ok = status == "ok"
-                self.result_message = msg
+                self.result_message = msg.replace("\\n", "\n")
             else:
                 m = re.match(r"Progress (\d+) of (\d+)", line)
                 if m and int(m.group(2)) > 0:
@@ -506,6 +548,7 @@ def make_progress_dialog(command: Sequence[str], title: str = "Setting up GPU su
                     return
                 if line.strip():
                     self.log.appendPlainText(line)
+                    self.recent = (self.recent + [line])[-TAIL_LINES:]
 
         def _finished(self, code, _status=None):
             if self._finished_called:
@@ -516,7 +559,7 @@ def make_progress_dialog(command: Sequence[str], title: str = "Setting up GPU su
                 self._buf = ""
             if not self.result_message:
                 self.result_ok = False
-                self.result_message = f"The setup stopped (exit code {code})."
+                self.result_message = stopped_message(self._command, code, self.recent)
             self.accept() if self.result_ok else self.reject()
 
         def _error(self, err):
@@ -536,6 +579,39 @@ def make_progress_dialog(command: Sequence[str], title: str = "Setting up GPU su
     d = ProgressDialog()
     d.setAttribute(Qt.WA_DeleteOnClose, False)
     return d
+
+
+def stopped_message(command: Sequence[str], code: int, recent: Sequence[str]) -> str:
+    """What the dialog says when the setup process ended without its own result line: pkexec refused or
+    failed, or the setup crashed. Quotes the process's last output lines (pkexec's or Python's error)."""
+    elevated = bool(command) and Path(command[0]).name == "pkexec"
+    if elevated and code == 126:
+        head = "The administrator password was not given (pkexec: authorization refused or cancelled)."
+    elif elevated and code == 127:
+        head = ("pkexec could not ask for the administrator password (no polkit authentication agent is running?). "
+                "Run `sudo hivejet-gpu-setup` in a terminal instead.")
+    else:
+        head = f"The setup stopped (exit code {code})."
+    tail = "\n".join(ln for ln in recent if ln.strip())
+    return head + (f"\n\n{tail}" if tail else "")
+
+
+def show_failure(message: str) -> bool:
+    """The failed setup's message (with the failing step's own output) and a Retry button; True: retry."""
+    from PySide6.QtWidgets import QMessageBox
+    box = QMessageBox()
+    box.setWindowTitle("HiveJet - GPU setup")
+    box.setIcon(QMessageBox.Warning)
+    head, _, detail = message.partition("\n\n")
+    box.setText(head + "\n\nHiveJet runs in CPU mode until the setup succeeds.")
+    if detail:
+        box.setDetailedText(detail)
+        box.setInformativeText(detail.splitlines()[-1][:300])
+    retry = box.addButton("Retry", QMessageBox.AcceptRole)
+    box.addButton("Close", QMessageBox.RejectRole)
+    box.setDefaultButton(retry)
+    box.exec()
+    return box.clickedButton() is retry
 
 
 def ask_and_setup(plan: Plan, *, command: Sequence[str] | None = None, ask: bool = True) -> tuple[bool, str]:
@@ -568,12 +644,36 @@ def ask_and_setup(plan: Plan, *, command: Sequence[str] | None = None, ask: bool
                    "HiveJet runs in CPU mode until then.")
             QMessageBox.information(None, "HiveJet - GPU setup", msg)
             return False, msg
-    dlg = make_progress_dialog(command)
-    dlg.start()
-    dlg.exec()
-    if not dlg.result_ok:
-        QMessageBox.warning(None, "HiveJet - GPU setup", dlg.result_message)
-    return dlg.result_ok, dlg.result_message
+    while True:
+        dlg = make_progress_dialog(command)
+        dlg.start()
+        dlg.exec()
+        if dlg.result_ok or not show_failure(dlg.result_message):
+            return dlg.result_ok, dlg.result_message
+
+
+# ----------------------------------------------------------------------------------------------- start check
+VC_REDIST_URL = "https://aka.ms/vs/17/release/vc_redist.x64.exe"
+
+
+def torch_import_error(importer: Callable[[str], object] = __import__, platform: str = sys.platform) -> str:
+    """'' when torch imports, else what the user is told: the error itself and the fix. On Windows the usual
+    cause is a missing Microsoft Visual C++ runtime DLL (MSVCP140.dll, VCRUNTIME140_1.dll, ...): the installer
+    ships them in python\\ beside python.exe, so a missing one means a damaged install."""
+    try:
+        importer("torch")
+        return ""
+    except Exception as e:    # ImportError, OSError (WinError 126: a DLL or one of its dependencies), ...
+        err = f"{type(e).__name__}: {e}"
+    msg = f"PyTorch could not be loaded ({err})."
+    if platform == "win32":
+        msg += (" A DLL it needs is missing: most often the Microsoft Visual C++ runtime (MSVCP140.dll, "
+                "VCRUNTIME140_1.dll, MSVCP140_ATOMIC_WAIT.dll, VCRUNTIME140_THREADS.dll), which HiveJet's installer "
+                "puts in its python folder. Run the HiveJet installer again to repair it, or install Microsoft's "
+                f"Visual C++ Redistributable ({VC_REDIST_URL}).")
+    else:
+        msg += " Repair HiveJet's environment: sudo /opt/hivejet/lib/setup-env.sh (or sudo hivejet-gpu-setup)."
+    return msg
 
 
 # ----------------------------------------------------------------------------------------------- entry points
@@ -605,6 +705,14 @@ def launch(argv: Sequence[str] = (), smi: str | None = None) -> int:
             print(f"hivejet: {plan.message}\nhivejet: run `hivejet-gpu-setup` to install it.", file=sys.stderr)
     elif plan.cpu_mode:
         print(f"hivejet: {plan.message}", file=sys.stderr)
+    err = torch_import_error()
+    if err:
+        print(f"hivejet: {err}", file=sys.stderr)
+        if gui:
+            from PySide6.QtWidgets import QApplication, QMessageBox
+            _app = QApplication.instance() or QApplication(sys.argv[:1])
+            QMessageBox.critical(None, "HiveJet cannot start", err)
+        return 1
     if gui:
         from app.gui import run_gui
         return run_gui(a.model, smoke=a.smoke)
@@ -621,6 +729,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = sub.add_parser("setup", help="download and install the PyTorch build that fits (the default)")
     s.add_argument("--yes", "-y", action="store_true", help="do not ask")
     s.add_argument("--flavor", default="auto", help="auto (default), cpu, or a CUDA build tag such as cu128")
+    s.add_argument("--if-missing", action="store_true",
+                   help="only when the environment has no torch at all (the .deb's postinst: a reinstall or an "
+                        "upgrade never replaces the build the user has)")
     s.add_argument("--cache", default=None, help="download folder (default: <env>/gpu-cache/<flavor>)")
     s.add_argument("--pip-arg", action="append", default=[], help="extra pip argument (repeatable)")
     s.add_argument("--progress", choices=("terminal", "raw"), default="terminal",
@@ -634,11 +745,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(current_plan().to_json())
         return 0
     flavor = getattr(a, "flavor", "auto")
+    have = installed_torch()
+    if getattr(a, "if_missing", False) and have.version:
+        print(f"@@result ok nothing to do: PyTorch {have.version} ({have.flavor} build) is installed", flush=True)
+        return 0
     plan = current_plan()
-    if flavor != "auto":
+    if flavor not in ("auto", plan.flavor if plan.action == "install" else "auto"):
         if flavor != "cpu" and not _tag_cuda(flavor):
             p.error(f"unknown flavor {flavor!r}: auto, cpu or cuNNN")
-        plan = Plan("install", flavor, plan.gpu, f"Installing the {flavor} build of PyTorch.")
+        try:
+            plan = Plan("install", flavor, plan.gpu, f"Installing the {flavor} build of PyTorch.").pinned()
+        except ValueError as e:
+            print(f"hivejet-gpu-setup: {e}", file=sys.stderr)
+            print(f"@@result fail {e}", flush=True)
+            return 2
     print(plan.message, flush=True)
     if plan.action == "none":
         print("@@result ok nothing to do: " + plan.message, flush=True)

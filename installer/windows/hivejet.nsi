@@ -2,14 +2,19 @@
 ;
 ; Build with installer/windows/build.ps1 (it makes the payload), or by hand:
 ;   makensis -DVERSION=0.1.0 -DPAYLOAD=<folder> -DOUTFILE=<setup.exe> installer/windows/hivejet.nsi
-; PAYLOAD holds python\ (Python with HiveJet and its dependencies installed, PyTorch's CPU build included),
-; hivejet.ico and hivejet.cmd. See docs/INSTALL.md.
+; PAYLOAD holds python\ (Python with HiveJet and its dependencies installed, PyTorch's CPU build included, and
+; the Microsoft Visual C++ runtime DLLs that torch and Triton load, app-local beside python.exe), hivejet.ico and
+; hivejet.cmd. See docs/INSTALL.md.
 ;
 ; * Per-user install into %LOCALAPPDATA%\Programs\HiveJet: no administrator rights.
 ; * Start menu and (optional) desktop shortcuts run `pythonw -m app.firstrun launch`: on the first start it finds
 ;   the NVIDIA driver and offers the CUDA build of PyTorch (plus triton-windows), with a progress window.
-; * Upgrade in place: a previous install's folder is reused; its Python environment is replaced as a whole,
-;   the GPU download (gpu-cache) is kept so the GPU build is installed again without downloading it again.
+; * Upgrade in place, atomically: a previous install's folder is reused. The new Python environment is unpacked
+;   beside the old one (python.new), then swapped in with two renames; the old one is renamed aside first, which
+;   fails while HiveJet runs (its files are open): the installer asks to close it (a silent /S install gives up),
+;   and every failure before or during the swap removes python.new and puts the old python\ back, so no run,
+;   cancelled, silent or failed, leaves a half-deleted tree. The GPU download (gpu-cache) is kept so the GPU
+;   build is installed again without downloading it again.
 ; * The uninstaller removes the program and asks before it deletes models and conversations
 ;   (%LOCALAPPDATA%\hivejet); a silent uninstall (/S) keeps them.
 
@@ -25,6 +30,18 @@ ManifestDPIAware true
 !ifndef PAYLOAD
   !error "PAYLOAD is not defined: makensis -DPAYLOAD=<folder with python\, hivejet.ico, hivejet.cmd>"
 !endif
+; The VC++ runtime torch and Triton need, app-local (build.ps1 copies it from Visual Studio's redist folder):
+; an installer without it would work only where some other program installed vc_redist.
+!macro NEED_DLL name
+  !if ! /FileExists "${PAYLOAD}\python\${name}"
+    !error "${name} is missing from ${PAYLOAD}\python: build.ps1 copies the VC++ runtime there"
+  !endif
+!macroend
+!insertmacro NEED_DLL "msvcp140.dll"
+!insertmacro NEED_DLL "msvcp140_atomic_wait.dll"
+!insertmacro NEED_DLL "vcruntime140.dll"
+!insertmacro NEED_DLL "vcruntime140_1.dll"
+!insertmacro NEED_DLL "vcruntime140_threads.dll"
 !ifndef OUTFILE
   !define OUTFILE "HiveJet-${VERSION}-setup.exe"
 !endif
@@ -97,25 +114,85 @@ Function SkipDirectoryOnUpgrade
   ${EndIf}
 FunctionEnd
 
+; Whether HiveJet runs from python\: a running HiveJet keeps files there open, and Windows refuses to rename a
+; folder with open files. Asks to close it; Cancel (the default of a silent install) aborts with nothing changed.
+Function WaitUntilNotRunning
+  ${IfNot} ${FileExists} "$INSTDIR\python\*.*"
+    Return
+  ${EndIf}
+  check:
+  ClearErrors
+  Rename "$INSTDIR\python" "$INSTDIR\python.check"
+  ${If} ${Errors}
+    MessageBox MB_RETRYCANCEL|MB_ICONEXCLAMATION "HiveJet is running (its files are in use).$\r$\nClose HiveJet, then click Retry." /SD IDCANCEL IDRETRY check
+    RMDir /r "$INSTDIR\python.new"
+    Abort "HiveJet is running: nothing was changed. Close it and run the installer again."
+  ${EndIf}
+  Rename "$INSTDIR\python.check" "$INSTDIR\python"
+FunctionEnd
+
+Function .onInstFailed
+  ; whatever stopped the install: the new tree goes, the old one stays (or comes back)
+  RMDir /r "$INSTDIR\python.new"
+  ${If} ${FileExists} "$INSTDIR\python.old\*.*"
+  ${AndIfNot} ${FileExists} "$INSTDIR\python\*.*"
+    Rename "$INSTDIR\python.old" "$INSTDIR\python"
+  ${EndIf}
+FunctionEnd
+
 Section "HiveJet (required)" SecApp
   SectionIn RO
   SetOutPath "$INSTDIR"
   ${If} $PreviousVersion != ""
     DetailPrint "Upgrading HiveJet $PreviousVersion to ${VERSION} in $INSTDIR"
   ${EndIf}
-  ; The old Python environment goes as a whole (two versions' packages mixed would break it). Its files are
-  ; locked while HiveJet runs.
-  retry:
+  ; Leftovers of an earlier run that was killed mid-way: a swap that stopped between its two renames gets the
+  ; old environment back; a half-unpacked new one goes.
+  ${If} ${FileExists} "$INSTDIR\python.old\*.*"
+  ${AndIfNot} ${FileExists} "$INSTDIR\python\*.*"
+    Rename "$INSTDIR\python.old" "$INSTDIR\python"
+  ${EndIf}
+  RMDir /r "$INSTDIR\python.new"
+  RMDir /r "$INSTDIR\python.old"
+  ${If} ${FileExists} "$INSTDIR\python.check\*.*"
+  ${AndIfNot} ${FileExists} "$INSTDIR\python\*.*"
+    Rename "$INSTDIR\python.check" "$INSTDIR\python"
+  ${EndIf}
+  Call WaitUntilNotRunning
+
+  ; 1. The new environment beside the old one: nothing of the installed version is touched yet.
+  SetOutPath "$INSTDIR\python.new"
+  ClearErrors
+  File /r "${PAYLOAD}\python\*"
+  ${If} ${Errors}
+    RMDir /r "$INSTDIR\python.new"
+    Abort "Unpacking HiveJet failed (is the disk full?): nothing was changed."
+  ${EndIf}
+  SetOutPath "$INSTDIR"
+
+  ; 2. The swap: old aside (fails if HiveJet was started meanwhile), new in; any failure restores the old one.
+  Call WaitUntilNotRunning
   ${If} ${FileExists} "$INSTDIR\python\*.*"
     ClearErrors
-    RMDir /r "$INSTDIR\python"
+    Rename "$INSTDIR\python" "$INSTDIR\python.old"
     ${If} ${Errors}
-      MessageBox MB_RETRYCANCEL|MB_ICONEXCLAMATION "HiveJet is still running (its files are in use).$\r$\nClose HiveJet, then click Retry." /SD IDCANCEL IDRETRY retry
-      Abort "HiveJet is running: close it and run the installer again."
+      RMDir /r "$INSTDIR\python.new"
+      Abort "HiveJet's files are in use: nothing was changed. Close HiveJet and run the installer again."
     ${EndIf}
   ${EndIf}
+  ClearErrors
+  Rename "$INSTDIR\python.new" "$INSTDIR\python"
+  ${If} ${Errors}
+    Rename "$INSTDIR\python.old" "$INSTDIR\python"
+    RMDir /r "$INSTDIR\python.new"
+    Abort "Replacing HiveJet's files failed: the previous version was restored."
+  ${EndIf}
+  ; 3. The old environment goes; a file that cannot go now is removed at the next restart.
+  RMDir /r /REBOOTOK "$INSTDIR\python.old"
 
-  File /r "${PAYLOAD}\*"
+  File "${PAYLOAD}\hivejet.ico"
+  File "${PAYLOAD}\hivejet.cmd"
+  File /nonfatal "${PAYLOAD}\README.txt"
   WriteUninstaller "$INSTDIR\Uninstall.exe"
 
   CreateShortCut "$SMPROGRAMS\HiveJet.lnk" "${LAUNCH_EXE}" "${LAUNCH_ARGS}" "$INSTDIR\hivejet.ico" 0 SW_SHOWNORMAL "" "Run open language models on your own GPU"
@@ -147,13 +224,20 @@ SectionEnd
 !insertmacro MUI_FUNCTION_DESCRIPTION_END
 
 Section "Uninstall"
+  ; python\ is renamed aside first: that fails while HiveJet runs, before anything was deleted.
+  ${If} ${FileExists} "$INSTDIR\python\*.*"
+    ClearErrors
+    Rename "$INSTDIR\python" "$INSTDIR\python.uninstall"
+    ${If} ${Errors}
+      MessageBox MB_OK|MB_ICONEXCLAMATION "HiveJet is running (its files are in use). Close HiveJet and run the uninstaller again: nothing was removed." /SD IDOK
+      Abort "HiveJet is running: nothing was removed."
+    ${EndIf}
+  ${EndIf}
   Delete "$SMPROGRAMS\HiveJet.lnk"
   Delete "$DESKTOP\HiveJet.lnk"
-  ClearErrors
-  RMDir /r "$INSTDIR\python"
-  ${If} ${Errors}
-    MessageBox MB_OK|MB_ICONEXCLAMATION "Some files are in use (is HiveJet running?). Close HiveJet and run the uninstaller again to remove them." /SD IDOK
-  ${EndIf}
+  RMDir /r /REBOOTOK "$INSTDIR\python.uninstall"
+  RMDir /r "$INSTDIR\python.new"
+  RMDir /r "$INSTDIR\python.old"
   RMDir /r "$INSTDIR\gpu-cache"
   Delete "$INSTDIR\hivejet.ico"
   Delete "$INSTDIR\hivejet.cmd"

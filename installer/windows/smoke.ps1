@@ -3,8 +3,10 @@ Install a built HiveJet installer silently into a temporary folder, check the in
   pwsh installer/windows/smoke.ps1 -Installer dist\HiveJet-0.1.0-setup.exe
 Checks: `hivejet.cmd --version`, the app's offscreen smoke test through the Start menu command
 (`pythonw -m app.firstrun launch --smoke`, run with python.exe to see its output), the shortcuts and the
-uninstall registry entry; after the silent uninstall, that the program and shortcuts are gone and that user
-data was kept (a silent uninstall keeps models and conversations).
+uninstall registry entry, the app-local VC++ runtime DLLs; an upgrade while HiveJet runs (a silent one gives up
+and leaves the installed version whole and working), then one after it closed; after the silent uninstall,
+that the program and shortcuts are gone and that user data was kept (a silent uninstall keeps models and
+conversations).
 #>
 param([Parameter(Mandatory = $true)][string]$Installer)
 $ErrorActionPreference = "Stop"
@@ -19,6 +21,9 @@ Assert (Test-Path "$env:APPDATA\Microsoft\Windows\Start Menu\Programs\HiveJet.ln
 Assert (Test-Path ([Environment]::GetFolderPath("Desktop") + "\HiveJet.lnk")) "desktop shortcut"
 Assert ((Get-ItemProperty "HKCU:\Software\Microsoft\Windows\CurrentVersion\Uninstall\HiveJet").InstallLocation -eq $dir) "uninstall entry"
 
+foreach ($dll in "msvcp140.dll", "msvcp140_atomic_wait.dll", "vcruntime140.dll", "vcruntime140_1.dll", "vcruntime140_threads.dll") {
+  Assert (Test-Path "$dir\python\$dll") "VC++ runtime $dll beside python.exe"
+}
 $out = & "$dir\hivejet.cmd" --version
 Assert ($LASTEXITCODE -eq 0 -and "$out" -match "^hivejet ") "hivejet --version: $out"
 
@@ -33,9 +38,24 @@ Assert ($LASTEXITCODE -eq 0 -and ($out -join " ") -match "smoke ok") "offscreen 
 $plan = & "$dir\python\python.exe" -m app.firstrun plan
 Write-Host "first-run plan: $plan"
 
-# Upgrade in place: installing again over the same folder keeps working.
+# Upgrade while HiveJet runs (a python.exe from the install holds its files open): a silent install gives up
+# and changes nothing; the installed copy still runs.
+$running = Start-Process -FilePath "$dir\python\python.exe" -ArgumentList "-c", "import time, torch; time.sleep(600)" -PassThru
+Start-Sleep -Seconds 10
+$p = Start-Process -FilePath $Installer -ArgumentList "/S" -Wait -PassThru
+Assert ($p.ExitCode -ne 0) "silent upgrade while HiveJet runs gives up (exit $($p.ExitCode))"
+Assert (-not (Test-Path "$dir\python.new") -and -not (Test-Path "$dir\python.old")) "no half-made tree left"
+$out = & "$dir\hivejet.cmd" --version
+Assert ($LASTEXITCODE -eq 0 -and "$out" -match "^hivejet ") "the installed copy still runs: $out"
+Stop-Process -Id $running.Id -Force
+$running.WaitForExit()
+
+# Upgrade in place once it closed: installing again over the same folder keeps working.
 $p = Start-Process -FilePath $Installer -ArgumentList "/S" -Wait -PassThru
 Assert ($p.ExitCode -eq 0 -and (Test-Path "$dir\python\pythonw.exe")) "reinstall (upgrade in place) into $dir"
+Assert (-not (Test-Path "$dir\python.new") -and -not (Test-Path "$dir\python.old")) "the swap left no old or new tree"
+$out = & "$dir\hivejet.cmd" --version
+Assert ($LASTEXITCODE -eq 0) "the upgraded copy runs: $out"
 
 New-Item -ItemType Directory -Force "$env:LOCALAPPDATA\hivejet\hivejet" | Out-Null
 Set-Content "$env:LOCALAPPDATA\hivejet\hivejet\keep.txt" "user data"

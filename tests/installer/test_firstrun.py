@@ -72,12 +72,34 @@ CPU = fr.TorchBuild("2.9.1+cpu", "cpu")
 NONE = fr.TorchBuild(None, None)
 
 
-@pytest.mark.parametrize("cuda,flavor", [((13, 1), "cu130"), ((12, 9), "cu128"), ((12, 8), "cu128"),
-                                         ((12, 6), "cu126")])
-def test_choose_cuda_build_for_driver(cuda, flavor):
-    p = fr.choose([gpu(cuda=cuda)], "", CPU)
-    assert (p.action, p.flavor, p.cpu_mode) == ("install", flavor, False)
+@pytest.mark.parametrize("platform,cuda,compute,torch,triton", [
+    ("linux", (13, 1), (8, 9), "torch==2.11.0+cu128", ""),
+    ("linux", (12, 8), (7, 5), "torch==2.11.0+cu128", ""),           # upstream Triton runs Turing
+    ("linux", (12, 6), (8, 9), "torch==2.9.1+cu126", ""),
+    ("win32", (13, 0), (12, 0), "torch==2.11.0+cu128", "triton-windows==3.6.0.post26"),
+    ("win32", (12, 6), (8, 6), "torch==2.9.1+cu126", "triton-windows==3.5.1.post24"),
+    ("win32", (12, 8), (7, 5), "torch==2.6.0+cu126", "triton-windows==3.2.0.post21"),   # Turing: Triton <= 3.2
+])
+def test_choose_pinned_stack_for_gpu_and_driver(platform, cuda, compute, torch, triton):
+    p = fr.choose([gpu(cuda=cuda, compute=compute)], "", CPU, platform=platform)
+    assert (p.action, p.cpu_mode, p.torch_spec, p.triton_spec) == ("install", False, torch, triton)
+    assert p.index == "https://download.pytorch.org/whl/" + p.flavor
     assert "RTX 4090" in p.message and p.download_mb > 1000
+
+
+def test_windows_turing_replaces_a_cuda_build_whose_triton_does_not_support_it():
+    turing = gpu(cuda=(12, 8), compute=(7, 5), name="RTX 2080")
+    p = fr.choose([turing], "", fr.TorchBuild("2.11.0+cu128", "cu128"), platform="win32")
+    assert (p.action, p.torch_spec) == ("install", "torch==2.6.0+cu126") and "Triton" in p.message
+    assert fr.choose([turing], "", fr.TorchBuild("2.6.0+cu126", "cu126"), platform="win32").action == "none"
+    # on Linux the same card keeps its CUDA build
+    assert fr.choose([turing], "", fr.TorchBuild("2.11.0+cu128", "cu128"), platform="linux").action == "none"
+
+
+def test_gpu_mode_is_not_offered_below_turing_on_any_platform():
+    for platform in ("win32", "linux"):
+        p = fr.choose([gpu(compute=(7, 0), name="Tesla V100")], "", CPU, platform=platform)
+        assert p.cpu_mode and p.action == "none" and "7.5" in p.message
 
 
 def test_choose_cpu_mode_with_clear_messages():
@@ -104,9 +126,13 @@ def test_choose_picks_the_largest_suitable_gpu():
     assert p.gpu.name == "RTX 3060"
 
 
-def test_triton_windows_spec():
-    assert fr.triton_windows_spec("2.9.1+cu128") == "triton-windows>=3.5,<3.6"
-    assert fr.triton_windows_spec("2.7.0") == "triton-windows>=3.3,<3.4"
+def test_forced_flavor_takes_its_pinned_stack():
+    p = fr.Plan("install", "cu126", gpu(compute=(7, 5)), "").pinned("win32")
+    assert (p.torch_spec, p.triton_spec) == ("torch==2.6.0+cu126", "triton-windows==3.2.0.post21")
+    p = fr.Plan("install", "cpu", None, "").pinned("linux")
+    assert p.torch_spec == "torch==2.13.0+cpu" and p.index.endswith("/whl/cpu")
+    with pytest.raises(ValueError, match="no pinned cu999"):
+        fr.Plan("install", "cu999", None, "").pinned("linux")
 
 
 class FakePip:
@@ -124,34 +150,36 @@ class FakePip:
             return 1 if self.fail == "check" else 0
         cmd = argv[3]
         if cmd == self.fail or (self.fail == "triton" and any(a.startswith("triton") for a in argv)):
-            on_line("ERROR: boom")
+            on_line("Looking in indexes: https://download.pytorch.org/whl/cu128")
+            on_line("ERROR: HTTP error 503 while getting torch-2.9.1+cu128-cp312-cp312-win_amd64.whl")
             return 1
         if cmd == "download":
             dest = Path(argv[argv.index("--dest") + 1])
             if any(a.startswith("triton-windows") for a in argv):
                 (dest / "triton_windows-3.5.1.post21-cp312-cp312-win_amd64.whl").write_bytes(b"")
             else:
-                (dest / "torch-2.9.1+cu128-cp312-cp312-win_amd64.whl").write_bytes(b"")
+                (dest / "torch-2.11.0+cu128-cp312-cp312-win_amd64.whl").write_bytes(b"")
                 (dest / "sympy-1.14.0-py3-none-any.whl").write_bytes(b"")
             on_line("Progress 10 of 100")
         return 0
 
 
 def test_run_setup_windows_cuda(tmp_path):
-    plan = fr.choose([gpu()], "", CPU)
+    plan = fr.choose([gpu()], "", CPU, platform="win32")
     pip, lines = FakePip(), []
     res = fr.run_setup(plan, python=str(tmp_path / "python" / "python.exe"), cache=tmp_path / "cache", runner=pip,
-                       on_line=lines.append, platform="win32", raw_progress=True)
-    assert res.ok and res.gpu_ready and res.torch_version == "2.9.1+cu128"
+                       on_line=lines.append, platform="win32", raw_progress=True, resume=True)
+    assert res.ok and res.gpu_ready and res.torch_version == "2.11.0+cu128"
     dl_torch, dl_triton, install, check = pip.calls
     assert dl_torch[3:5] == ["download", "--only-binary=:all:"]
-    assert "https://download.pytorch.org/whl/cu128" in dl_torch and "--progress-bar" in dl_torch
-    assert "triton-windows>=3.5,<3.6" in dl_triton and "--index-url" not in dl_triton   # from PyPI
+    assert "https://download.pytorch.org/whl/cu128" in dl_torch and "torch==2.11.0+cu128" in dl_torch
+    assert "--progress-bar" in dl_torch and dl_torch[dl_torch.index("--resume-retries") + 1] == "20"
+    assert "triton-windows==3.6.0.post26" in dl_triton and "--index-url" not in dl_triton   # from PyPI
     assert install[3] == "install" and "--no-index" in install
-    assert "torch==2.9.1+cu128" in install and "triton-windows==3.5.1.post21" in install
+    assert "torch==2.11.0+cu128" in install and "triton-windows==3.6.0.post26" in install
     assert [ln for ln in lines if ln.startswith("@@step")] == [
-        "@@step 1 4 Downloading PyTorch (cu128 build, CUDA)", "@@step 2 4 Downloading Triton for Windows",
-        "@@step 3 4 Installing PyTorch (cu128 build, CUDA)", "@@step 4 4 Checking PyTorch"]
+        "@@step 1 4 Downloading PyTorch (2.11.0+cu128, CUDA)", "@@step 2 4 Downloading Triton for Windows",
+        "@@step 3 4 Installing PyTorch (2.11.0+cu128, CUDA)", "@@step 4 4 Checking PyTorch"]
     assert lines[-1].startswith("@@result ok GPU support is ready")
     assert (tmp_path / "cache").exists()          # kept on Windows: an upgrade reinstalls without downloading
 
@@ -162,10 +190,11 @@ def test_run_setup_linux_cpu_has_no_triton_step_and_drops_the_download(tmp_path)
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     res = fr.run_setup(plan, python=str(venv / "bin" / "python"), runner=pip, on_line=lambda s: None,
-                       platform="linux", raw_progress=False)
+                       platform="linux", raw_progress=False, resume=False)
     assert res.ok and not res.gpu_ready and "CPU mode" in res.message
     assert len(pip.calls) == 3 and "https://download.pytorch.org/whl/cpu" in pip.calls[0]
-    assert "--progress-bar" not in pip.calls[0]
+    assert "torch==2.13.0+cpu" in pip.calls[0]
+    assert "--progress-bar" not in pip.calls[0] and "--resume-retries" not in pip.calls[0]
     assert not (tmp_path / "gpu-cache" / "cpu").exists()
     assert json.loads((venv / "hivejet-gpu.json").read_text())["flavor"] == "cpu"
 
@@ -175,18 +204,31 @@ def test_run_setup_linux_cpu_has_no_triton_step_and_drops_the_download(tmp_path)
                                           ("install", False, "Installing"),
                                           ("check", False, "does not import")])
 def test_run_setup_failures_are_explained(tmp_path, step, ok, text):
-    plan = fr.choose([gpu()], "", CPU)
+    plan = fr.choose([gpu()], "", CPU, platform="win32")
     pip = FakePip(fail=step)
-    res = fr.run_setup(plan, python="python", cache=tmp_path, runner=pip, on_line=lambda s: None, platform="win32",
-                       raw_progress=False)
+    lines = []
+    res = fr.run_setup(plan, python="python", cache=tmp_path, runner=pip, on_line=lines.append, platform="win32",
+                       raw_progress=False, resume=False)
     assert res.ok is ok and not res.gpu_ready and text in res.message
     if step in ("download", "triton"):
         assert not any(c[3] == "install" for c in pip.calls if len(c) > 3)
+    if step != "check":     # the failing step's own error text, not only its exit code
+        assert "HTTP error 503 while getting" in res.message and "@@step" not in res.message
+        result = lines[-1]
+        assert result.startswith("@@result fail") and "\n" not in result and "HTTP error 503" in result
+
+
+def test_stopped_message_quotes_pkexec():
+    msg = fr.stopped_message(["/usr/bin/pkexec", "py"], 126, ["Error executing command as another user: Not authorized"])
+    assert "authorization refused" in msg and "Not authorized" in msg
+    msg = fr.stopped_message(["/usr/bin/pkexec", "py"], 127, ["Error: no authentication agent found."])
+    assert "sudo hivejet-gpu-setup" in msg and "no authentication agent" in msg
+    assert fr.stopped_message(["py"], 3, ["Traceback ...", "OSError: disk full"]).endswith("OSError: disk full")
 
 
 def test_run_setup_cuda_build_that_does_not_see_the_gpu(tmp_path):
     res = fr.run_setup(fr.choose([gpu()], "", CPU), python="python", cache=tmp_path, runner=FakePip(cuda_ok=False),
-                       on_line=lambda s: None, platform="linux", raw_progress=False)
+                       on_line=lambda s: None, platform="linux", raw_progress=False, resume=False)
     assert res.ok and not res.gpu_ready and "CPU mode" in res.message
 
 
@@ -276,14 +318,62 @@ def test_launch_sets_up_before_opening_the_app(monkeypatch, tmp_path):
     assert fr.launch([]) == 0 and order == [("gui", None, False)]
 
 
-def test_ask_and_setup_without_question_runs_the_window(qtbot, tmp_path, monkeypatch):
-    from PySide6.QtWidgets import QMessageBox
-    warned = []
-    monkeypatch.setattr(QMessageBox, "warning", staticmethod(lambda *a: warned.append(a[2])))
+def test_ask_and_setup_shows_the_error_and_retries(qtbot, tmp_path, monkeypatch):
+    shown = []
+    answers = []
+    monkeypatch.setattr(fr, "show_failure", lambda msg: shown.append(msg) or (answers.pop(0) if answers else False))
     script = tmp_path / "s.py"
     plan = fr.choose([gpu()], "", CPU)
     script.write_text(FAKE_SETUP % ("ok GPU support is ready", 0))
     assert fr.ask_and_setup(plan, command=[sys.executable, str(script)], ask=False) == (True, "GPU support is ready")
-    script.write_text(FAKE_SETUP % ("fail no network", 1))
-    assert fr.ask_and_setup(plan, command=[sys.executable, str(script)], ask=False) == (False, "no network")
-    assert warned == ["no network"]
+    assert shown == []
+    script.write_text(FAKE_SETUP % ("fail Downloading failed\\\\n\\\\nERROR: HTTP error 503", 1))  # as run_setup escapes it
+    assert fr.ask_and_setup(plan, command=[sys.executable, str(script)], ask=False) == (
+        False, "Downloading failed\n\nERROR: HTTP error 503")
+    assert shown == ["Downloading failed\n\nERROR: HTTP error 503"]
+    # Retry runs the setup again: the second run succeeds
+    shown.clear()
+    answers.append(True)
+    runs = tmp_path / "runs"
+    script.write_text("import sys, pathlib\n"
+                      f"p = pathlib.Path({str(runs)!r}); n = int(p.read_text()) if p.exists() else 0\n"
+                      "p.write_text(str(n + 1))\n"
+                      "print('@@result ok GPU support is ready' if n else 'pip: ERROR: no space left on device')\n"
+                      "sys.exit(0 if n else 1)\n")
+    assert fr.ask_and_setup(plan, command=[sys.executable, str(script)], ask=False) == (True, "GPU support is ready")
+    assert len(shown) == 1 and "exit code 1" in shown[0] and "no space left on device" in shown[0]
+
+
+def test_start_check_names_the_missing_vc_runtime():
+    def broken(name):
+        raise OSError('[WinError 126] The specified module could not be found. Error loading "C:\\HiveJet\\python\\'
+                      'Lib\\site-packages\\torch\\lib\\c10.dll" or one of its dependencies.')
+    msg = fr.torch_import_error(broken, platform="win32")
+    assert "c10.dll" in msg and "MSVCP140.dll" in msg and "installer again" in msg and fr.VC_REDIST_URL in msg
+    assert "setup-env.sh" in fr.torch_import_error(broken, platform="linux")
+    assert fr.torch_import_error(lambda name: None) == ""
+
+
+def test_launch_stops_with_the_message_when_torch_does_not_import(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HIVEJET_HOME", str(tmp_path))
+    monkeypatch.setattr(fr, "current_plan", lambda smi=None: fr.choose([], "no NVIDIA driver found", CPU))
+    monkeypatch.setattr(fr, "torch_import_error", lambda: "PyTorch could not be loaded (OSError: c10.dll).")
+    import app.gui
+    monkeypatch.setattr(app.gui, "display_available", lambda: False)
+    monkeypatch.setattr(app.gui, "run_gui", lambda *a, **k: pytest.fail("the app must not open"))
+    assert fr.launch([]) == 1
+    assert "c10.dll" in capsys.readouterr().err
+
+
+def test_failed_setup_keeps_the_download_for_the_retry(tmp_path):
+    """Linux drops the download folder only after a successful install: a retry skips the wheels already there."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    plan = fr.choose([gpu()], "", CPU, platform="linux")
+    res = fr.run_setup(plan, python=str(venv / "bin" / "python"), runner=FakePip(fail="install"),
+                       on_line=lambda s: None, platform="linux", raw_progress=False, resume=False)
+    cache = tmp_path / "gpu-cache" / "cu128"
+    assert not res.ok and any(cache.glob("torch-*.whl"))
+    res = fr.run_setup(plan, python=str(venv / "bin" / "python"), runner=FakePip(), on_line=lambda s: None,
+                       platform="linux", raw_progress=False, resume=False)
+    assert res.ok and not cache.exists()

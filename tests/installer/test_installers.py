@@ -103,7 +103,7 @@ def test_deb_install_run_upgrade_uninstall(deb, tmp_path):
     work.mkdir()
 
     p = run(["sh", root / "DEBIAN" / "postinst", "configure"], env=env, cwd=work)
-    assert "CPU mode" in p.stdout and "hivejet " in p.stdout
+    assert "nothing to do: PyTorch" in p.stdout and "hivejet " in p.stdout
     venv_py = prefix / "venv" / "bin" / "python"
     assert venv_py.exists()
 
@@ -123,12 +123,17 @@ def test_deb_install_run_upgrade_uninstall(deb, tmp_path):
     p = run(["sh", root / "usr" / "bin" / "hivejet-gpu-setup", "plan"], env=env, cwd=work)
     assert '"cpu_mode": true' in p.stdout
 
-    # upgrade in place: prerm upgrade keeps the venv, postinst updates it
+    # upgrade in place: prerm upgrade keeps the venv, postinst updates it. A GPU appeared meanwhile (a fake
+    # nvidia-smi): the upgrade still never downloads the CUDA build (the user may have chosen "Always use the
+    # CPU"; the app asks at its start); pip runs with --no-index here, so any download would fail the test.
     marker = prefix / "venv" / "kept-across-upgrade"
     marker.write_text("")
-    run(["sh", root / "DEBIAN" / "prerm", "upgrade", "0.0.1"], env=env, cwd=work)
-    run(["sh", root / "DEBIAN" / "postinst", "configure", "0.0.1"], env=env, cwd=work)
-    assert marker.exists()
+    from tests.installer.test_firstrun import SMI_BANNER, SMI_QUERY, fake_smi
+    gpu_env = dict(env, HIVEJET_NVIDIA_SMI=fake_smi(tmp_path, SMI_QUERY, SMI_BANNER))
+    run(["sh", root / "DEBIAN" / "prerm", "upgrade", "0.0.1"], env=gpu_env, cwd=work)
+    p = run(["sh", root / "DEBIAN" / "postinst", "configure", "0.0.1"], env=gpu_env, cwd=work)
+    assert marker.exists() and "nothing to do" in p.stdout and "cu12" not in p.stdout + p.stderr
+    assert not (prefix / "venv" / "hivejet-incomplete").exists()
     run(["sh", root / "usr" / "bin" / "hivejet", "--version"], env=env, cwd=work)
 
     # uninstall: prerm removes what postinst made, postrm purge the rest; dpkg removes its own files
@@ -140,6 +145,24 @@ def test_deb_install_run_upgrade_uninstall(deb, tmp_path):
     shutil.rmtree(root)
 
 
+def test_postinst_without_network_leaves_apt_working(deb, tmp_path):
+    """No torch and no network (pip --no-index, nothing inherited): postinst exits 0, the environment is marked
+    incomplete, and `hivejet` says how to finish it instead of failing with an import error."""
+    root = tmp_path / "root"
+    run(["dpkg-deb", "-x", deb, root])
+    run(["dpkg-deb", "-e", deb, root / "DEBIAN"])
+    prefix = root / "opt" / "hivejet"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "PIP_"))}
+    env.update(HIVEJET_PREFIX=str(prefix), HIVEJET_PYTHON=sys.base_prefix + "/bin/python3", HIVEJET_NVIDIA_SMI="",
+               HIVEJET_PIP_ARGS="--no-index", PIP_CONFIG_FILE=os.devnull, HOME=str(tmp_path))
+    p = run(["sh", root / "DEBIAN" / "postinst", "configure"], env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0 and "not complete" in p.stderr and "setup-env.sh" in p.stderr
+    assert "PyTorch download failed" in (prefix / "venv" / "hivejet-incomplete").read_text()
+    p = run(["sh", root / "usr" / "bin" / "hivejet", "--version"], env=env, check=False)
+    assert p.returncode == 1 and "not complete" in p.stderr and "PyTorch download failed" in p.stderr
+    shutil.rmtree(root)
+
+
 def test_setup_env_refuses_without_wheel(tmp_path):
     env = dict(os.environ, HIVEJET_PREFIX=str(tmp_path))
     p = run(["sh", LINUX / "setup-env.sh"], env=env, check=False)
@@ -147,18 +170,39 @@ def test_setup_env_refuses_without_wheel(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ Windows NSIS
-def test_nsis_script_compiles_with_stub_payload(tmp_path):
-    makensis = need_tool("makensis")
-    payload = tmp_path / "payload"
+VC_RUNTIME = ("msvcp140.dll", "msvcp140_atomic_wait.dll", "vcruntime140.dll", "vcruntime140_1.dll",
+              "vcruntime140_threads.dll")
+
+
+def stub_payload(root: Path, dlls=VC_RUNTIME) -> Path:
+    payload = root / "payload"
     (payload / "python" / "Lib" / "site-packages" / "app").mkdir(parents=True)
     for f in ("python/python.exe", "python/pythonw.exe", "python/Lib/site-packages/app/__init__.py", "hivejet.cmd",
-              "README.txt"):
+              "README.txt", *(f"python/{d}" for d in dlls)):
         (payload / f).write_text("stub")
     shutil.copy(REPO / "resources" / "icons" / "hivejet.ico", payload / "hivejet.ico")
+    return payload
+
+
+def makensis_run(makensis: str, payload: Path, exe: Path, check=True):
+    return run([makensis, "-V2", "-WX", "-DVERSION=0.1.0", "-DVIVERSION=0.1.0.0", f"-DPAYLOAD={payload}",
+                f"-DOUTFILE={exe}", WINDOWS / "hivejet.nsi"], check=check)
+
+
+def test_nsis_script_compiles_with_stub_payload(tmp_path):
+    makensis = need_tool("makensis")
     exe = tmp_path / "HiveJet-0.1.0-setup.exe"
-    run([makensis, "-V2", "-WX", "-DVERSION=0.1.0", "-DVIVERSION=0.1.0.0", f"-DPAYLOAD={payload}", f"-DOUTFILE={exe}",
-         WINDOWS / "hivejet.nsi"])
+    makensis_run(makensis, stub_payload(tmp_path), exe)
     assert exe.read_bytes()[:2] == b"MZ" and exe.stat().st_size > 50_000
+
+
+def test_nsis_refuses_a_payload_without_the_vc_runtime(tmp_path):
+    """torch and Triton load MSVCP140.dll & co.: an installer without them works only where Visual Studio or
+    vc_redist happens to be installed (CI's Windows runner), so makensis stops."""
+    makensis = need_tool("makensis")
+    payload = stub_payload(tmp_path, dlls=[d for d in VC_RUNTIME if d != "msvcp140_atomic_wait.dll"])
+    p = makensis_run(makensis, payload, tmp_path / "x.exe", check=False)
+    assert p.returncode != 0 and "msvcp140_atomic_wait.dll is missing" in p.stdout + p.stderr
 
 
 def test_nsis_script_promises():
@@ -171,6 +215,13 @@ def test_nsis_script_promises():
     assert 'ReadRegStr $0 HKCU "${UNINST_KEY}" "InstallLocation"' in nsi          # upgrade in place
     assert "MB_YESNO" in nsi and "/SD IDNO" in nsi and 'RMDir /r "${DATA_DIR}"' in nsi   # asks about user data
     assert 'RMDir /r "$INSTDIR"' not in nsi                                    # never a blind recursive delete
+    # atomic upgrade: unpack beside, swap with renames, roll back; never RMDir /r the live python\
+    assert 'File /r "${PAYLOAD}\\python\\*"' in nsi and 'SetOutPath "$INSTDIR\\python.new"' in nsi
+    assert 'Rename "$INSTDIR\\python" "$INSTDIR\\python.old"' in nsi
+    assert 'Rename "$INSTDIR\\python.new" "$INSTDIR\\python"' in nsi and "Function .onInstFailed" in nsi
+    assert 'RMDir /r "$INSTDIR\\python"\n' not in nsi and 'RMDir /r "$INSTDIR\\python"' not in nsi.replace(
+        'RMDir /r "$INSTDIR\\python.', "")
+    assert "/SD IDCANCEL" in nsi                              # a silent install gives up instead of deleting
 
 
 def test_no_makensis_error_without_payload(tmp_path):
