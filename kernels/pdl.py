@@ -14,8 +14,9 @@ Rules that keep it correct:
   before its first load of an activation and its first store: every kernel then completes after
   everything before it, so the usual stream order holds transitively (torch's kernels, launched
   without PDL, wait for full completion as always);
-- PDL is on only for CUDA devices of compute capability 9.0+ (the instructions do not exist before),
-  never under Triton's interpreter, and not with HIVEJET_PDL=0. PDL is on by default (~7 % of a decode step,
+- PDL is on only for CUDA devices of the sm90 family (kernels/family.py: the instructions do not exist before
+  sm_90, and on sm_100/sm_120, which have them, the path was never run), never under Triton's interpreter, and
+  not with HIVEJET_PDL=0. PDL is on by default (~7 % of a decode step,
   docs/PERFORMANCE.md). A 27B prompt's prefill that is not the same bits twice is not a PDL launch-order problem:
   the packed matmul compiled with its L2 prefetch in 64-row blocks of x gives another result nearly every run,
   launched with PDL or not, so the prefetch is kept to 16-row blocks (kernels/quant/packed.py: prefetch_tiles).
@@ -23,9 +24,10 @@ Rules that keep it correct:
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 
 import torch
+
+from kernels.family import device_family
 
 try:
     import triton
@@ -50,9 +52,8 @@ WAIT_FIRST = os.environ.get("HIVEJET_PDL_ENTER", "trigger") == "wait"
 KERNELS = os.environ.get("HIVEJET_PDL_KERNELS", "all")
 
 
-@lru_cache(maxsize=None)
 def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return device_family(device_index).hopper_paths
 
 
 def pdl_on(t: torch.Tensor) -> bool:

@@ -57,6 +57,7 @@ from engine.runner.sizes import (attn_layers, preconditions_keys, slot_bytes_per
 from engine.runner.keyprep import KeyPreconditioner
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
+from kernels.family import device_family
 from kernels.gdn import gdn_decode, gdn_gates
 from kernels.gdn.rows import ROWS_KERNEL_ON
 from kernels.kvcodec import cache_type_name, get_codec
@@ -201,7 +202,8 @@ class Runner(AttentionMixin):
         # others), about 512 keys per program at full context so one long sequence fills the GPU
         # split-K programs per decode row and KV head at most (a row uses one per min_keys keys up to
         # this many; fixed for the runner's life, as it decides how each row's keys are split)
-        cfg = decode_config(self.codec_k, self.codec_v)
+        cfg = decode_config(self.codec_k, self.codec_v,
+                            device_family(self.device) if self.device.type == "cuda" else None)
         self.n_split = n_split or max(1, min(cfg["max_split"], -(-self.max_ctx // cfg["min_keys"])))
         # an f32 cache asks for full precision; tensor cores otherwise (the interpreter computes in fp32)
         f32 = "f32" in (self.codec_k.name, self.codec_v.name)

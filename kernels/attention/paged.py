@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from kernels.family import FAMILIES, Family, by_family, device_family
 from kernels.fused import _last_contig
 from kernels.kvcodec import KVCodec
 from kernels.kvcodec.base import placeholder
@@ -291,12 +292,24 @@ FLOAT_DECODE_CONFIG = dict(DECODE_CONFIG, block_t=64, num_warps=8, num_stages=2,
                            short_keys=int(os.environ.get("HIVEJET_ATTN_SHORT_KEYS", "64")))
 
 
-def decode_config(codec_k: KVCodec, codec_v: KVCodec) -> dict:
-    """The decode kernel's settings for a pair of cache types (fixed per runner: min_keys sets how a row's
-    keys are split)."""
+# the decode kernel's settings by GPU family (kernels/family.py, docs/GPU_FAMILIES.md): "float" for fp16/bf16
+# K and V, "coded" for the rest
+DECODE_SETTINGS: dict[str, dict] = {
+    "sm80": dict(float=FLOAT_DECODE_CONFIG, coded=DECODE_CONFIG),
+    "sm86": dict(float=FLOAT_DECODE_CONFIG, coded=DECODE_CONFIG),
+    "sm90": dict(float=FLOAT_DECODE_CONFIG, coded=DECODE_CONFIG),
+    "sm100": dict(float=FLOAT_DECODE_CONFIG, coded=DECODE_CONFIG),
+    "sm120": dict(float=FLOAT_DECODE_CONFIG, coded=DECODE_CONFIG),
+}
+
+
+def decode_config(codec_k: KVCodec, codec_v: KVCodec, family: Family | None = None) -> dict:
+    """The decode kernel's settings for a pair of cache types on a GPU family (default sm90; fixed per runner:
+    min_keys sets how a row's keys are split)."""
+    row = by_family(DECODE_SETTINGS, family or FAMILIES["sm90"])
     if codec_k.name in ("f16", "bf16") and codec_v.name in ("f16", "bf16"):
-        return FLOAT_DECODE_CONFIG
-    return DECODE_CONFIG
+        return row["float"]
+    return row["coded"]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -318,7 +331,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q_st = codec_k.to_stored(q).contiguous()
     bs, hkv, dk, dv = _check(k_cache, v_cache, codec_k, codec_v, q_st.shape[-1])
     G = H // hkv
-    cfg = decode_config(codec_k, codec_v)
+    cfg = decode_config(codec_k, codec_v, device_family(q.device) if q.is_cuda else None)
     block_t = block_t or cfg["block_t"]
     min_keys = -(-(min_keys or cfg["min_keys"]) // block_t) * block_t
     short_keys = cfg.get("short_keys", 0) if short_keys is None else short_keys
@@ -351,17 +364,44 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out if out_dtype is None else out.to(out_dtype)
 
 
+# the prompt kernel's settings by GPU family (kernels/family.py, docs/GPU_FAMILIES.md): q_values, the most
+# query values (positions x padded heads x head size) a program holds, and block_t, the keys per step.
+# sm90: 16K values, 32 keys (the 27B's head_dim 256 with 6 heads per KV head in blocks of 8 positions: 16 asked
+# for 297 KB of shared memory on the H200, whose limit is 227 KB). Compiled for sm_86 (tests/kernels/aot.py), a
+# rotated cache type (turbo*) at head_dim 256 with 6 heads per KV head asks for 201 KB with those, 164.5 KB at 8K
+# values, 132.5 KB at 16K values and 16 keys, 98.25 KB at 8K values and 16 keys: sm80 (163 KB) keeps the 16K-value
+# query block with 16 keys a step, sm86 and sm120 (99 KB) take 8K values and 16 keys (twice the programs, each
+# reading every key up to its rows; not timed on a card).
+PREFILL_SETTINGS: dict[str, dict] = {
+    "sm80": dict(q_values=16384, block_t=16),
+    "sm86": dict(q_values=8192, block_t=16),
+    "sm90": dict(q_values=16384, block_t=32),
+    "sm100": dict(q_values=16384, block_t=32),
+    "sm120": dict(q_values=8192, block_t=16),
+}
+
+
+def prefill_block_m(block_m: int, g: int, dk: int, dv: int, q_values: int) -> int:
+    """The prompt kernel's query positions per program: block_m halved until block_m x G_PAD heads x the
+    larger head size is at most q_values (a program holds its queries and their fp32 accumulator)."""
+    while block_m > 1 and block_m * _next_pow2(g) * max(dk, dv) > q_values:
+        block_m //= 2
+    return block_m
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens: torch.Tensor, q_starts: torch.Tensor, codec_k: KVCodec, codec_v: KVCodec,
                             scale: float, head_dim_v: int, window: int = 0, gate: torch.Tensor | None = None,
-                            block_m: int = 16, block_t: int = 32, seg_bias: torch.Tensor | None = None,
+                            block_m: int = 16, block_t: int | None = None, seg_bias: torch.Tensor | None = None,
                             seg_len: int = 0, precision: str = "ieee", longest: int | None = None) -> torch.Tensor:
     """Chunks of several sequences: q [N, H, D], rows cu_seqlens[b]..cu_seqlens[b+1] belong to
     sequence b and sit at positions q_starts[b]..; each attends causally over its KV up to its last
     row (already written). seg_bias [N, H, n_seg], seg_len: as for paged_decode_attention.
     precision: the dot products' input precision ("ieee": fp32; "tf32": tensor cores, 10-bit
     mantissa inputs, several times faster over long contexts). longest: the longest chunk, when the
-    caller knows it (saves reading cu_seqlens back). Returns float32 [N, H, head_dim_v]."""
+    caller knows it (saves reading cu_seqlens back). block_m, block_t: query positions and keys per program
+    and step, at most (default block_t and the query block's size: PREFILL_SETTINGS' row for the device's
+    family). Returns float32 [N, H, head_dim_v]."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     N, H, _ = q.shape
@@ -375,11 +415,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         longest = int((cu[1:] - cu[:-1]).max()) if B else 0
     bt = block_tables.to(torch.int32).contiguous()
     out_st = torch.zeros(N, H, dv, dtype=torch.float32, device=q.device)
-    # a program holds block_m positions x G_PAD heads of queries and their fp32 accumulator: halve
-    # block_m until that is <= 16K values (head_dim 256 with 6 heads per KV head, the 27B, needs 8:
-    # 16 asked for 297 KB of shared memory on the H200, whose limit is 227 KB)
-    while block_m > 1 and block_m * _next_pow2(G) * max(dk, dv) > 16384:
-        block_m //= 2
+    row = by_family(PREFILL_SETTINGS, device_family(q.device) if q.is_cuda else FAMILIES["sm90"])
+    block_m = prefill_block_m(block_m, G, dk, dv, row["q_values"])
+    block_t = block_t or row["block_t"]
     sb, nseg, seg = _seg_args(seg_bias, seg_len, q)
     if N:
         _prefill_kernel[(B, -(-longest // block_m), hkv)](

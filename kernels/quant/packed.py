@@ -104,6 +104,7 @@ from kernels.quant.ref import (
     _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported, weight_rows,
 )
 
+from kernels.family import FAMILIES, Family, by_family, device_family
 from kernels.pdl import pdl_args
 
 try:
@@ -928,7 +929,8 @@ def _split_for(n_tiles: int, steps: int, n_sm: int, waves: int) -> int:
     return max(steps, 1)
 
 
-def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, waves: dict | None = None) -> dict:
+def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, waves: dict | None = None,
+                 family: Family | None = None) -> dict:
     """Launch settings from the weight's shape only (never from M: batch invariance), measured on the
     H200 (docs/decisions/tiled-weight-layout.md). The tile is the weight's (tile_n x tile_k).
     prefill: the rows a prompt chunk is padded to (0: decode rows); a small prompt chunk (at most
@@ -942,9 +944,12 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     19.0 ms, docs/PERFORMANCE.md); the int8-plane types keep per-thread loads (not measured).
     prefill rows (the Triton path, when PREFILL_CUBLAS is off): 128-row blocks of x, 8 warps, no split.
     waves: split-K's target in programs per SM by tile rows (default DECODE_WAVES; small prompt chunks
-    SMALL_PROMPT_WAVES)."""
+    SMALL_PROMPT_WAVES). family (kernels/family.py; default sm90): its row of PACKED_SETTINGS; tma is
+    taken only where that row allows it."""
+    fam = by_family(PACKED_SETTINGS, family or FAMILIES["sm90"])
+    tma = tma and fam["tma"]
     if small_prompt_rows(prefill):
-        return small_prompt(p, tuned_config(p, 0, n_sm, tma, waves=SMALL_PROMPT_WAVES))
+        return small_prompt(p, tuned_config(p, 0, n_sm, tma, waves=SMALL_PROMPT_WAVES, family=family))
     if prefill:
         return dict(block_m=128, num_warps=8, num_stages=3, split_k=1)
     # (with per-thread loads SWAP_AB won a noisy kernel sweep by ~10 % but lost ~5 % end to end on the
@@ -977,7 +982,7 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
         # high plane, 3 stages measured faster; docs/perf/sweep_stages_h200.json, same bits either way)
         deep = p.hi_bits == 0 and p.n <= DEEP_PIPELINE_MAX_N
         cfg = dict(block_m=16, num_warps=4, num_stages=4 if deep else 3, swap_ab=True, split_k=split)
-        cap = DECODE_MAXNREG.get(p.tile_n)
+        cap = fam["maxnreg"].get(p.tile_n)
         if cap:
             cfg["maxnreg"] = cap
         return cfg
@@ -1241,7 +1246,7 @@ def matmul_tuned(x: torch.Tensor, p: PackedWeight, prefill: int = 0, add: torch.
     key = (p.n, p.k, p.tile_n, p.tile_k, p.hi_bits, p.group, p.codes, prefill, dev)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = _CONFIGS[key] = _checked_config(x, p, prefill, _sm_count(dev), _has_tma(dev))
+        cfg = _CONFIGS[key] = _checked_config(x, p, prefill, _sm_count(dev), _has_tma(dev), device_family(dev))
     if not prefill:
         cfg = wide_decode_rows(cfg, x.numel() // x.shape[-1])
     return packed_matmul(x, p, add=add, partials=partials, **cfg)
@@ -1265,23 +1270,25 @@ def wide_decode_rows(cfg: dict, m: int) -> dict:
     return wide
 
 
-def _checked_config(x: torch.Tensor, p: PackedWeight, prefill: int, n_sm: int, tma: bool) -> dict:
+def _checked_config(x: torch.Tensor, p: PackedWeight, prefill: int, n_sm: int, tma: bool,
+                    family: Family | None = None) -> dict:
     """tuned_config, its TMA settings tried once on x: where they do not compile or launch (a Triton or
     driver without tensor descriptors), a warning and the per-thread loads instead of a dead engine."""
-    cfg = tuned_config(p, prefill, n_sm, tma=tma)
+    cfg = tuned_config(p, prefill, n_sm, tma=tma, family=family)
     if cfg.get("tma"):
         try:
             packed_matmul(x, p, **cfg)
         except Exception as e:  # (CompilationError, RuntimeError, ImportError, ...: whatever stopped it)
             warnings.warn(f"the decode matmul's TMA loads failed ({type(e).__name__}: {e}); "
                           "using per-thread loads", RuntimeWarning, stacklevel=3)
-            cfg = tuned_config(p, prefill, n_sm, tma=False)
+            cfg = tuned_config(p, prefill, n_sm, tma=False, family=family)
     return cfg
 
 
-@lru_cache(maxsize=None)
 def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    """Whether the decode matmul may take its tiles by TMA there: the sm90 family only (kernels/family.py;
+    sm_100/sm_120 have TMA, but the path was measured and tested on sm_90 alone)."""
+    return device_family(device_index).hopper_paths
 
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -1362,3 +1369,17 @@ SMALL_PROMPT_WAVES = _by_tile_rows("HIVEJET_SMALL_PROMPT_WAVES", "128:8,64:4")
 # 64-row tiles gained nothing from caps of 80 / 72 / 64. HIVEJET_DECODE_MAXNREG="128:128,64:80" (tile rows:
 # registers; "" for none) overrides.
 DECODE_MAXNREG = _by_tile_rows("HIVEJET_DECODE_MAXNREG", "128:128")
+
+
+# the decode matmul's settings by GPU family (kernels/family.py; docs/GPU_FAMILIES.md). tma: 256-value tiles by
+# TMA (TMA_CONFIG; measured on sm_90 only). maxnreg: DECODE_MAXNREG's register cap by tile rows, where it holds
+# without a spill: compiled for sm_86 (tests/kernels/test_aot_families.py), the 16-row blocks of 128-row tiles
+# capped at 128 registers spill 48-184 bytes a thread, where sm_90's wgmma keeps its accumulator apart and does
+# not; the other families take them uncapped (~130-150 registers).
+PACKED_SETTINGS: dict[str, dict] = {
+    "sm80": dict(tma=False, maxnreg={}),
+    "sm86": dict(tma=False, maxnreg={}),
+    "sm90": dict(tma=True, maxnreg=DECODE_MAXNREG),
+    "sm100": dict(tma=False, maxnreg={}),
+    "sm120": dict(tma=False, maxnreg={}),
+}
