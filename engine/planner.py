@@ -213,6 +213,27 @@ def device_weight_bytes(tensors) -> tuple[int, int]:
     return total, biggest
 
 
+def decode_read_bytes(tensors, n_layer: int) -> int:
+    """Bytes of weights one decode step reads on the GPU (their packed layout, as device_weight_bytes counts
+    them): every tensor of blocks 0 .. n_layer - 1 and the output, the token embedding table only for its
+    rows (nothing counted) unless it is also the output matrix (no output.weight), the MTP blocks not at all.
+    Bandwidth / this is the decode ceiling (engine/cards.py)."""
+    import re
+
+    from gguf import GGMLQuantizationType as QT
+    tensors = list(tensors)
+    tied = not any(t.name == "output.weight" for t in tensors)
+    total = 0
+    for t in tensors:
+        blk = re.match(r"blk\.(\d+)\.", t.name)
+        if (blk and int(blk.group(1)) >= n_layer) or (t.name == "token_embd.weight" and not tied):
+            continue
+        n_el = math.prod(t.shape)
+        pb = packed_bytes(QT(t.qtype).name, t.shape[0], n_el // t.shape[0]) if len(t.shape) > 1 else None
+        total += 4 * n_el if len(t.shape) == 1 else (t.n_bytes if pb is None else pb)
+    return total
+
+
 @dataclass
 class ModelFacts:
     """What the planner needs to know about a model, read from its GGUF header."""
@@ -238,6 +259,7 @@ class ModelFacts:
     n_layer_nextn: int = 0          # MTP blocks (the last entries of attn_layers)
     device_weight_bytes: int = 0    # the weights as the GPU path holds them (packed layout)
     prefill_dequant_bytes: int = 0  # the largest fp16 copy of a matrix a prompt chunk's matmul makes
+    decode_read_bytes: int = 0      # weights a decode step reads (decode_read_bytes: the decode ceiling)
     quant: str = ""
     mmproj: str | None = None       # the paired vision projector, when there is one the engine can load
     mmproj_projector: str = ""
@@ -340,7 +362,7 @@ def facts_from_file(f: GGUFFile) -> ModelFacts:
         recurrent_bytes_per_layer=rec_per_layer, quant=file_type_name(md), n_head_kv=spec.n_head_kv,
         head_dim_v=spec.head_dim_v, n_layer=spec.n_layer, n_layer_nextn=spec.n_layer_nextn,
         device_weight_bytes=dev_bytes,
-        prefill_dequant_bytes=dequant)
+        prefill_dequant_bytes=dequant, decode_read_bytes=decode_read_bytes(f.tensors.values(), spec.n_layer))
 
 
 def _token_bytes(facts: ModelFacts, kv_type: str, kv_type_v: str | None) -> int:
