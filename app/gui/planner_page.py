@@ -1,5 +1,6 @@
 """Planner page: the GPUs NVML sees (or CPU mode), and for the selected model a table of KV cache type x
-context length with the memory each needs (engine/planner.py) and whether it fits. Double-click (or
+context length with the memory each needs (engine/planner.py) and whether it fits, and the decode ceiling
+the model implies on a card (engine/cards.py: the GPU in use, or one picked). Double-click (or
 select + "Load with these settings") loads the model at that context."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QLineEdit, QPushB
                                QTableWidgetItem, QVBoxLayout, QWidget, QHeaderView)
 
 from app import gpu as gpu_mod
+from engine import cards as C
 from engine import planner as P
 
 
@@ -46,6 +48,12 @@ class PlannerPage(QWidget):
         self.seqs = QSpinBox(minimum=1, maximum=64, value=parallel)   # (the app's: what a load from here uses)
         self.seqs.valueChanged.connect(lambda *_: self.refresh())
         row.addWidget(self.seqs)
+        row.addWidget(QLabel("Card"))
+        self.card_combo = QComboBox()
+        for c in C.CARDS:
+            self.card_combo.addItem(f"{c.name} ({c.bandwidth_gbs:.0f} GB/s)", c.key)
+        self.card_combo.currentIndexChanged.connect(lambda *_: self.refresh())
+        row.addWidget(self.card_combo)
         lay.addLayout(row)
         self.summary = QLabel()
         self.summary.setWordWrap(True)
@@ -85,12 +93,30 @@ class PlannerPage(QWidget):
             self.gpu_card.setText("<br>".join(lines))
             if not self.vram_edit.text():
                 self.vram_edit.setText(f"{self.gpus[0].free / P.GiB:.1f}GiB")
+            self._select_card(C.card_for_device(self.gpus[0].name, self.gpus[0].total))
         else:
             self.gpu_card.setText(f"<b>{msg}</b><br>HiveJet runs models on the CPU here (slowly). The table shows what "
                                   "a GPU would need; enter its memory (for example 24GiB) to see what fits.")
             if not self.vram_edit.text():
                 self.vram_edit.setText("24GiB")
         self.cpu_mode = not self.gpus
+        if self.card_combo.currentIndex() < 0 or not self.gpus:
+            self._select_card(C.BY_KEY["rtx3090"])
+
+    def _select_card(self, card: "C.Card | None"):
+        """Show the ceiling on this card (the GPU in use when the table knows it; else the 24 GB RTX 3090)."""
+        if card is not None:
+            self.card_combo.setCurrentIndex(self.card_combo.findData(card.key))
+
+    def ceiling_text(self) -> str:
+        """The decode ceiling of the selected model on the selected card ("" without either)."""
+        key = self.card_combo.currentData()
+        if self.facts is None or not key or not self.facts.decode_read_bytes:
+            return ""
+        c = C.BY_KEY[key]
+        return (f"decode ceiling on {c.name}: {C.decode_ceiling(self.facts.decode_read_bytes, c):.0f} tok/s for one "
+                f"chat ({c.bandwidth_gbs:.0f} GB/s / {P.fmt_bytes(self.facts.decode_read_bytes)} of weights read per "
+                "token)")
 
     def set_models(self, models: list[tuple[str, str]], select: str | None = None):
         """[(label, path)]"""
@@ -171,6 +197,7 @@ class PlannerPage(QWidget):
             f"{f.n_full_attn} full-attention + {f.n_swa} sliding-window + {f.n_recurrent_layers} recurrent layers · "
             f"trained context {f.context_length:,} · workspace allowance {P.fmt_bytes(P.workspace_bytes(f, n))}"
             + (f" · vision projector {P.fmt_bytes(f.vision_bytes)} (weights + image encoding)" if f.mmproj else "")
+            + (" · " + self.ceiling_text() if self.ceiling_text() else "")
             + (" · CPU mode: nothing is placed on a GPU here" if self.cpu_mode else ""))
 
     def cell_plan(self, row: int, col: int) -> P.Plan | None:

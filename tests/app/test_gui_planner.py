@@ -50,3 +50,19 @@ def test_planner_page_bad_file(qtbot, tmp_path):
     qtbot.addWidget(page)
     page.set_models([("bad", str(bad))])
     assert "Cannot plan for this file" in page.error.text()
+
+
+def test_planner_page_prints_the_decode_ceiling_on_a_card(qtbot, tmp_path):
+    from app.gui.planner_page import PlannerPage
+    from engine.cards import BY_KEY
+    path = tmp_path / "q27.gguf"
+    write_synthetic(path, "qwen35", "27b-q4_k_m", header_only=True)
+    page = PlannerPage()
+    qtbot.addWidget(page)
+    page.set_models([("27B", str(path))])
+    read = P.model_facts(path).decode_read_bytes
+    # no GPU here: the 24 GB RTX 3090
+    assert f"decode ceiling on RTX 3090: {936e9 / read:.0f} tok/s" in page.summary.text()
+    page.card_combo.setCurrentIndex(page.card_combo.findData("rtx5090"))
+    assert f"decode ceiling on RTX 5090: {1792e9 / read:.0f} tok/s" in page.summary.text()
+    assert BY_KEY["rtx5090"].bandwidth_gbs == 1792
