@@ -98,6 +98,19 @@ def add_plan_args(parser) -> None:
     parser.add_argument("--drafter", default=None, metavar="DFLASH",
                         help="with --ctx: drafting with this DFlash drafter (--spec dflash --spec-drafter "
                              "DFLASH: a directory or GGUF): count its weights and context")
+    parser.add_argument("--card", default=None, metavar="NAME",
+                        help="print the decode ceiling on this card (engine/cards.py: rtx3090, rtx4090, rtx5090, "
+                             "a100-40gb, a100-80gb, h100, h200, ...; default: GPU 0 when the table knows it)")
+
+
+def ceiling(facts: ModelFacts, card_name: str | None, gpus) -> str:
+    """The decode ceiling line for the named card, else GPU 0's; ValueError for an unknown name."""
+    from engine.cards import card, card_for_device, ceiling_line
+    c = card(card_name) if card_name else (card_for_device(gpus[0].name, gpus[0].total) if gpus else None)
+    if c is None:
+        return ("decode ceiling: " + (f"{gpus[0].name} is not in the card table" if gpus else "no GPU here")
+                + "; name one with --card (e.g. --card rtx3090)")
+    return ceiling_line(facts.decode_read_bytes, c)
 
 
 def run_plan(args) -> int:
@@ -107,20 +120,24 @@ def run_plan(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if vram is None:
-        try:
-            from app.gpu import detect_gpus
-            gpus = detect_gpus()
-            if gpus:
-                vram = gpus[0].free
-        except Exception:
-            vram = None
+    try:
+        from app.gpu import detect_gpus
+        gpus = detect_gpus()
+    except Exception:
+        gpus = []
+    if vram is None and gpus:
+        vram = gpus[0].free
     try:
         path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr))
         facts = model_facts(path)
     except (GGUFError, CatalogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        top = ceiling(facts, getattr(args, "card", None), gpus)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     kv_v = getattr(args, "kv_v", None)
     shared = getattr(args, "shared_passes", True)
     if getattr(args, "ctx", None):
@@ -138,7 +155,9 @@ def run_plan(args) -> int:
                 return 2
         print(format_plan(plan(facts, args.ctx, args.kv or "f16", max(1, args.seqs), vram, kv_v,
                                mtp=getattr(args, "mtp", False), drafter=drafter, shared_passes=shared)))
+        print(top)
         return 0
     print(format_table(facts, vram, kv_types=[args.kv] if args.kv else None, n_seqs=max(1, args.seqs),
                        kv_type_v=kv_v, shared_passes=shared))
+    print(top)
     return 0

@@ -84,6 +84,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="decode: print the CUDA time per kernel of one step")
+    p.add_argument("--card", default=None, metavar="NAME",
+                   help="decode: print the decode ceiling on this card (engine/cards.py; default: the GPU in use)")
     p.add_argument("--device", default="auto",
                    help="spec, agents: the engine's device (default auto: the GPU when torch sees one; cpu, cuda)")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
@@ -145,9 +147,16 @@ def run_bench(args) -> int:
         if not args.model:
             print("hivejet bench decode needs -m MODEL.gguf", file=sys.stderr)
             return 2
+        from engine.cards import card
         from engine.tools.bench_decode import bench_decode, print_decode
+        try:
+            named = card(args.card) if args.card else None
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         res = bench_decode(args.model, depths=args.depths, rows=args.rows, n_prompt=args.n_prompt,
-                           n_gen=args.n_gen, llamacpp=args.llamacpp, profile=args.profile, json_path=args.json)
+                           n_gen=args.n_gen, llamacpp=args.llamacpp, profile=args.profile, json_path=args.json,
+                           card=named)
         print_decode(res)
     else:
         res = bench_matmul()

@@ -119,8 +119,12 @@ def _log(msg: str) -> None:
 
 
 def bench_decode(model_path: str, depths=(0, 23000), rows=ROWS, n_prompt: int = 512, n_gen: int = 128,
-                 llamacpp: str | None = None, profile: bool = False, json_path: str | None = None) -> dict:
-    """The cache before `depth` is not prefilled: attention reads the same bytes whatever they hold,
+                 llamacpp: str | None = None, profile: bool = False, json_path: str | None = None,
+                 card=None) -> dict:
+    """card (engine/cards.Card; default: the GPU in use, when the card table knows it): whose decode ceiling
+    the result records beside the measured speed (ceiling_tok_s: bandwidth / the weights a step reads).
+    The result also records the GPU family whose kernel settings ran (kernels/family.py).
+The cache before `depth` is not prefilled: attention reads the same bytes whatever they hold,
     so the depth's zeros cost what a real context costs (the recurrent layers do not see depth)."""
     import torch
 
@@ -136,6 +140,15 @@ def bench_decode(model_path: str, depths=(0, 23000), rows=ROWS, n_prompt: int = 
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(res, f, indent=1)
+    from engine.cards import current_card, decode_ceiling
+    from engine.planner import model_facts
+    from kernels.family import device_family
+    res["family"] = device_family(0).name
+    c = card or current_card()
+    res["decode_read_bytes"] = model_facts(model_path, mmproj=None).decode_read_bytes
+    if c is not None:
+        res["card"] = dict(key=c.key, name=c.name, bandwidth_gbs=c.bandwidth_gbs, memory_gb=c.memory_gb, sm=c.sm)
+        res["ceiling_tok_s"] = decode_ceiling(res["decode_read_bytes"], c)
     res["copy_tbps"] = copy_bandwidth(torch, 1 << 30) / 1e12        # read + write, like a weight stream
     t0 = time.perf_counter()
     model = open_model(model_path)
@@ -204,11 +217,23 @@ def print_decode(res: dict) -> None:
     print(f"\n{'rows':>4s} {'ms/step':>8s} {'tok/s':>8s} {'vs 1 row':>8s}")
     for r in res["rows"]:
         print(f"{r['rows']:4d} {r['ms']:8.3f} {r['tok_s']:8.1f} {r['vs_1row']:8.2f}")
+    print(ceiling_text(res))
     for key in ("profile_1row", "profile_16rows"):
         if res.get(key):
             print(f"\n{key}: CUDA time per kernel (eager step)")
             for r in res[key]:
                 print(f"{r['us']:10.1f} us {r['calls']:5d}x  {r['kernel']}")
+
+
+def ceiling_text(res: dict) -> str:
+    """The decode ceiling on the result's card, beside its 1-row speed (tg at the first depth), and the GPU
+    family whose kernel settings ran."""
+    fam = f"kernel settings of the {res.get('family', '?')} family"
+    if not res.get("card"):
+        return f"{fam}; decode ceiling: the GPU is not in the card table (name one with --card)"
+    from engine.cards import BY_KEY, ceiling_line
+    tg = next((r["tok_s"] for r in res.get("hivejet", []) if r["test"].startswith("tg")), None)
+    return f"{fam}; " + ceiling_line(res["decode_read_bytes"], BY_KEY[res["card"]["key"]], tg)
 
 
 def plot_rows(res: dict, out_png: str) -> None:

@@ -43,7 +43,7 @@ def test_the_ceiling():
 
 def test_planner_read_bytes_leave_out_the_embedding_rows_and_mtp(tmp_path):
     from engine.planner import model_facts
-    from engine.synth import write_synthetic
+    from engine.tools.synth import write_synthetic
     path = tmp_path / "m.gguf"
     write_synthetic(str(path), "qwen35", "tiny")
     f = model_facts(path)

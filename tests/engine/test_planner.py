@@ -371,3 +371,18 @@ def test_checkpoints_counted_only_when_the_device_keeps_them(q27):
     assert n >= MIN_DEVICE_CHECKPOINTS and big.checkpoints == min(64, n) * one and big.host_checkpoints == 0
     assert "host RAM" not in C.format_plan(big) and "host RAM" in C.format_plan(small)
     assert small.breakdown()["host_checkpoints"] == small.host_checkpoints
+
+
+def test_cli_prints_the_decode_ceiling_on_a_named_card(q27, capsys):
+    ap = argparse.ArgumentParser()
+    C.add_plan_args(ap)
+    read = P.model_facts(q27).decode_read_bytes
+    # the 27B Q4_K_M reads most of its ~16.5 GB per token (not the embedding table, not the MTP block)
+    assert 14e9 < read < P.model_facts(q27).device_weight_bytes
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--vram", "24GiB", "--card", "rtx3090"])) == 0
+    out = capsys.readouterr().out
+    assert f"decode ceiling on RTX 3090 (936 GB/s, 24 GB, sm_86): {936e9 / read:.1f} tok/s" in out
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--ctx", "4096", "--card", "RTX 5090"])) == 0
+    assert f"{1792e9 / read:.1f} tok/s" in capsys.readouterr().out
+    assert C.run_plan(ap.parse_args(["-m", str(q27), "--card", "gtx9000"])) == 2
+    assert "unknown card 'gtx9000'" in capsys.readouterr().err

@@ -52,3 +52,14 @@ def test_verify_costs_run_on_the_runner(tmp_path):
         res = verify_costs(str(path), device="cpu", drafts=(0, 4), seqs=(1, 2), pos=32, reps=2)
         assert [(r["seqs"], r["drafts"], r["rows"]) for r in res] == [(1, 0, 1), (1, 4, 5), (2, 0, 2), (2, 4, 10)]
         assert all(r["ms"] > 0 for r in res) and res[0]["vs_no_drafts"] == 1.0
+
+
+def test_decode_result_prints_its_ceiling_and_family():
+    from engine.tools.bench_decode import ceiling_text
+    res = dict(family="sm86", decode_read_bytes=16_000_000_000, hivejet=[dict(test="pp512", depth=0, tok_s=900.0),
+                                                                         dict(test="tg128", depth=0, tok_s=45.0)],
+               card=dict(key="rtx4090"))
+    text = ceiling_text(res)
+    assert text.startswith("kernel settings of the sm86 family; decode ceiling on RTX 4090 (1008 GB/s")
+    assert "63.0 tok/s" in text and "measured 45.0 tok/s = 71% of it" in text
+    assert "not in the card table" in ceiling_text(dict(family="sm90", decode_read_bytes=1, hivejet=[]))
