@@ -369,15 +369,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # sm90: 16K values, 32 keys (the 27B's head_dim 256 with 6 heads per KV head in blocks of 8 positions: 16 asked
 # for 297 KB of shared memory on the H200, whose limit is 227 KB). Compiled for sm_86 (tests/kernels/aot.py), a
 # rotated cache type (turbo*) at head_dim 256 with 6 heads per KV head asks for 201 KB with those, 164.5 KB at 8K
-# values, 132.5 KB at 16K values and 16 keys, 98.25 KB at 8K values and 16 keys: sm80 (163 KB) keeps the 16K-value
-# query block with 16 keys a step, sm86 and sm120 (99 KB) take 8K values and 16 keys (twice the programs, each
-# reading every key up to its rows; not timed on a card).
+# values, 132.5 KB at 16K values and 16 keys, 98.25-99 KB at 8K values and 16 keys (99.25-99.5 KB for sm_120: over
+# its 99 KB), 81 KB at 4K values and 16 keys: sm80 (163 KB) keeps the 16K-value query block with 16 keys a step,
+# sm86 and sm120 (99 KB) take 4K values and 16 keys (four times the programs, each reading every key up to its
+# rows; not timed on a card).
 PREFILL_SETTINGS: dict[str, dict] = {
     "sm80": dict(q_values=16384, block_t=16),
-    "sm86": dict(q_values=8192, block_t=16),
+    "sm86": dict(q_values=4096, block_t=16),
     "sm90": dict(q_values=16384, block_t=32),
     "sm100": dict(q_values=16384, block_t=32),
-    "sm120": dict(q_values=8192, block_t=16),
+    "sm120": dict(q_values=4096, block_t=16),
 }
 
 
