@@ -43,19 +43,36 @@ class Launch:
 
     @property
     def key(self) -> tuple:
-        return (self.fn.__module__, self.fn.__name__, tuple(sorted(self.signature.items())),
+        return (getattr(self.fn, "__module__", ""), _name(self.fn), tuple(sorted(self.signature.items())),
                 tuple(sorted((k, str(v)) for k, v in self.constants.items())), tuple(sorted(self.options.items())),
                 self.divisible)
+
+
+_NONE = object()
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", None) or fn.fn.__name__
+
+
+def _constexpr_params(fn) -> list[tuple[str, object]]:
+    """(name, default or _NONE) of a kernel's constexpr arguments: from the JITFunction's params, or under
+    Triton's interpreter (an InterpretedFunction) from the Python function's annotations."""
+    if hasattr(fn, "params"):
+        return [(p.name, p.default if p.has_default else _NONE) for p in fn.params if p.is_constexpr]
+    import inspect
+    return [(p.name, _NONE if p.default is inspect.Parameter.empty else p.default)
+            for p in inspect.signature(fn.fn).parameters.values() if "constexpr" in str(p.annotation)]
 
 
 def _signature(fn, constants: dict, types: dict) -> dict:
     """Every argument of fn: "constexpr" for the constants (constexpr arguments left out get their defaults,
     added to `constants`), types[name], else a pointer ("*fp32") for a name ending in _ptr, else "i32"."""
-    for p in fn.params:
-        if p.is_constexpr and p.name not in constants:
-            if not p.has_default:
-                raise ValueError(f"{fn.__name__}: no value for the constant {p.name}")
-            constants[p.name] = p.default
+    for name, default in _constexpr_params(fn):
+        if name not in constants:
+            if default is _NONE:
+                raise ValueError(f"{_name(fn)}: no value for the constant {name}")
+            constants[name] = default
     return {n: "constexpr" if n in constants else types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
             for n in fn.arg_names}
 

@@ -28,9 +28,9 @@ def test_limits_and_hopper_paths():
 
 
 def test_every_kernel_table_has_every_family():
-    from kernels.attention.paged import DECODE_SETTINGS
+    from kernels.attention.paged import DECODE_SETTINGS, PREFILL_SETTINGS
     from kernels.quant.packed import PACKED_SETTINGS
-    for table in (PACKED_SETTINGS, DECODE_SETTINGS):
+    for table in (PACKED_SETTINGS, DECODE_SETTINGS, PREFILL_SETTINGS):
         assert set(table) == set(FAMILIES)
     with pytest.raises(KeyError, match="no settings for sm999"):
         by_family(PACKED_SETTINGS, "sm999")
@@ -60,3 +60,15 @@ def test_the_override_forces_a_family_and_rejects_unknown_ones():
     assert r.returncode == 0 and r.stdout.strip() == "sm86", r.stderr[-500:]
     r = _forced("sm75")
     assert r.returncode != 0 and "HIVEJET_GPU_FAMILY='sm75'" in r.stderr
+
+
+def test_the_registry_takes_each_familys_settings():
+    """kernels/launches.py compiles what the tables give: no TMA or PDL outside sm90, no register cap outside
+    sm90, the prompt attention's smaller blocks on the 99 KB families."""
+    from kernels.launches import attention_launches, packed_launches
+    sm90, sm86 = packed_launches(FAMILIES["sm90"]), packed_launches(FAMILIES["sm86"])
+    assert any(lc.constants.get("PDL") for lc in sm90) and not any(lc.constants.get("PDL") for lc in sm86)
+    assert any("maxnreg" in lc.options for lc in sm90) and not any("maxnreg" in lc.options for lc in sm86)
+    pre = [lc for lc in attention_launches(FAMILIES["sm86"]) if lc.name.startswith("attn_prefill")]
+    assert pre and all(lc.constants["BLOCK_T"] == 16 and lc.constants["BLOCK_M"] * lc.constants["G_PAD"]
+                       * max(lc.constants["DK"], lc.constants["DV"]) <= 4096 for lc in pre)
