@@ -1375,7 +1375,7 @@ DECODE_MAXNREG = _by_tile_rows("HIVEJET_DECODE_MAXNREG", "128:128")
 # TMA (TMA_CONFIG; measured on sm_90 only). maxnreg: DECODE_MAXNREG's register cap by tile rows, where it holds
 # without a spill: compiled for sm_86 (tests/kernels/test_aot_families.py), the 16-row blocks of 128-row tiles
 # capped at 128 registers spill 48-184 bytes a thread, where sm_90's wgmma keeps its accumulator apart and does
-# not; the other families take them uncapped (~130-150 registers).
+# not; the other families take them uncapped (no spill, and fewer programs per SM: not timed on such a card).
 PACKED_SETTINGS: dict[str, dict] = {
     "sm80": dict(tma=False, maxnreg={}),
     "sm86": dict(tma=False, maxnreg={}),
