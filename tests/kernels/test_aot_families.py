@@ -5,7 +5,7 @@ registers must not spill. No GPU needed (Triton's compiler and bundled ptxas, te
 where Triton cannot compile here.
 
 Prints per family how many distinct kernels were compiled; a kernel that does not fit fails the test with its
-name and figures. About 6 minutes on two shared cores (docs/GPU_FAMILIES.md gives the figures).
+name and figures. About 830 CPU-seconds: ~7 minutes on two idle cores (docs/GPU_FAMILIES.md gives the figures).
 """
 from __future__ import annotations
 
