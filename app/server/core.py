@@ -3,6 +3,7 @@ submitting to the engine off the event loop, and an async stream of a request's 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -217,7 +218,11 @@ class EventStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         if state is not None:
             state.streams.add(self)
-        self._thread = threading.Thread(target=self._pump, name=f"hivejet-req-{handle.id}", daemon=True)
+        # the request's context variables go with it into the thread (what a wrapper around the app keeps per
+        # request, e.g. the app's request log, sees the finish the thread counts)
+        ctx = contextvars.copy_context()
+        self._thread = threading.Thread(target=ctx.run, args=(self._pump,), name=f"hivejet-req-{handle.id}",
+                                        daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
