@@ -12,6 +12,7 @@ both steps (the same bits, slower).
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -82,7 +83,64 @@ def _compile() -> dict:
             for j in range(n):
                 o[j] = np.float32(acc[j])
 
-    return {"few_rows": few_rows_kernel, "combine": combine_kernel, "numba": numba}
+    @njit(nogil=True, cache=True)
+    def fp16_round(v):
+        """v (float32 or float64) rounded to the nearest fp16 value (ties to even), as float64; finite range only
+        (past 65504: infinity, as fp16)."""
+        if v == 0.0 or not np.isfinite(v):
+            return np.float64(v)
+        _, e = math.frexp(v)
+        ulp = math.ldexp(1.0, max(e, -13) - 11)   # normal: 11 significant bits; subnormal: 2^-24 steps
+        r = np.rint(np.float64(v) / ulp) * ulp
+        return r if abs(r) <= 65504.0 else math.copysign(math.inf, v)
+
+    @njit(nogil=True, cache=True)
+    def q8_0_kernel(x, q8_1, xq, dx, s):
+        m, k = x.shape
+        for r in range(m):
+            for b in range(k // 32):
+                blk = x[r, b * 32:(b + 1) * 32]
+                amax = np.float32(0.0)
+                for i in range(32):
+                    amax = max(amax, abs(blk[i]))
+                d = amax / np.float32(127.0)
+                inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+                qsum = np.float32(0.0)
+                for i in range(32):
+                    qv = np.rint(blk[i] * inv)
+                    xq[r, b * 32 + i] = np.int8(qv)
+                    qsum += qv
+                dx[r, b] = fp16_round(d)
+                s[r, b] = fp16_round(qsum * d) if q8_1 else dx[r, b] * np.float64(qsum)
+
+    @njit(nogil=True, cache=True)
+    def q8_k_kernel(x, group, xq, dx, s):
+        m, k = x.shape
+        per = 256 // group
+        for r in range(m):
+            for b in range(k // 256):
+                blk = x[r, b * 256:(b + 1) * 256]
+                imax = 0
+                amax = np.float32(-1.0)
+                for i in range(256):
+                    if abs(blk[i]) > amax:
+                        amax = abs(blk[i])
+                        imax = i
+                mx = blk[imax]
+                # -127 / mx as torch's reference computes it: 1 / mx rounded, then times -127 (Tensor.__rdiv__)
+                iscale = (np.float32(1.0) / mx) * np.float32(-127.0) if mx != 0 else np.float32(0.0)
+                d = np.float64(np.float32(1.0) / iscale) if iscale != 0 else 0.0
+                for gi in range(per):
+                    qsum = 0.0
+                    for i in range(gi * group, (gi + 1) * group):
+                        qv = min(np.rint(blk[i] * iscale), np.float32(127.0))
+                        xq[r, b * 256 + i] = np.int8(qv)
+                        qsum += np.float64(qv)
+                    dx[r, b * per + gi] = d
+                    s[r, b * per + gi] = d * qsum
+
+    return {"few_rows": few_rows_kernel, "combine": combine_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
+            "numba": numba}
 
 
 def _kernels() -> dict | None:
@@ -107,6 +165,18 @@ def _threads(k: dict) -> None:
     n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
+
+
+def activations(x: torch.Tensor, q8_k: bool, q8_1: bool, group: int, xq: torch.Tensor, dx: torch.Tensor,
+                s: torch.Tensor) -> None:
+    """intdot.int_activations' integers, scales and sums (the same bits) into xq int8 [M, K], dx / s float64
+    [M, K / group]: Q8_K blocks of 256 (q8_k) or Q8_0 blocks of 32 (q8_1: s as llama.cpp's Q8_1 block stores it)."""
+    k = _kernels()
+    xn = x.contiguous().numpy()
+    if q8_k:
+        k["q8_k"](xn, group, xq.numpy(), dx.numpy(), s.numpy())
+    else:
+        k["q8_0"](xn, q8_1, xq.numpy(), dx.numpy(), s.numpy())
 
 
 def few_rows(w, xq: torch.Tensor, dx: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
