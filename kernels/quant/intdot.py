@@ -110,11 +110,18 @@ INT_TYPES = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL, Q
                        QT.Q5_K, QT.Q6_K, QT.IQ4_XS})
 
 
+# 4-bit formats whose integers are a nibble minus a constant: kept two to a byte (half the memory traffic of a
+# decode step, which reads every weight once)
+_NIBBLE_ZERO = {QT.Q4_0: 8, QT.Q4_1: 0, QT.Q4_K: 0}
+
+
 class IntWeight:
-    """A quantized matrix [n_out, n_in] repacked once for the integer matmul: `q` int8 [n_tiles, n_in, TILE]
-    (tile t holds output rows t*TILE.., each input column's TILE values contiguous; rows past n_out are 0),
-    `a`, `c` float32 [groups, n_pad] (c zero where the format has no offset), `group` G. ~1.25 bytes per
-    value for G = 32 (1.5 for G = 16)."""
+    """A quantized matrix [n_out, n_in] repacked once for the integer matmul. `q` holds the integers with the
+    output rows in tiles of TILE (rows past n_out are 0), each input column's TILE values contiguous: int8
+    [n_tiles, n_in, TILE], or for the 4-bit formats uint8 [n_tiles, n_in / 2, TILE] with the value of column
+    32 g + i in the low nibble of byte 16 g + i and that of column 32 g + 16 + i in its high nibble, the integer
+    being the nibble less `zero`. `a`, `c` float32 [groups, n_pad] (c zero where the format has no offset),
+    `group` G. ~0.75 bytes per value for the 4-bit formats, 1.25 for the others (1.5 where G = 16)."""
 
     def __init__(self, raw: torch.Tensor, qtype, n_out: int, n_in: int):
         qt = _as_qtype(qtype)
@@ -127,13 +134,17 @@ class IntWeight:
             blocks = blocks.clone()   # fields are read as int16 / int32 words
         q, a, c, g = _int_blocks(blocks, qt)
         self.qtype, self.n_out, self.n_in, self.group = qt, n_out, n_in, g
+        self.zero = _NIBBLE_ZERO.get(qt)
         n_tiles = -(-n_out // TILE)
         self.n_pad = n_tiles * TILE
         pad = self.n_pad - n_out
         q = q.reshape(n_out, n_in)
         if pad:
             q = torch.cat([q, q.new_zeros(pad, n_in)])
-        self.q = q.view(n_tiles, TILE, n_in).transpose(1, 2).contiguous()
+        if self.zero is not None:   # two nibbles to a byte
+            nib = (q + self.zero).view(torch.uint8).view(self.n_pad, n_in // 32, 2, 16)
+            q = (nib[:, :, 0] | (nib[:, :, 1] << 4)).reshape(self.n_pad, n_in // 2)
+        self.q = q.view(n_tiles, TILE, -1).transpose(1, 2).contiguous()
         n_groups = n_in // g
 
         def cols(t):
@@ -145,6 +156,15 @@ class IntWeight:
         self.has_offset = c is not None
         self.c = cols(c) if c is not None else torch.zeros_like(self.a)
 
+    def integers(self, t0: int = 0, t1: int | None = None) -> torch.Tensor:
+        """Tiles t0..t1 of the integers as int8 [(t1 - t0) * TILE, n_in] (output rows first)."""
+        q = self.q[t0:t1]
+        if self.zero is not None:
+            lo, hi = (q & 0x0F), (q >> 4)
+            q = torch.stack((lo.view(q.shape[0], -1, 16, TILE), hi.view(q.shape[0], -1, 16, TILE)), dim=2)
+            q = q.reshape(q.shape[0], self.n_in, TILE).view(torch.int8) - self.zero
+        return q.transpose(1, 2).reshape(-1, self.n_in)
+
     @property
     def nbytes(self) -> int:
         return self.q.numel() + 4 * (self.a.numel() + self.c.numel())
@@ -152,7 +172,7 @@ class IntWeight:
     def dequantized(self) -> torch.Tensor:
         """float32 [n_out, n_in]: float32(a * q) + c, the bits dequantize() gives (for tests)."""
         g = self.group
-        q = self.q.transpose(1, 2).reshape(self.n_pad, self.n_in)[:self.n_out].float()
+        q = self.integers()[:self.n_out].float()
         a = self.a.T[:self.n_out].repeat_interleave(g, dim=1)
         w = q * a
         return w + self.c.T[:self.n_out].repeat_interleave(g, dim=1) if self.has_offset else w
@@ -160,8 +180,8 @@ class IntWeight:
     def float_columns(self, t0: int, t1: int) -> torch.Tensor:
         """Tiles t0..t1 of the integers as float32 [groups, G, (t1 - t0) * TILE] (exact), for block_dots_ref."""
         k = self.n_in
-        w = self.q[t0:t1].permute(1, 0, 2).reshape(k, (t1 - t0) * TILE).float()
-        return w.view(k // self.group, self.group, -1)
+        w = self.integers(t0, t1).T.float()
+        return w.reshape(k // self.group, self.group, -1)
 
 
 # ---------------------------------------------------------------------------------------------

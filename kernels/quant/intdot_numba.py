@@ -67,6 +67,47 @@ def _compile() -> dict:
                     o[j] = np.float32(acc[j])
 
     @njit(parallel=True, nogil=True, cache=True)
+    def few_rows_nibbles_kernel(q, zero, a, c, xq, dx, s, out):
+        # q uint8 [n_tiles, k / 2, tile]: group g's column 32 g + i in the low nibble of byte 16 g + i, column
+        # 32 g + 16 + i in the high one; the integer is the nibble less `zero` (sum(q * x) less zero * sum(x))
+        n_tiles = q.shape[0]
+        n_groups = a.shape[0]
+        m = xq.shape[0]
+        for t in prange(n_tiles):
+            wt = q[t]
+            j0 = t * tile
+            isum = np.zeros(tile, np.int32)
+            part = np.zeros(tile, np.int16)
+            acc = np.zeros(tile, np.float64)
+            for r in range(m):
+                xr = xq[r]
+                acc[:] = 0.0
+                for g in range(n_groups):
+                    isum[:] = 0
+                    xsum = 0
+                    for half in range(2):   # 8 byte rows at a time in int16: |sum| <= 8 * 2 * 15 * 127 < 2^15
+                        part[:] = 0
+                        for i in range(half * 8, half * 8 + 8):
+                            wr = wt[g * 16 + i]
+                            xl = np.int16(xr[g * 32 + i])
+                            xh = np.int16(xr[g * 32 + 16 + i])
+                            xsum += np.int32(xl) + np.int32(xh)
+                            for j in range(tile):
+                                part[j] += np.int16(wr[j] & 15) * xl + np.int16(wr[j] >> 4) * xh
+                        for j in range(tile):
+                            isum[j] += np.int32(part[j])
+                    corr = np.int32(zero * xsum)
+                    d = dx[r, g]
+                    sv = s[r, g]
+                    ar = a[g, j0:j0 + tile]
+                    cr = c[g, j0:j0 + tile]
+                    for j in range(tile):
+                        acc[j] += (np.float64(ar[j]) * d) * np.float64(isum[j] - corr) + np.float64(cr[j]) * sv
+                o = out[r, j0:j0 + tile]
+                for j in range(tile):
+                    o[j] = np.float32(acc[j])
+
+    @njit(parallel=True, nogil=True, cache=True)
     def combine_kernel(p, a, c, dx, s, out):
         n_groups, m, n = p.shape
         for r in prange(m):
@@ -139,7 +180,7 @@ def _compile() -> dict:
                     dx[r, b * per + gi] = d
                     s[r, b * per + gi] = d * qsum
 
-    return {"few_rows": few_rows_kernel, "combine": combine_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
+    return {"few_rows": few_rows_kernel, "few_rows_nibbles": few_rows_nibbles_kernel, "combine": combine_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
             "numba": numba}
 
 
@@ -184,8 +225,11 @@ def few_rows(w, xq: torch.Tensor, dx: torch.Tensor, s: torch.Tensor, out: torch.
     k = _kernels()
     with _RUN:
         _threads(k)
-        k["few_rows"](w.q.numpy(), w.a.numpy(), w.c.numpy(), xq.numpy(), dx.contiguous().numpy(),
-                      s.contiguous().numpy(), out.numpy())
+        args = (w.a.numpy(), w.c.numpy(), xq.numpy(), dx.contiguous().numpy(), s.contiguous().numpy(), out.numpy())
+        if w.zero is None:
+            k["few_rows"](w.q.numpy(), *args)
+        else:
+            k["few_rows_nibbles"](w.q.numpy(), w.zero, *args)
 
 
 def combine(p: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, s: torch.Tensor,
