@@ -135,6 +135,7 @@ class IntWeight:
         q, a, c, g = _int_blocks(blocks, qt)
         self.qtype, self.n_out, self.n_in, self.group = qt, n_out, n_in, g
         self.zero = _NIBBLE_ZERO.get(qt)
+        self.q8_k, self.q8_1 = qt in _Q8_K_ACTS, qt in _Q8_1_SUMS   # how the activations are rounded
         n_tiles = -(-n_out // TILE)
         self.n_pad = n_tiles * TILE
         pad = self.n_pad - n_out
@@ -259,11 +260,11 @@ def int_matmul(x: torch.Tensor, w: IntWeight, fast: bool | None = None) -> torch
     if fast is None:
         fast = intdot_numba.available()
     M = x.shape[0]
-    xq, dx, s = int_activations(x, w.qtype, w.group, fast)
-    out = torch.empty(M, w.n_pad, dtype=torch.float32)
     if fast and M <= FEW_ROWS:
-        intdot_numba.few_rows(w, xq, dx, s, out)
+        out = intdot_numba.few_rows_matmul(w, x)
     else:
+        xq, dx, s = int_activations(x, w.qtype, w.group, fast)
+        out = torch.empty(M, w.n_pad, dtype=torch.float32)
         n_tiles = w.q.shape[0]
         step = _column_tiles(w, M)
         for t0 in range(0, n_tiles, step):

@@ -201,35 +201,53 @@ def available() -> bool:
     return _kernels() is not None
 
 
+_SET_THREADS = [0]
+
+
 def _threads(k: dict) -> None:
-    numba = k["numba"]
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
+    """numba's threads follow torch's (set_num_threads), asked of numba only when torch's change."""
+    n = torch.get_num_threads()
+    if _SET_THREADS[0] != n:
+        numba = k["numba"]
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+        _SET_THREADS[0] = n
 
 
 def activations(x: torch.Tensor, q8_k: bool, q8_1: bool, group: int, xq: torch.Tensor, dx: torch.Tensor,
                 s: torch.Tensor) -> None:
     """intdot.int_activations' integers, scales and sums (the same bits) into xq int8 [M, K], dx / s float64
     [M, K / group]: Q8_K blocks of 256 (q8_k) or Q8_0 blocks of 32 (q8_1: s as llama.cpp's Q8_1 block stores it)."""
-    k = _kernels()
-    xn = x.contiguous().numpy()
+    _activations(_kernels(), x.contiguous().numpy(), q8_k, q8_1, group, xq.numpy(), dx.numpy(), s.numpy())
+
+
+def _activations(k: dict, xn, q8_k: bool, q8_1: bool, group: int, xq, dx, s) -> None:
     if q8_k:
-        k["q8_k"](xn, group, xq.numpy(), dx.numpy(), s.numpy())
+        k["q8_k"](xn, group, xq, dx, s)
     else:
-        k["q8_0"](xn, q8_1, xq.numpy(), dx.numpy(), s.numpy())
+        k["q8_0"](xn, q8_1, xq, dx, s)
 
 
-def few_rows(w, xq: torch.Tensor, dx: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
-    """out float32 [M, n_pad] = x @ W.T for an IntWeight w and intdot.int_activations' (xq, dx, s)."""
+def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, n_in] -> float32 [M, n_pad]: intdot.int_matmul's result for a few rows (its activations and the
+    fused kernel, the same bits), with as little Python around the two kernel calls as a decode step can have."""
     k = _kernels()
+    arrays = w.__dict__.get("_numba_arrays")
+    if arrays is None:   # the weight's numpy views, made once
+        arrays = w._numba_arrays = (w.q.numpy(), w.a.numpy(), w.c.numpy())
+    m = x.shape[0]
+    groups = w.n_in // w.group
+    xq = np.empty((m, w.n_in), np.int8)
+    dx = np.empty((m, groups), np.float64)
+    s = np.empty((m, groups), np.float64)
+    _activations(k, x.contiguous().numpy(), w.q8_k, w.q8_1, w.group, xq, dx, s)
+    out = np.empty((m, w.n_pad), np.float32)
     with _RUN:
         _threads(k)
-        args = (w.a.numpy(), w.c.numpy(), xq.numpy(), dx.contiguous().numpy(), s.contiguous().numpy(), out.numpy())
         if w.zero is None:
-            k["few_rows"](w.q.numpy(), *args)
+            k["few_rows"](arrays[0], arrays[1], arrays[2], xq, dx, s, out)
         else:
-            k["few_rows_nibbles"](w.q.numpy(), w.zero, *args)
+            k["few_rows_nibbles"](arrays[0], w.zero, arrays[1], arrays[2], xq, dx, s, out)
+    return torch.from_numpy(out)
 
 
 def combine(p: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, s: torch.Tensor,
