@@ -7,11 +7,14 @@ IQ4_XS), and every weight type here is small integers times a per-group scale, p
 w = a * q + c, groups of G = 16 or 32 values along a row. So each group's dot product is an exact integer,
 and a row of the result is
 
-    y[r, j] = sum over groups g, in order: (a[j, g] * dx[r, g]) * isum[r, j, g] + c[j, g] * s[r, g]
+    y[r, j] = float32(sum over groups g, in order: (a[j, g] * dx[r, g]) * isum[r, j, g] + c[j, g] * s[r, g])
+              + float32(sum over groups g, in order: c[j, g] * e[r, g])
 
 with isum the integer dot of the group's weight and activation integers, dx the activation scale of the
-group and s its activation sum (dx times the sum of its integers; for Q4_1 / Q5_1 the sum as llama.cpp's
-Q8_1 block stores it, fp16(d * sum)). The integers are exact whatever the order or the vector width, and
+group, s its activation sum (dx times the sum of its integers, exact in float64) and e, for Q4_1 / Q5_1, the
+sum as llama.cpp's Q8_1 block stores it, fp16(d * sum), less s (else 0). The minimum times e is rounded on its
+own and added in float32, as the float path adds `activations_like_llamacpp`'s error term (kernels/quant/ref.py),
+so the two paths' results agree closely (docs/decisions/cpu-matmul.md). The integers are exact whatever the order or the vector width, and
 the float64 combine runs in the same order in every implementation (no reassociation, no fused
 multiply-add), so the result does not depend on the CPU's instruction set, on the batch a row is in, or on
 which implementation ran: by construction, not by luck (docs/decisions/cpu-matmul.md).
@@ -189,19 +192,20 @@ class IntWeight:
 # activations: the integers and scales llama.cpp's CPU backend quantizes them to
 
 def int_activations(x: torch.Tensor, qtype, group: int, fast: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x float32 [M, K] -> (integers int8 [M, K], scale dx float64 [M, K / group], sum s float64 [M, K / group])
-    as llama.cpp rounds activations for `qtype` weights (kernels/quant/ref.py: activations_like_llamacpp, whose
-    values are these integers times dx). s is dx times the group's integer sum (exact in float64), or for
-    Q4_1 / Q5_1 the block sum llama.cpp's Q8_1 block stores, fp16(d * sum) with d the unrounded scale."""
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] -> (integers int8 [M, K], scale dx, sum s and Q8_1 sum error e, float64 [M, K / group]) as
+    llama.cpp rounds activations for `qtype` weights (kernels/quant/ref.py: activations_like_llamacpp, whose values
+    are these integers times dx). s is dx times the group's integer sum (exact in float64); e, for Q4_1 / Q5_1, the
+    block sum llama.cpp's Q8_1 block stores, fp16(d * sum) with d the unrounded scale, less s (else 0).
+    fast: the numba loop (the same bits)."""
     qt = _as_qtype(qtype)
     M, K = x.shape
     if fast:   # the same bits, from one numba loop instead of some fifteen torch ops
         from kernels.quant import intdot_numba
         xq = torch.empty(M, K, dtype=torch.int8)
-        dx, s = torch.empty(2, M, K // group, dtype=torch.float64)
-        intdot_numba.activations(x, qt in _Q8_K_ACTS, qt in _Q8_1_SUMS, group, xq, dx, s)
-        return xq, dx, s
+        dx, s, e = torch.empty(3, M, K // group, dtype=torch.float64)
+        intdot_numba.activations(x, qt in _Q8_K_ACTS, qt in _Q8_1_SUMS, group, xq, dx, s, e)
+        return xq, dx, s, e
     if qt in _Q8_K_ACTS:
         b = x.reshape(M, K // 256, 256)
         idx = b.abs().argmax(-1, keepdim=True)
@@ -211,7 +215,7 @@ def int_activations(x: torch.Tensor, qtype, group: int, fast: bool = False
         d = torch.where(iscale != 0, 1.0 / iscale, torch.zeros_like(iscale)).double()
         dx = d.expand(M, K // 256, 256 // group).reshape(M, K // group)
         qsum = q.view(M, K // group, group).sum(-1, dtype=torch.float64)
-        return q.to(torch.int8).view(M, K), dx.contiguous(), dx * qsum
+        return q.to(torch.int8).view(M, K), dx.contiguous(), dx * qsum, torch.zeros_like(dx)
     b = x.reshape(M, K // 32, 32)
     d = b.abs().amax(-1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
@@ -219,11 +223,12 @@ def int_activations(x: torch.Tensor, qtype, group: int, fast: bool = False
     d = d[..., 0]
     dx = d.to(torch.float16).double()
     qsum = q.sum(-1)   # exact: integers below 2^13
+    s = dx * qsum.double()
     if qt in _Q8_1_SUMS:
-        s = (qsum * d).to(torch.float16).double()
+        e = (qsum * d).to(torch.float16).double() - s
     else:
-        s = dx * qsum.double()
-    return q.to(torch.int8).view(M, K), dx, s
+        e = torch.zeros_like(s)
+    return q.to(torch.int8).view(M, K), dx, s, e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,14 +242,19 @@ def block_dots_ref(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, w)
 
 
-def combine_ref(p: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """p float32 [groups, M, N], a / c float32 [groups, N], dx / s float64 [M, groups] -> float32 [M, N]:
-    sum over groups in order of (a * dx) * p + c * s, in float64, then rounded once."""
+def combine_ref(p: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, s: torch.Tensor,
+                e: torch.Tensor) -> torch.Tensor:
+    """p float32 [groups, M, N], a / c float32 [groups, N], dx / s / e float64 [M, groups] -> float32 [M, N]:
+    float32(sum over groups in order of (a * dx) * p + c * s) + float32(sum over groups in order of c * e), the
+    sums in float64."""
     acc = torch.zeros(p.shape[1:], dtype=torch.float64)
+    acc2 = torch.zeros(p.shape[1:], dtype=torch.float64)
     for g in range(p.shape[0]):
+        cg = c[g].double()[None, :]
         t = (a[g].double()[None, :] * dx[:, g:g + 1]) * p[g].double()
-        acc = acc + (t + c[g].double()[None, :] * s[:, g:g + 1])
-    return acc.float()
+        acc = acc + (t + cg * s[:, g:g + 1])
+        acc2 = acc2 + cg * e[:, g:g + 1]
+    return acc.float() + acc2.float()
 
 
 def _column_tiles(w: IntWeight, m: int) -> int:
@@ -263,7 +273,7 @@ def int_matmul(x: torch.Tensor, w: IntWeight, fast: bool | None = None) -> torch
     if fast and M <= FEW_ROWS:
         out = intdot_numba.few_rows_matmul(w, x)
     else:
-        xq, dx, s = int_activations(x, w.qtype, w.group, fast)
+        xq, dx, s, e = int_activations(x, w.qtype, w.group, fast)
         out = torch.empty(M, w.n_pad, dtype=torch.float32)
         n_tiles = w.q.shape[0]
         step = _column_tiles(w, M)
@@ -272,7 +282,7 @@ def int_matmul(x: torch.Tensor, w: IntWeight, fast: bool | None = None) -> torch
             lo, hi = t0 * TILE, t1 * TILE
             p = block_dots_ref(xq, w.float_columns(t0, t1))
             if fast:
-                intdot_numba.combine(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s, out[:, lo:hi])
+                intdot_numba.combine(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s, e, out[:, lo:hi])
             else:
-                out[:, lo:hi] = combine_ref(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s)
+                out[:, lo:hi] = combine_ref(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s, e)
     return out[:, :w.n_out] if w.n_pad != w.n_out else out

@@ -36,7 +36,7 @@ def _compile() -> dict:
     tile = TILE   # a compile-time constant: the loops over a tile's outputs unroll into whole vectors
 
     @njit(parallel=True, nogil=True, cache=True)
-    def few_rows_kernel(q, a, c, xq, dx, s, out):
+    def few_rows_kernel(q, a, c, xq, dx, s, e, out):
         n_tiles, k, _ = q.shape
         n_groups = a.shape[0]
         g_size = k // n_groups
@@ -46,9 +46,11 @@ def _compile() -> dict:
             j0 = t * tile
             isum = np.zeros(tile, np.int32)
             acc = np.zeros(tile, np.float64)
+            acc2 = np.zeros(tile, np.float64)
             for r in range(m):
                 xr = xq[r]
                 acc[:] = 0.0
+                acc2[:] = 0.0
                 for g in range(n_groups):
                     isum[:] = 0
                     for i in range(g * g_size, (g + 1) * g_size):
@@ -58,16 +60,20 @@ def _compile() -> dict:
                             isum[j] += np.int32(wr[j]) * xv
                     d = dx[r, g]
                     sv = s[r, g]
+                    ev = e[r, g]
                     ar = a[g, j0:j0 + tile]
                     cr = c[g, j0:j0 + tile]
                     for j in range(tile):
                         acc[j] += (np.float64(ar[j]) * d) * np.float64(isum[j]) + np.float64(cr[j]) * sv
+                    if ev != 0.0:
+                        for j in range(tile):
+                            acc2[j] += np.float64(cr[j]) * ev
                 o = out[r, j0:j0 + tile]
                 for j in range(tile):
-                    o[j] = np.float32(acc[j])
+                    o[j] = np.float32(acc[j]) + np.float32(acc2[j])
 
     @njit(parallel=True, nogil=True, cache=True)
-    def few_rows_nibbles_kernel(q, zero, a, c, xq, dx, s, out):
+    def few_rows_nibbles_kernel(q, zero, a, c, xq, dx, s, e, out):
         # q uint8 [n_tiles, k / 2, tile]: group g's column 32 g + i in the low nibble of byte 16 g + i, column
         # 32 g + 16 + i in the high one; the integer is the nibble less `zero` (sum(q * x) less zero * sum(x))
         n_tiles = q.shape[0]
@@ -79,9 +85,11 @@ def _compile() -> dict:
             isum = np.zeros(tile, np.int32)
             part = np.zeros(tile, np.int16)
             acc = np.zeros(tile, np.float64)
+            acc2 = np.zeros(tile, np.float64)
             for r in range(m):
                 xr = xq[r]
                 acc[:] = 0.0
+                acc2[:] = 0.0
                 for g in range(n_groups):
                     isum[:] = 0
                     xsum = 0
@@ -99,30 +107,39 @@ def _compile() -> dict:
                     corr = np.int32(zero * xsum)
                     d = dx[r, g]
                     sv = s[r, g]
+                    ev = e[r, g]
                     ar = a[g, j0:j0 + tile]
                     cr = c[g, j0:j0 + tile]
                     for j in range(tile):
                         acc[j] += (np.float64(ar[j]) * d) * np.float64(isum[j] - corr) + np.float64(cr[j]) * sv
+                    if ev != 0.0:
+                        for j in range(tile):
+                            acc2[j] += np.float64(cr[j]) * ev
                 o = out[r, j0:j0 + tile]
                 for j in range(tile):
-                    o[j] = np.float32(acc[j])
+                    o[j] = np.float32(acc[j]) + np.float32(acc2[j])
 
     @njit(parallel=True, nogil=True, cache=True)
-    def combine_kernel(p, a, c, dx, s, out):
+    def combine_kernel(p, a, c, dx, s, e, out):
         n_groups, m, n = p.shape
         for r in prange(m):
             acc = np.zeros(n, np.float64)
+            acc2 = np.zeros(n, np.float64)
             for g in range(n_groups):
                 d = dx[r, g]
                 sv = s[r, g]
+                ev = e[r, g]
                 pr = p[g, r]
                 ar = a[g]
                 cr = c[g]
                 for j in range(n):
                     acc[j] += (np.float64(ar[j]) * d) * np.float64(pr[j]) + np.float64(cr[j]) * sv
+                if ev != 0.0:
+                    for j in range(n):
+                        acc2[j] += np.float64(cr[j]) * ev
             o = out[r]
             for j in range(n):
-                o[j] = np.float32(acc[j])
+                o[j] = np.float32(acc[j]) + np.float32(acc2[j])
 
     @njit(nogil=True, cache=True)
     def fp16_round(v):
@@ -136,7 +153,7 @@ def _compile() -> dict:
         return r if abs(r) <= 65504.0 else math.copysign(math.inf, v)
 
     @njit(nogil=True, cache=True)
-    def q8_0_kernel(x, q8_1, xq, dx, s):
+    def q8_0_kernel(x, q8_1, xq, dx, s, e):
         m, k = x.shape
         for r in range(m):
             for b in range(k // 32):
@@ -152,10 +169,11 @@ def _compile() -> dict:
                     xq[r, b * 32 + i] = np.int8(qv)
                     qsum += qv
                 dx[r, b] = fp16_round(d)
-                s[r, b] = fp16_round(qsum * d) if q8_1 else dx[r, b] * np.float64(qsum)
+                s[r, b] = dx[r, b] * np.float64(qsum)
+                e[r, b] = fp16_round(qsum * d) - s[r, b] if q8_1 else 0.0
 
     @njit(nogil=True, cache=True)
-    def q8_k_kernel(x, group, xq, dx, s):
+    def q8_k_kernel(x, group, xq, dx, s, e):
         m, k = x.shape
         per = 256 // group
         for r in range(m):
@@ -179,6 +197,7 @@ def _compile() -> dict:
                         qsum += np.float64(qv)
                     dx[r, b * per + gi] = d
                     s[r, b * per + gi] = d * qsum
+                    e[r, b * per + gi] = 0.0
 
     return {"few_rows": few_rows_kernel, "few_rows_nibbles": few_rows_nibbles_kernel, "combine": combine_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
             "numba": numba}
@@ -214,17 +233,18 @@ def _threads(k: dict) -> None:
 
 
 def activations(x: torch.Tensor, q8_k: bool, q8_1: bool, group: int, xq: torch.Tensor, dx: torch.Tensor,
-                s: torch.Tensor) -> None:
-    """intdot.int_activations' integers, scales and sums (the same bits) into xq int8 [M, K], dx / s float64
-    [M, K / group]: Q8_K blocks of 256 (q8_k) or Q8_0 blocks of 32 (q8_1: s as llama.cpp's Q8_1 block stores it)."""
-    _activations(_kernels(), x.contiguous().numpy(), q8_k, q8_1, group, xq.numpy(), dx.numpy(), s.numpy())
+                s: torch.Tensor, e: torch.Tensor) -> None:
+    """intdot.int_activations' integers, scales, sums and Q8_1 sum errors (the same bits) into xq int8 [M, K],
+    dx / s / e float64 [M, K / group]: Q8_K blocks of 256 (q8_k) or Q8_0 blocks of 32 (q8_1: e is llama.cpp's
+    stored Q8_1 sum less s, else 0)."""
+    _activations(_kernels(), x.contiguous().numpy(), q8_k, q8_1, group, xq.numpy(), dx.numpy(), s.numpy(), e.numpy())
 
 
-def _activations(k: dict, xn, q8_k: bool, q8_1: bool, group: int, xq, dx, s) -> None:
+def _activations(k: dict, xn, q8_k: bool, q8_1: bool, group: int, xq, dx, s, e) -> None:
     if q8_k:
-        k["q8_k"](xn, group, xq, dx, s)
+        k["q8_k"](xn, group, xq, dx, s, e)
     else:
-        k["q8_0"](xn, q8_1, xq, dx, s)
+        k["q8_0"](xn, q8_1, xq, dx, s, e)
 
 
 def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
@@ -237,27 +257,26 @@ def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
     m = x.shape[0]
     groups = w.n_in // w.group
     xq = np.empty((m, w.n_in), np.int8)
-    dx = np.empty((m, groups), np.float64)
-    s = np.empty((m, groups), np.float64)
-    _activations(k, x.contiguous().numpy(), w.q8_k, w.q8_1, w.group, xq, dx, s)
+    dx, s, e = np.empty((3, m, groups), np.float64)
+    _activations(k, x.contiguous().numpy(), w.q8_k, w.q8_1, w.group, xq, dx, s, e)
     out = np.empty((m, w.n_pad), np.float32)
     with _RUN:
         _threads(k)
         if w.zero is None:
-            k["few_rows"](arrays[0], arrays[1], arrays[2], xq, dx, s, out)
+            k["few_rows"](arrays[0], arrays[1], arrays[2], xq, dx, s, e, out)
         else:
-            k["few_rows_nibbles"](arrays[0], w.zero, arrays[1], arrays[2], xq, dx, s, out)
+            k["few_rows_nibbles"](arrays[0], w.zero, arrays[1], arrays[2], xq, dx, s, e, out)
     return torch.from_numpy(out)
 
 
-def combine(p: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, s: torch.Tensor,
+def combine(p: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, s: torch.Tensor, e: torch.Tensor,
             out: torch.Tensor) -> None:
-    """out[:] = intdot.combine_ref(p, a, c, dx, s) (the same bits); out may be a column slice."""
+    """out[:] = intdot.combine_ref(p, a, c, dx, s, e) (the same bits); out may be a column slice."""
     k = _kernels()
     o = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.float32)
     with _RUN:
         _threads(k)
         k["combine"](p.numpy(), np.ascontiguousarray(a.numpy()), np.ascontiguousarray(c.numpy()),
-                     dx.contiguous().numpy(), s.contiguous().numpy(), o.numpy())
+                     dx.contiguous().numpy(), s.contiguous().numpy(), e.contiguous().numpy(), o.numpy())
     if o is not out:
         out.copy_(o)

@@ -67,7 +67,7 @@ def test_activation_integers_times_scales_are_llamacpp_rounding():
     """intdot's integers times their scale are the values activations_like_llamacpp gives (Q8_0 and Q8_K)."""
     x = _activations(5, 512)
     for qtype, group in ((QT.Q8_0, 32), (QT.Q4_K, 32), (QT.Q6_K, 16)):
-        xq, dx, _ = int_activations(x, qtype, group)
+        xq, dx, _, _ = int_activations(x, qtype, group)
         vals = (xq.double().view(5, -1, group) * dx[..., None]).view(5, 512).float()
         assert torch.equal(vals, activations_like_llamacpp(x, qtype)[0])
 
