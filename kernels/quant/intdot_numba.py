@@ -24,6 +24,10 @@ _LOCK = threading.Lock()
 _KERNELS: dict | None = None
 _FAILED = False
 _RUN = threading.Lock()   # the workqueue layer takes one parallel launch at a time
+# a few-row product of at least this many multiply-adds spreads its tiles over numba's threads; smaller ones run on
+# the calling thread (the demo model's decode step: the 49152 x 576 output matrix in parallel, its layers' ~0.9M-MAC
+# matrices each on one thread)
+PARALLEL_MACS = 4 << 20
 
 
 def _compile() -> dict:
@@ -35,13 +39,13 @@ def _compile() -> dict:
 
     tile = TILE   # a compile-time constant: the loops over a tile's outputs unroll into whole vectors
 
-    @njit(parallel=True, nogil=True, cache=True)
-    def few_rows_kernel(q, a, c, xq, dx, s, e, out):
-        n_tiles, k, _ = q.shape
+    @njit(nogil=True, cache=True)
+    def few_rows_tiles(q, a, c, xq, dx, s, e, out, t0, t1):
+        k = q.shape[1]
         n_groups = a.shape[0]
         g_size = k // n_groups
         m = xq.shape[0]
-        for t in prange(n_tiles):
+        for t in range(t0, t1):
             wt = q[t]
             j0 = t * tile
             isum = np.zeros(tile, np.int32)
@@ -72,14 +76,13 @@ def _compile() -> dict:
                 for j in range(tile):
                     o[j] = np.float32(acc[j]) + np.float32(acc2[j])
 
-    @njit(parallel=True, nogil=True, cache=True)
-    def few_rows_nibbles_kernel(q, zero, a, c, xq, dx, s, e, out):
+    @njit(nogil=True, cache=True)
+    def few_rows_nibbles_tiles(q, zero, a, c, xq, dx, s, e, out, t0, t1):
         # q uint8 [n_tiles, k / 2, tile]: group g's column 32 g + i in the low nibble of byte 16 g + i, column
         # 32 g + 16 + i in the high one; the integer is the nibble less `zero` (sum(q * x) less zero * sum(x))
-        n_tiles = q.shape[0]
         n_groups = a.shape[0]
         m = xq.shape[0]
-        for t in prange(n_tiles):
+        for t in range(t0, t1):
             wt = q[t]
             j0 = t * tile
             isum = np.zeros(tile, np.int32)
@@ -118,6 +121,16 @@ def _compile() -> dict:
                 o = out[r, j0:j0 + tile]
                 for j in range(tile):
                     o[j] = np.float32(acc[j]) + np.float32(acc2[j])
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def few_rows_parallel(q, a, c, xq, dx, s, e, out):
+        for t in prange(q.shape[0]):
+            few_rows_tiles(q, a, c, xq, dx, s, e, out, t, t + 1)
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def few_rows_nibbles_parallel(q, zero, a, c, xq, dx, s, e, out):
+        for t in prange(q.shape[0]):
+            few_rows_nibbles_tiles(q, zero, a, c, xq, dx, s, e, out, t, t + 1)
 
     @njit(parallel=True, nogil=True, cache=True)
     def combine_kernel(p, a, c, dx, s, e, out):
@@ -199,7 +212,8 @@ def _compile() -> dict:
                     s[r, b * per + gi] = d * qsum
                     e[r, b * per + gi] = 0.0
 
-    return {"few_rows": few_rows_kernel, "few_rows_nibbles": few_rows_nibbles_kernel, "combine": combine_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
+    return {"few_rows": few_rows_tiles, "few_rows_nibbles": few_rows_nibbles_tiles,
+            "few_rows_parallel": few_rows_parallel, "few_rows_nibbles_parallel": few_rows_nibbles_parallel, "combine": combine_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
             "numba": numba}
 
 
@@ -260,12 +274,22 @@ def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
     dx, s, e = np.empty((3, m, groups), np.float64)
     _activations(k, x.contiguous().numpy(), w.q8_k, w.q8_1, w.group, xq, dx, s, e)
     out = np.empty((m, w.n_pad), np.float32)
+    q, a, c = arrays
+    if m * w.n_in * w.n_pad < PARALLEL_MACS or torch.get_num_threads() == 1:
+        # on this thread: a parallel launch hands the tiles to numba's pool and waits for it, ~10-50 us on an idle
+        # machine, a scheduler time slice on a busy one (a 210-matmul decode step: 0.7 s on the shared 2-core
+        # machine with every matmul launched)
+        if w.zero is None:
+            k["few_rows"](q, a, c, xq, dx, s, e, out, 0, q.shape[0])
+        else:
+            k["few_rows_nibbles"](q, w.zero, a, c, xq, dx, s, e, out, 0, q.shape[0])
+        return torch.from_numpy(out)
     with _RUN:
         _threads(k)
         if w.zero is None:
-            k["few_rows"](arrays[0], arrays[1], arrays[2], xq, dx, s, e, out)
+            k["few_rows_parallel"](q, a, c, xq, dx, s, e, out)
         else:
-            k["few_rows_nibbles"](arrays[0], w.zero, arrays[1], arrays[2], xq, dx, s, e, out)
+            k["few_rows_nibbles_parallel"](q, w.zero, a, c, xq, dx, s, e, out)
     return torch.from_numpy(out)
 
 

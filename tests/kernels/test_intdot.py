@@ -113,3 +113,21 @@ def test_many_rows_in_column_chunks(monkeypatch):
     whole = int_matmul(x, w)
     monkeypatch.setattr(intdot, "P_BYTES", 1)   # one tile per chunk
     assert _same(int_matmul(x, w), whole)
+
+
+@numba_kernels
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q6_K], ids=lambda t: t.name)
+def test_parallel_few_rows_give_the_same_bits(qtype, monkeypatch):
+    """A few-row product spread over numba's threads (a large matrix) gives the one-thread kernel's bits."""
+    import kernels.quant.intdot_numba as intdot_numba
+    raw, n_in = _weight(qtype, 300, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 8, 5)
+    w = IntWeight(raw, qtype, 300, n_in)
+    x = _activations(3, n_in)
+    one = int_matmul(x, w)
+    monkeypatch.setattr(intdot_numba, "PARALLEL_MACS", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _same(int_matmul(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
