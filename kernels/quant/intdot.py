@@ -30,11 +30,12 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kernels.quant import intdot_numba
+from kernels.quant.intdot_numba import TILE   # output rows per tile of the repacked integers
 from kernels.quant.ref import (_as_qtype, _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported,
                                weight_rows)
 
 QT = GGMLQuantizationType
-TILE = 64            # output rows per tile of the repacked integers (one numba work item)
 FEW_ROWS = 4         # up to this many rows take the fused numba kernel (reads the int8 weights once per row)
 P_BYTES = 32 << 20   # the float32 block dots of one column tile of a many-row product stay under this
 
@@ -201,7 +202,6 @@ def int_activations(x: torch.Tensor, qtype, group: int, fast: bool = False
     qt = _as_qtype(qtype)
     M, K = x.shape
     if fast:   # the same bits, from one numba loop instead of some fifteen torch ops
-        from kernels.quant import intdot_numba
         xq = torch.empty(M, K, dtype=torch.int8)
         dx, s, e = torch.empty(3, M, K // group, dtype=torch.float64)
         intdot_numba.activations(x, qt in _Q8_K_ACTS, qt in _Q8_1_SUMS, group, xq, dx, s, e)
@@ -266,7 +266,6 @@ def _column_tiles(w: IntWeight, m: int) -> int:
 def int_matmul(x: torch.Tensor, w: IntWeight, fast: bool | None = None) -> torch.Tensor:
     """x float32 [M, n_in] @ W.T -> float32 [M, n_out], x rounded as llama.cpp rounds it. fast: the numba kernels
     (default: when numba imports); False: torch alone (the reference). Both give the same bits."""
-    from kernels.quant import intdot_numba
     if fast is None:
         fast = intdot_numba.available()
     M = x.shape[0]

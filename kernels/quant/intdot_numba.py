@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import torch
 
-from kernels.quant.intdot import TILE
+TILE = 64   # output rows per tile of kernels/quant/intdot.py's repacked integers (one work item; a compile-time width)
 
 _LOCK = threading.Lock()
 _KERNELS: dict | None = None
