@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -92,21 +93,29 @@ def build(root: Path | None = None, jobs: int | None = None) -> Path:
             t.extractall(src, members=[m for m in members if m.name], **extract)
     log = root / "build.log"
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    flags = []
+    if os.name != "nt" and platform.machine().lower() in ("x86_64", "amd64"):
+        # no AMX: its tile instructions need the kernel's per-process permission, which a VM may not give (this
+        # machine's native build died on `tilezero` with SIGILL although /proc/cpuinfo lists amx_tile); an explicit
+        # -mno-* wins over -march=native whatever the order
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        flags = [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     _run(["cmake", "-S", str(src), "-B", str(root / "build"), *gen, "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+          "-DGGML_NATIVE=ON", *flags, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
           "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"], log, "cmake configure")
     _run(["cmake", "--build", str(root / "build"), "--config", "Release", "--target", "llama-bench",
           "-j", str(jobs or os.cpu_count() or 2)], log, "cmake build")
     exe = _exe(root)
     if not exe.is_file():
         raise BuildError(f"the build finished without {exe.name}; see {log}")
+    (root / "build.ok").write_text(VERSION + " no-amx\n")   # this build's options (older builds are redone)
     return exe
 
 
 def llama_bench(build_if_missing: bool = False) -> Path | None:
     """The cached llama-bench, built first if `build_if_missing`; None when it is not there and not to be built."""
     exe = _exe(cache_dir())
-    if exe.is_file():
+    if exe.is_file() and (cache_dir() / "build.ok").is_file():
         return exe
     return build() if build_if_missing else None
 
