@@ -12,8 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from app import __version__
-from app.cli_options import add_spec_args
+# OpenMP's idle threads sleep instead of spinning (before torch loads OpenMP): with all cores in use, a spinning
+# thread on a busy machine makes every parallel region wait out a scheduler time slice (a 256-token prompt of the demo
+# model on the shared 2-core machine at load ~10: 3-18 tok/s with 2 spinning threads, 64 with passive waits)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from app import __version__  # noqa: E402
+from app.cli_options import add_spec_args  # noqa: E402
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:

@@ -131,11 +131,13 @@ def _has_image_parts(messages) -> bool:
 
 
 def default_threads() -> int:
-    """CPU threads for torch: all cores but one. A core left for the UI, the HTTP server and the
-    rest of the machine matters: when another process takes a core, OpenMP's barrier waits stall a
-    fully subscribed torch (measured on 2 cores: 0.2 s per demo-model token with 1 thread under load,
-    2-19 s with 2)."""
-    return max(1, (os.cpu_count() or 2) - 1)
+    """CPU threads for torch and the CPU path's matmul kernels (kernels/quant/intdot_numba.py follows torch's
+    count): all cores. The CPU path's decode step is the integer matmuls, which spread a step's weights over the
+    threads, and every core's share of the memory bandwidth counts; the UI, the HTTP server and the rest of the
+    machine get a core back between steps. A busy machine is where fewer threads can win (a thread that waits on
+    a descheduled one loses its time slice): `-t` / Settings' threads set the count
+    (docs/decisions/cpu-matmul.md has the measurements)."""
+    return max(1, os.cpu_count() or 1)
 
 
 class RequestHandle:

@@ -24,6 +24,7 @@ from kernels.attention import causal_attention
 from kernels.kvcodec import cache_type_name
 from kernels.quant import (activations_like_llamacpp, block_mins, check_supported, dequantize_rows, dequantized_tiles,
                            matmul_row_invariant, matmul_tiles, quantized_matmul_ref)
+from kernels.quant.intdot import INT_TYPES, IntWeight, int_matmul
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # While the GPU path runs prompt rows (engine/runner/runner.py's prefill): the chunk size, to which matmuls pad
@@ -42,10 +43,14 @@ FUSED_HEADS = os.environ.get("HIVEJET_FUSED_HEADS", "1") != "0"
 # than some twenty torch kernels; HIVEJET_ROWS_KERNEL=0: the torch ops (to measure one against the other)
 ROWS_KERNEL = os.environ.get("HIVEJET_ROWS_KERNEL", "1") != "0"
 _POOL_LOCK = threading.Lock()
+# whether the CPU path multiplies quantized weights as llama.cpp's CPU backend does, in exact integer block dots
+# (kernels/quant/intdot.py); False: activations_like_llamacpp's rounded floats times the dequantized weights in
+# float64 (GPU tests set it to compare the GPU kernels with a CPU reference that rounds activations to fp16)
+CPU_INT_DOTS = True
 
 
 class DequantBudget:
-    """Bytes of dequantized float32 weights the CPU path may keep, process-wide (HIVEJET_CPU_WEIGHT_CACHE:
+    """Bytes of repacked weights (integers and scales, or dequantized float32) the CPU path may keep, process-wide (HIVEJET_CPU_WEIGHT_CACHE:
     bytes, 0 = none; default min(1 GiB, 1/8 of the machine's memory)). A weight that takes some gives it
     back when it is freed."""
 
@@ -139,6 +144,8 @@ class Weight:
             return self._matmul_gpu(x, add)
         if self.qtype == QT.F32:
             y = matmul_row_invariant(x, self.raw.view(torch.float32).view(self.n_out, self.n_in))
+        elif self.qtype in INT_TYPES and CPU_INT_DOTS:
+            y = int_matmul(x, self._integers())
         else:
             x, err = activations_like_llamacpp(x, self.qtype)
             tiles = self._expanded()
@@ -157,15 +164,27 @@ class Weight:
             self._mins_t = block_mins(self.raw, self.qtype, self.n_out, self.n_in)
         return self._mins_t
 
-    _tiles = None       # the matrix dequantized (float32 tiles), while the process's budget allows
+    _tiles = None       # the matrix dequantized (float32 tiles; F16 / BF16 weights), while the process's budget allows
 
     def _expanded(self) -> list | None:
-        """This matrix dequantized once, if DEQUANT_CACHE has room for it: a decode step of a small
-        model spent ~40 % of its time dequantizing every weight again (the demo model: 135M values,
-        540 MB as float32). The budget is given back when the weight is freed."""
+        """This matrix dequantized once, if DEQUANT_CACHE has room for it (the float path: F16 / BF16 weights, and
+        quantized ones where CPU_INT_DOTS is off). The budget is given back when the weight is freed."""
         if self._tiles is None and self.gpu is None and DEQUANT_CACHE.take(self.n_out * self.n_in * 4, self):
             self._tiles = dequantized_tiles(self.raw, self.qtype, self.n_out, self.n_in)
         return self._tiles
+
+    _ints = None       # the matrix repacked as integers and scales (kernels/quant/intdot.py), while the budget allows
+
+    def _integers(self) -> IntWeight:
+        """This matrix as the integer matmul takes it: kept if DEQUANT_CACHE has room (~1.25 bytes a value),
+        else repacked for this call alone (the same bits, slower). The budget is given back when the
+        weight is freed."""
+        if self._ints is not None:
+            return self._ints
+        w = IntWeight(self.raw, self.qtype, self.n_out, self.n_in)
+        if self.gpu is None and DEQUANT_CACHE.take(w.nbytes, self):
+            self._ints = w
+        return w
 
     def _matmul_gpu(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         if self.gpu is None:

@@ -78,7 +78,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", choices=["matmul", "decode", "spec", "agents", "plot"])
     p.add_argument("paths", nargs="*", help="plot: RESULT.json OUT.png")
     p.add_argument("-m", "--model", default=None, help="decode, spec, agents: the GGUF model")
-    p.add_argument("--llamacpp", default=None, help="decode: a directory with llama-bench (same run, same model)")
+    p.add_argument("--llamacpp", default=None,
+                   help="decode: a directory with llama-bench (same run, same model); with --device cpu also \"build\": "
+                        "llama.cpp b11434's CPU build, made once in the cache folder (engine/tools/llamacpp_cpu.py)")
     p.add_argument("--depths", type=int, nargs="+", default=[0, 23000])
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("-p", "--n-prompt", type=int, default=512)
@@ -87,7 +89,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--card", default=None, metavar="NAME",
                    help="decode: print the decode ceiling on this card (engine/cards.py; default: the GPU in use)")
     p.add_argument("--device", default="auto",
-                   help="spec, agents: the engine's device (default auto: the GPU when torch sees one; cpu, cuda)")
+                   help="decode, spec, agents: the engine's device (default auto: the GPU when torch sees one; cpu, "
+                        "cuda); decode --device cpu: the CPU path's prompt and decode tok/s (engine/tools/bench_cpu.py)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="decode --device cpu: threads (default: the engine's)")
+    p.add_argument("--reps", type=int, default=3, help="decode --device cpu: repeats of each figure")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
     p.add_argument("--verify-rows", action="store_true",
                    help="spec: time steps verifying 0/4/8/16 drafts for 1 and 4 sequences (the GPU path's rows)")
@@ -104,6 +109,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="", metavar="ARGS",
                    help="agents: more `hivejet serve` arguments, e.g. \"--prefill-chunk 512\"")
     p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def _cpu_device(device: str) -> bool:
+    """decode's device: cpu when asked, or auto where torch sees no GPU."""
+    if device == "auto":
+        import torch
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 def run_bench(args) -> int:
@@ -143,6 +156,15 @@ def run_bench(args) -> int:
     elif args.scenario == "spec":
         from engine.tools.bench_spec import run
         res = run(args)
+    elif args.scenario == "decode" and _cpu_device(args.device):
+        from engine.tools.bench_cpu import bench_cpu, print_cpu
+        model = args.model
+        if not model:
+            from engine.catalog import ensure_model
+            model = str(ensure_model("demo"))
+        res = bench_cpu(model, n_prompt=args.n_prompt, n_gen=args.n_gen, threads=args.threads, reps=args.reps,
+                        llamacpp=args.llamacpp, json_path=args.json)
+        print_cpu(res)
     elif args.scenario == "decode":
         if not args.model:
             print("hivejet bench decode needs -m MODEL.gguf", file=sys.stderr)

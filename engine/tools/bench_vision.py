@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="1024x768", help="image size WxH")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: the engine's, cores - 1)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: the engine's, all cores)")
     a = ap.parse_args(argv)
     from engine.engine import default_threads
     torch.set_num_threads(a.threads or default_threads())

@@ -573,6 +573,7 @@ def fp16_activations(monkeypatch):
     comparison tests the GPU's kernels rather than the two paths' rounding choices (8-bit rounding moves
     Gemma-3-270M's logits by 0.1-0.2, more than some of its greedy margins)."""
     import engine.models.common as common
+    monkeypatch.setattr(common, "CPU_INT_DOTS", False)   # the float path, whose activation rounding is replaced here
     monkeypatch.setattr(common, "activations_like_llamacpp", lambda x, qtype: (x.to(torch.float16).float(), None))
 
 

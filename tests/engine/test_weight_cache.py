@@ -1,4 +1,4 @@
-"""The CPU path keeps dequantized weights within a process-wide budget (engine/models/common.py:
+"""The CPU path keeps repacked weights within a process-wide budget (engine/models/common.py:
 DequantBudget): the same logits as expanding them on every call, the budget respected and given back."""
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def _budget(monkeypatch, nbytes: int) -> DequantBudget:
 
 
 def _expanded(model) -> int:
-    """Bytes of the model's weights kept dequantized."""
-    return sum(t.numel() * 4 for w in _weights(model) if w._tiles is not None for t in w._tiles)
+    """Bytes of the model's weights kept repacked (integers and scales, or dequantized float32 tiles)."""
+    ints = sum(w._ints.nbytes for w in _weights(model) if w._ints is not None)
+    return ints + sum(t.numel() * 4 for w in _weights(model) if w._tiles is not None for t in w._tiles)
 
 
 def _weights(obj, depth=0, seen=None):

@@ -63,3 +63,32 @@ def test_decode_result_prints_its_ceiling_and_family():
     assert text.startswith("kernel settings of the sm86 family; decode ceiling on RTX 4090 (1008 GB/s")
     assert "63.0 tok/s" in text and "measured 45.0 tok/s = 71% of it" in text
     assert "not in the card table" in ceiling_text(dict(family="sm90", decode_read_bytes=1, hivejet=[]))
+
+
+def test_bench_decode_on_the_cpu_path(tmp_path, capsys):
+    """`hivejet bench decode --device cpu` (engine/tools/bench_cpu.py) end to end on a tiny model: both figures,
+    their repeats, the decode steps' times, the table printed (speed is not asserted)."""
+    from engine.tools.bench_cpu import bench_cpu, print_cpu
+    path = tmp_path / "llama.gguf"
+    write_synthetic(path, "llama", "tiny", seed=2)
+    res = bench_cpu(str(path), n_prompt=8, n_gen=3, threads=1, reps=2, json_path=str(tmp_path / "r.json"))
+    tests = {r["test"]: r for r in res["hivejet"]}
+    assert set(tests) == {"pp8", "tg3"} and res["threads"] == 1
+    assert len(tests["pp8"]["tok_s_runs"]) == 2 and all(t > 0 for t in tests["pp8"]["tok_s_runs"])
+    assert tests["tg3"]["step_ms_min"] <= tests["tg3"]["step_ms_median"]
+    assert json.loads((tmp_path / "r.json").read_text())["model"] == "llama.gguf"
+    print_cpu(res)
+    assert "pp8" in capsys.readouterr().out
+
+
+def test_llamacpp_cpu_build_errors_are_clear(tmp_path, monkeypatch):
+    """A folder without llama-bench, and a build without cmake, fail with errors that say what is missing."""
+    import pytest
+
+    from engine.tools import llamacpp_cpu
+    from engine.tools.bench_cpu import _llama_bench_path
+    with pytest.raises(FileNotFoundError, match="no llama-bench in"):
+        _llama_bench_path(str(tmp_path))
+    monkeypatch.setattr(llamacpp_cpu.shutil, "which", lambda name: None)
+    with pytest.raises(llamacpp_cpu.BuildError, match="needs cmake"):
+        llamacpp_cpu.build(tmp_path / "cache")
