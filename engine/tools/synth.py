@@ -457,7 +457,9 @@ def _metadata(cfg: SynthConfig, seed: int) -> dict[str, Any]:
         Keys.General.ARCHITECTURE: a,
         Keys.General.TYPE: "model",
         Keys.General.NAME: f"HiveJet synthetic {a} {cfg.preset}" + (" mtp" if cfg.mtp else ""),
-        Keys.General.DESCRIPTION: "random weights written by hivejet synth (engine/tools/synth.py); not a trained model",
+        # (the text is part of the file's bytes, which tests/fixtures' llama.cpp perplexities were computed on:
+        # changing it means regenerating them with tests/fixtures/make_llamacpp_ppl.py)
+        Keys.General.DESCRIPTION: "random weights written by hivejet synth (engine/synth.py); not a trained model",
         Keys.General.FILE_TYPE: int(_FILE_TYPE[cfg.weight_type]),
         Keys.General.QUANTIZATION_VERSION: gguf.GGML_QUANT_VERSION,
         "hivejet.synth.preset": cfg.preset,
