@@ -21,6 +21,7 @@ from engine.gguf.reader import GGUFError, GGUFFile
 from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-sequence cache, re-exported)
 from kernels import fused
 from kernels.attention import causal_attention
+from kernels.cpu import rows as cpu_rows
 from kernels.kvcodec import cache_type_name
 from kernels.quant import (activations_like_llamacpp, block_mins, check_supported, dequantize_rows, dequantized_tiles,
                            matmul_row_invariant, matmul_tiles, quantized_matmul_ref)
@@ -343,7 +344,9 @@ class WeightSet:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out_dtype: the result rounded to it (a matmul's `input_dtype`), else x's dtype."""
-    if not x.is_cuda or x.ndim not in (2, 3):
+    if not x.is_cuda:   # numba (kernels/cpu/rows.py: the reference's bits), or fused.ref_rms_norm without it
+        return cpu_rows.rms_norm(x, w, eps, out_dtype)
+    if x.ndim not in (2, 3):
         return fused.ref_rms_norm(x, w, eps, out_dtype)
     if x.ndim == 2:
         return fused.rms_norm(x, w, eps, out_dtype)
@@ -405,6 +408,10 @@ class HeadPrep:
     sin: torch.Tensor
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not q.is_cuda:   # one numba call each (kernels/cpu/rows.py: ref_qk_norm_rope's bits)
+            r = self.rope
+            return (cpu_rows.qk_norm_rope(q, self.q_norm, self.eps, self.cos, self.sin, r.dim, r.neox),
+                    cpu_rows.qk_norm_rope(k, self.k_norm, self.eps, self.cos, self.sin, r.dim, r.neox))
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         return self.rope.apply(q, self.cos, self.sin), self.rope.apply(k, self.cos, self.sin)
