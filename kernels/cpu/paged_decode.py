@@ -11,16 +11,14 @@ i // (H / Hkv)) over positions first..start (window > 0: the last `window` of th
 gather, decode, causal_attention), with the same signature. Cache types f16 and bf16 (the values themselves, 16
 bits: `supported`); the others take the reference.
 
-The K / V rows are encoded as torch's .to(float16) / .to(bfloat16) rounds (nearest even) and decoded through a
-table of the 65536 patterns' float32 values that torch itself made. The float64 products and exp are IEEE
+The K / V rows are encoded as torch's .to(float16) / .to(bfloat16) rounds them (nearest even) and decoded exactly
+(fp16: the bits moved into a float32 and scaled by 2^112; bf16: the float32's upper half). The float64 products and exp are IEEE
 operations in the reference's order; the sums (the q . k dot, the softmax's, the weighted sum of values) run in
 key and channel order, where BLAS and torch's vectorized softmax may sum in another order: a last-bit float64
 difference, which the one rounding to float32 almost never shows (tests/kernels/cpu/test_paged_decode.py checks
 the float32 bits; docs/decisions/cpu-decode-step.md).
 """
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import torch
@@ -76,9 +74,56 @@ def _compile() -> dict:
             h = f16_bits(b) if kind == 0 else bf16_bits(b)
             dst[i] = np.int16(h - 65536 if h >= 32768 else h)
 
+    two112 = np.float32(2.0 ** 112)
+
     @njit(nogil=True, cache=True)
-    def decode_attend(q, kbits, vbits, kc, vc, table, first, start, scale, window, kind_k, kind_v, dec_k, dec_v,
-                      out):
+    def to_bits(h, kind):
+        # a 16-bit pattern (int32, 0..65535) -> the bits of a float32 that is its value (bf16), or its value / 2^112
+        # (fp16: sign, exponent and mantissa moved into place; infinities and NaN with the exponent all ones)
+        if kind == 1:
+            return h << 16
+        b = ((h & 0x8000) << 16) | ((h & 0x7FFF) << 13)
+        return b | 0x7F800000 if (h & 0x7C00) == 0x7C00 else b
+
+    @njit(nogil=True, cache=True)
+    def decode_rows(cache, table, lo, n, hk, kind, bits, dst, transposed):
+        # positions lo..lo+n of KV head hk of cache int16 [n_blocks, block_size, Hkv, D] (through the block table)
+        # -> float64 dst [n, D], or [D, n] when transposed: torch's values (fp16: the float32 times 2^112, exact)
+        bs = cache.shape[1]
+        D = cache.shape[3]
+        for j in range(n):
+            p = lo + j
+            r = cache[table[p // bs], p % bs, hk]
+            br = bits[j]
+            for d in range(D):
+                br[d] = to_bits(np.int32(r[d]) & 0xFFFF, kind)
+        f = bits.view(np.float32)
+        for j in range(n):
+            br = bits[j]
+            fr = f[j]
+            for d in range(D):
+                x = fr[d]
+                if kind == 0 and (br[d] & 0x7F800000) != 0x7F800000:
+                    x = x * two112
+                if transposed:
+                    dst[d, j] = np.float64(x)
+                else:
+                    dst[j, d] = np.float64(x)
+
+    @njit(nogil=True, cache=True)
+    def decode_row(src, kind, bits, dst):
+        # one row int16 [n] -> float64 [n] (decode_rows' values; for tests)
+        for i in range(src.shape[0]):
+            bits[i] = to_bits(np.int32(src[i]) & 0xFFFF, kind)
+        f = bits.view(np.float32)
+        for i in range(src.shape[0]):
+            x = f[i]
+            if kind == 0 and (bits[i] & 0x7F800000) != 0x7F800000:
+                x = x * two112
+            dst[i] = np.float64(x)
+
+    @njit(nogil=True, cache=True)
+    def decode_attend(q, kbits, vbits, kc, vc, table, first, start, scale, window, kind_k, kind_v, out):
         # q float32 [H, D]; kbits / vbits: the new row's float32 bits, int32 [Hkv, D] / [Hkv, Dv]; kc / vc: the
         # layer's cache as int16 [n_blocks, block_size, Hkv, D|Dv]; table int64 block ids; out float32 [H, Dv]
         H, D = q.shape
@@ -95,28 +140,23 @@ def _compile() -> dict:
         if window > 0 and start - window + 1 > lo:
             lo = start - window + 1
         n = start + 1 - lo
-        kt = np.empty((D, n), np.float64)
+        kt = np.empty((D, n), np.float64)      # keys, channel-major: a query's scores are a vector loop over keys
         vt = np.empty((n, dv), np.float64)
+        bits_k = np.empty((n, D), np.int32)
+        bits_v = np.empty((n, dv), np.int32)
         sc = np.empty(n, np.float64)
         acc = np.empty(dv, np.float64)
         for hk in range(hkv):
-            for j in range(n):
-                p = lo + j
-                b = table[p // bs]
-                s = p % bs
-                kr = kc[b, s, hk]
-                vr = vc[b, s, hk]
-                for d in range(D):
-                    kt[d, j] = np.float64(dec_k[np.int64(kr[d]) & 0xFFFF])
-                for d in range(dv):
-                    vt[j, d] = np.float64(dec_v[np.int64(vr[d]) & 0xFFFF])
+            decode_rows(kc, table, lo, n, hk, kind_k, bits_k, kt, True)
+            decode_rows(vc, table, lo, n, hk, kind_v, bits_v, vt, False)
             for gi in range(g):
                 h = hk * g + gi
                 sc[:] = 0.0
-                for d in range(D):
+                for d in range(D):       # each score's sum runs over d in order; the keys are the vector lanes
                     qd = np.float64(q[h, d])
+                    kd = kt[d]
                     for j in range(n):
-                        sc[j] += qd * kt[d, j]
+                        sc[j] += qd * kd[j]
                 m = -math.inf
                 for j in range(n):
                     sc[j] *= scale
@@ -131,22 +171,16 @@ def _compile() -> dict:
                 acc[:] = 0.0
                 for j in range(n):
                     pj = sc[j] * inv
+                    vj = vt[j]
                     for d in range(dv):
-                        acc[d] += pj * vt[j, d]
+                        acc[d] += pj * vj[d]
                 for d in range(dv):
                     out[h, d] = np.float32(acc[d])
 
-    return {"decode_attend": decode_attend, "encode_row": encode_row}
+    return {"decode_attend": decode_attend, "encode_row": encode_row, "decode_row": decode_row, "decode_rows": decode_rows}
 
 
 _KERNELS = LazyKernels(_compile)
-
-
-@functools.lru_cache(maxsize=None)
-def _table(kind: int) -> np.ndarray:
-    """float32 value of every 16-bit pattern, as torch decodes fp16 (kind 0) or bf16 (kind 1)."""
-    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
-    return bits.view(torch.float16 if kind == 0 else torch.bfloat16).float().numpy()
 
 
 def available() -> bool:
@@ -173,7 +207,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     kern["decode_attend"](q[0].numpy(), k[0].float().contiguous().view(torch.int32).numpy(),
                           v[0].float().contiguous().view(torch.int32).numpy(), k_cache.view(torch.int16).numpy(),
                           v_cache.view(torch.int16).numpy(), table.numpy(), int(first), int(start), float(scale),
-                          int(window), kk, kv, _table(kk), _table(kv), out)
+                          int(window), kk, kv, out)
     return torch.from_numpy(out).view(1, H, dv)
 
 

@@ -154,6 +154,33 @@ def _compile() -> dict:
             for j in range(n):
                 o[j] = np.float32(acc[j]) + np.float32(acc2[j])
 
+    @njit(parallel=True, nogil=True, cache=True)
+    def float_columns_kernel(q, nibbles, zero, t0, t1, g_size, out):
+        # tiles t0..t1 of the repacked integers -> float32 out [k / G, G, (t1 - t0) * tile]: out[g, i, t * tile + j] is
+        # the integer of input column g G + i for output row (t0 + t) tile + j (for intdot.block_dots_ref)
+        k = out.shape[0] * g_size
+        for t in prange(t1 - t0):
+            wt = q[t0 + t]
+            c0 = t * tile
+            if nibbles:
+                for b in range(k // 32):
+                    for i in range(16):
+                        wr = wt[b * 16 + i]
+                        lo_c = b * 32 + i
+                        hi_c = lo_c + 16
+                        olo = out[lo_c // g_size, lo_c % g_size]
+                        ohi = out[hi_c // g_size, hi_c % g_size]
+                        for j in range(tile):
+                            v = np.int32(wr[j])
+                            olo[c0 + j] = np.float32((v & 15) - zero)
+                            ohi[c0 + j] = np.float32((v >> 4) - zero)
+            else:
+                for c in range(k):
+                    wr = wt[c]
+                    o = out[c // g_size, c % g_size]
+                    for j in range(tile):
+                        o[c0 + j] = np.float32(wr[j])
+
     @njit(nogil=True, cache=True)
     def fp16_round(v):
         """v (float32 or float64) rounded to the nearest fp16 value (ties to even), as float64; finite range only
@@ -213,7 +240,7 @@ def _compile() -> dict:
                     e[r, b * per + gi] = 0.0
 
     return {"few_rows": few_rows_tiles, "few_rows_nibbles": few_rows_nibbles_tiles,
-            "few_rows_parallel": few_rows_parallel, "few_rows_nibbles_parallel": few_rows_nibbles_parallel, "combine": combine_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
+            "few_rows_parallel": few_rows_parallel, "few_rows_nibbles_parallel": few_rows_nibbles_parallel, "combine": combine_kernel, "float_columns": float_columns_kernel, "q8_0": q8_0_kernel, "q8_k": q8_k_kernel,
             "numba": numba}
 
 
@@ -290,6 +317,20 @@ def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
             k["few_rows_parallel"](q, a, c, xq, dx, s, e, out)
         else:
             k["few_rows_nibbles_parallel"](q, w.zero, a, c, xq, dx, s, e, out)
+    return torch.from_numpy(out)
+
+
+def float_columns(w, t0: int, t1: int) -> torch.Tensor:
+    """intdot.IntWeight.float_columns(t0, t1) (the same values) in one pass over the repacked integers, its tiles
+    spread over numba's threads."""
+    k = _kernels()
+    out = np.empty((w.n_in // w.group, w.group, (t1 - t0) * TILE), np.float32)
+    q = w.__dict__.get("_q_np")
+    if q is None:
+        q = w._q_np = w.q.numpy()
+    with _RUN:
+        _threads(k)
+        k["float_columns"](q, w.zero is not None, int(w.zero or 0), t0, t1, w.group, out)
     return torch.from_numpy(out)
 
 

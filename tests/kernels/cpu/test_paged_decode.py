@@ -73,3 +73,16 @@ def test_other_cache_types_take_the_reference():
     codec = get_codec("q8_0")
     assert not pd.supported(codec, codec)
     assert not pd.supported(get_codec("f32"), get_codec("f16"))
+
+
+@needs_numba
+@pytest.mark.parametrize("name", ["f16", "bf16"])
+def test_decoding_16_bits_is_torchs_for_every_pattern(name):
+    pats = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    out = np.empty(65536, np.float64)
+    pd._KERNELS.get()["decode_row"](pats.numpy(), pd._KINDS[name], np.empty(65536, np.int32), out)
+    want = pats.view(get_codec(name).dtype).double()
+    got = torch.from_numpy(out)
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok].signbit(), want[ok].signbit())
