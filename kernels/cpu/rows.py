@@ -94,7 +94,15 @@ def _compile() -> dict:
     return {"rms_norm": rms_norm_rows, "silu": silu_rows, "norm_rope": norm_rope_rows}
 
 
-_KERNELS = LazyKernels(_compile)
+def _warm(k: dict) -> None:
+    x = np.ones((1, 4), np.float32)
+    k["rms_norm"](x, x[0], True, 1e-6, np.empty_like(x))
+    k["silu"](x, x, np.empty_like(x))
+    x3 = np.ones((1, 1, 4), np.float32)
+    k["norm_rope"](x3, x[0], True, True, 1e-6, x[:, :2].copy(), x[:, :2].copy(), 4, False, np.empty_like(x3))
+
+
+_KERNELS = LazyKernels(_compile, _warm)
 _NO_W = np.zeros(1, np.float32)
 
 
