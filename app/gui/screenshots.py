@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+REPLY_WAIT_S = 300          # the longest wait for one demo reply (a busy CPU makes ~1 token/s)
 
 
 def _ensure_display() -> subprocess.Popen | None:
@@ -60,22 +61,9 @@ def _run(out: Path, theme: str, home: Path) -> int:
     from app.gui.main_window import MainWindow
     from app.gui.theme import apply_theme
     from app.store import Store
-    from engine.catalog import ensure_model, models_dir
-    from engine.tools.synth import write_synthetic
 
     out.mkdir(parents=True, exist_ok=True)
-    src = ensure_model("demo")                       # the user's copy; the shots use their own folder
-    os.environ["HIVEJET_MODELS"] = str(home / "models")
-    demo = models_dir() / src.name
-    try:
-        os.link(src, demo)
-    except OSError:
-        shutil.copyfile(src, demo)
-    synth_dir = models_dir() / "hivejet-synthetic"
-    synth_dir.mkdir(parents=True, exist_ok=True)
-    synth = synth_dir / "Qwen3.5-27B-layout-Q4_K_M-header-only.gguf"
-    if not synth.exists():
-        write_synthetic(synth, "qwen35", "27b-q4_k_m", header_only=True)
+    demo, synth = _models(home)
     app = QApplication.instance() or QApplication(["hivejet"])
     apply_theme(app, theme)
     store = Store(home / "hivejet.db")
@@ -97,16 +85,49 @@ def _run(out: Path, theme: str, home: Path) -> int:
     if not pump(120, lambda: w.ctl.engine is not None):
         print("the demo model did not load:", w.state_label.text(), file=sys.stderr)
         return 1
-    chat = w.chat
+    _converse(w.chat, store, pump)
+    _shoot_pages(w, out, synth, pump)
+    w.close()
+    store.close()
+    return 0
+
+
+def _models(home: Path) -> tuple[Path, Path]:
+    """The demo model (linked into the throw-away models folder) and a header-only synthetic
+    Qwen3.5-27B layout for the Planner."""
+    from engine.catalog import ensure_model, models_dir
+    from engine.tools.synth import write_synthetic
+
+    src = ensure_model("demo")                       # the user's copy; the shots use their own folder
+    os.environ["HIVEJET_MODELS"] = str(home / "models")
+    demo = models_dir() / src.name
+    try:
+        os.link(src, demo)
+    except OSError:
+        shutil.copyfile(src, demo)
+    synth_dir = models_dir() / "hivejet-synthetic"
+    synth_dir.mkdir(parents=True, exist_ok=True)
+    synth = synth_dir / "Qwen3.5-27B-layout-Q4_K_M-header-only.gguf"
+    if not synth.exists():
+        write_synthetic(synth, "qwen35", "27b-q4_k_m", header_only=True)
+    return demo, synth
+
+
+def _converse(chat, store, pump) -> None:
+    """A two-message conversation with the demo model, and two more (empty) conversations in the list."""
     chat.new_conversation()
     chat.send("Explain what this Python function does:\n\n```python\ndef mean(xs):\n    return sum(xs) / len(xs)\n```")
-    pump(120, lambda: not chat.generating)
+    pump(REPLY_WAIT_S, lambda: not chat.generating)
     chat.send("Give me one tip for naming variables.")
-    pump(120, lambda: not chat.generating)
-    other = store.create_conversation("Trip ideas for Lisbon")
+    pump(REPLY_WAIT_S, lambda: not chat.generating)
+    store.create_conversation("Trip ideas for Lisbon")
     store.create_conversation("Refactor the download queue")
     chat.reload_conversations()
-    del other
+
+
+def _shoot_pages(w, out: Path, synth: Path, pump) -> None:
+    """One PNG per page; the monitor's while a reply is being generated, the server's with it running."""
+    chat = w.chat
 
     def shot(name: str, page: str, prep=None):
         w.show_page(page)
@@ -138,9 +159,6 @@ def _run(out: Path, theme: str, home: Path) -> int:
     chat.stop()
     pump(10, lambda: not chat.generating)
     shot("settings", "Settings")
-    w.close()
-    store.close()
-    return 0
 
 
 if __name__ == "__main__":
