@@ -152,8 +152,13 @@ def _shoot_pages(w, out: Path, synth: Path, pump) -> None:
     chat.s_max.setValue(200)
     chat.send("Write a short poem about bees.")
 
-    def monitor():
-        pump(6)
+    def decoding() -> bool:
+        eng = w.ctl.engine
+        return eng is not None and any(q.get("generated", 0) >= 8 for q in eng.stats()["sequences"])
+
+    def monitor():     # the reply past its prefill, a few tokens in, so the row shows a decode speed
+        pump(REPLY_WAIT_S, decoding)
+        pump(3)
         w.monitor.refresh()
     shot("monitor", "Monitor", monitor)
     chat.stop()
