@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
 
 def _run(out: Path, theme: str, home: Path) -> int:
-    from PySide6.QtCore import QEventLoop
+    from PySide6.QtCore import QEvent, QEventLoop
     from PySide6.QtWidgets import QApplication
 
     from app.gui.main_window import MainWindow
@@ -77,6 +77,9 @@ def _run(out: Path, theme: str, home: Path) -> int:
         t = time.time()
         while time.time() - t < secs:
             app.processEvents(QEventLoop.AllEvents, 50)
+            # processEvents leaves deleteLater()'d widgets alive (only a running event loop deletes them):
+            # removed messages would still be painted into the shots
+            app.sendPostedEvents(None, QEvent.DeferredDelete)
             if until is not None and until():
                 return True
             time.sleep(0.02)
@@ -114,7 +117,13 @@ def _models(home: Path) -> tuple[Path, Path]:
 
 
 def _converse(chat, store, pump) -> None:
-    """A two-message conversation with the demo model, and two more (empty) conversations in the list."""
+    """A two-message conversation with the demo model, and two more (empty) conversations in the list.
+    A first, deleted conversation warms the engine up (the CPU kernels compile on first use), so the
+    replies shown have the speed and first-token time of a warm engine."""
+    warm = chat.new_conversation()
+    chat.send("Hello")
+    pump(REPLY_WAIT_S, lambda: not chat.generating)
+    chat.delete_conversation(warm)
     chat.new_conversation()
     chat.send("Explain what this Python function does:\n\n```python\ndef mean(xs):\n    return sum(xs) / len(xs)\n```")
     pump(REPLY_WAIT_S, lambda: not chat.generating)
@@ -133,7 +142,7 @@ def _shoot_pages(w, out: Path, synth: Path, pump) -> None:
         w.show_page(page)
         if prep:
             prep()
-        pump(0.8)
+        pump(2.0)       # the page laid out (a busy machine needs more than a moment)
         path = out / f"{name}.png"
         w.grab().save(str(path))
         print("wrote", path)
