@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from engine.kv.pool import PoolFullError
 from engine.runner import BUCKETS

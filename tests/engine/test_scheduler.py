@@ -204,7 +204,7 @@ def test_the_newest_running_sequence_is_preempted_when_the_pool_is_full():
     old, new = generating(1, n_prompt=47), prompting(2, 64, done=32)
     new.t_start = 5
     running = [old, new]
-    sch, blocks, slots, log = runner_scheduler(running, n_blocks=5, step_tokens=64, prefill_chunk=32)
+    sch, blocks, _, log = runner_scheduler(running, n_blocks=5, step_tokens=64, prefill_chunk=32)
     assert blocks.pool.n_free == 0         # 3 + 2 blocks held
     plan = sch.schedule()
     # old's decode row at 47 needs no block, new's chunk [32, 64) needs 2: new (the newest) goes back
@@ -214,7 +214,7 @@ def test_the_newest_running_sequence_is_preempted_when_the_pool_is_full():
 
 def test_a_sequence_that_cannot_fit_alone_stops():
     s = prompting(1, 200)
-    sch, blocks, slots, log = runner_scheduler([s], n_blocks=3, prefill_chunk=64)
+    sch, _, _, log = runner_scheduler([s], n_blocks=3, prefill_chunk=64)
     plan = sch.schedule()
     assert plan.empty() and plan.stopped == [s] and log["stopped"] == [1]
     assert sch.totals["pool_full_stops"] == 1
