@@ -152,7 +152,7 @@ def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots, kt, monkeypatch
                   for i in range(3)]
             out[spec] = [h.result()[1] for h in hs]
             out[spec + "_totals"] = eng.stats()["totals"]
-            assert eng.runner.pool.n_free + sum(eng.runner.held_alone(p) for p in eng._parked) == eng.runner.pool.n_blocks
+            assert eng.runner.pool.n_free + sum(eng.runner.held_alone(p) for p in eng.slots.parked) == eng.runner.pool.n_blocks
         finally:
             eng.shutdown()
     assert out["ngram"] == out["off"]
