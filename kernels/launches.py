@@ -102,7 +102,8 @@ def packed_layouts() -> list[SimpleNamespace]:
     """Every (type, tile layout) the loader makes by default (kernels/packed_layout.py): fp16 scales, tiles of
     64 or 128 rows by 128 values (K a multiple of 128) or 64 (K an odd multiple of 64, e.g. SmolLM2's 576).
     Not compiled: 32-value tiles (K an odd multiple of 32; the 64-value tile's code with half the tile, under
-    its figures) and the layouts of the HIVEJET_PACKED_CODES / _TILE_K / _NARROW_TILE_K experiments."""
+    its figures) and the layouts only pack_weight's arguments make (scale codes kept, 256-value tiles:
+    docs/decisions/packed-scale-codes.md, tiles-64x256.md)."""
     from kernels.packed_layout import PACKED_LAYOUT
     return [p for q in PACKED_LAYOUT for tn in (64, 128) for tk in (64, 128)
             if (p := _layout(q, tn, tk, False)) is not None]
@@ -178,9 +179,8 @@ def packed_launches(family: Family) -> list[Launch]:
             wide = wide_decode_rows(decode, m)
             if wide is not decode:
                 out += _packed_mm(p, wide, family, f"decode {m} rows")
-        if SMALL_PROMPT_ROWS:
-            small = tuned_config(p, SMALL_PROMPT_ROWS, n_sm, tma=settings["tma"], family=family)
-            out += _packed_mm(p, small, family, "small prompt")
+        small = tuned_config(p, SMALL_PROMPT_ROWS, n_sm, tma=settings["tma"], family=family)
+        out += _packed_mm(p, small, family, "small prompt")
         c = kernel_constants(p)
         types = _mm_types(p)
         out.append(Launch(f"packed_dequant {p.qtype} {p.tile_n}x{p.tile_k}", _dequant_kernel,

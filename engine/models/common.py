@@ -31,10 +31,6 @@ _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # the rows of their prefill product (kernels/quant/packed.py: matmul_tuned; a small chunk, at most
 # SMALL_PROMPT_ROWS, takes the packed kernel instead); 0 for decode rows
 PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
-# whether a stacked gate+up product hands its split-K partial sums straight to the gated activation, which
-# adds them (StackedWeights.gated: the same bits, without the slices' arrival counts); HIVEJET_GATED_SUMS=0: the
-# matmul adds them and a separate activation kernel follows (to measure one against the other)
-GATED_SUMS = os.environ.get("HIVEJET_GATED_SUMS", "1") != "0"
 # whether a GPU step fuses per-head work: the DeltaNet's output norm with its SiLU gate (head_rms_norm_silu),
 # and in decode rows the attention's q/k norms and rope with the K/V write (HeadPrep, engine/runner/attention.py);
 # HIVEJET_FUSED_HEADS=0: separate launches (to measure one against the other)
@@ -280,7 +276,7 @@ class StackedWeights:
         split-K sums, docs/PERFORMANCE.md)."""
         one_stack = not self.single and [i for i, _ in self.groups[0][1]] == [0, 1] \
             and self.parts[0].n_out == self.parts[1].n_out
-        if not (GATED_SUMS and one_stack and self._stacked_rows(x)):
+        if not (one_stack and self._stacked_rows(x)):
             act = fused.silu_mul if op == "silu" else fused.gelu_tanh_mul
             return act(*self.matmul(x), out_dtype)
         from kernels.quant.packed import matmul_tuned
