@@ -118,7 +118,7 @@ def _mm_types(p) -> dict:
 def _packed_mm(p, cfg: dict, family: Family, what: str) -> list[Launch]:
     """The decode matmul launched with settings cfg (packed_matmul's keywords) on p, with `add` and, on a
     family that takes the Hopper paths, with PDL as packed_matmul launches it."""
-    from kernels.quant.packed import (EARLY_TRIGGER, SPLIT_SUM_HERE, _packed_mm_kernel, _split_for,
+    from kernels.quant.packed import (SPLIT_SUM_HERE, _packed_mm_kernel, _split_for,
                                       kernel_constants, prefetch_tiles)
     kt = p.k // p.tile_k
     split = cfg.get("split_k") or _split_for(p.n_pad // p.tile_n, kt, SM_COUNT[family.name], 2)
@@ -128,7 +128,7 @@ def _packed_mm(p, cfg: dict, family: Family, what: str) -> list[Launch]:
                  FAST_CVT=True, TMA=bool(cfg.get("tma")), SPLIT=split, SUM_HERE=split > 1 and SPLIT_SUM_HERE,
                  HAS_ADD=False)
     if pdl:
-        const.update(PDL=1, PREFETCH=prefetch_tiles(const["BLOCK_M"]), EARLY_TRIGGER=EARLY_TRIGGER)
+        const.update(PDL=1, PREFETCH=prefetch_tiles(const["BLOCK_M"]))
     opts = dict(num_warps=cfg.get("num_warps") or (8 if p.hi_bits in (1, 2) else 4),
                 num_stages=cfg.get("num_stages", 3))
     if cfg.get("maxnreg"):

@@ -793,8 +793,7 @@ if triton is not None:
                           SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
-                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                          EARLY_TRIGGER: tl.constexpr = False):
+                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
         SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
@@ -803,14 +802,13 @@ if triton is not None:
         out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards.
         PDL (kernels/pdl.py): launched before the previous kernel ends; the program first asks for its
         first PREFETCH tiles in L2 (weights: never written, so before the wait), then waits. It lets the
-        next kernel launch when its tiles are done (EARLY_TRIGGER: at its start)."""
+        next kernel launch when its tiles are done, not at its start (a split-K matrix with many waves lost
+        ~10 % with the next kernel's programs beside its last wave: docs/decisions/programmatic-dependent-launch.md)."""
         # m-blocks vary fastest, so the programs that share a weight tile run back to back and
         # all but the first read it from L2
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
-        if EARLY_TRIGGER:
-            pdl_trigger(PDL)
         if PDL and PREFETCH > 0 and not TMA:
             _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + pid_k * TILES,
                             tl.minimum(TILES, PREFETCH), HI_BITS, GROUP, CODES, HAS_MINV, BLOCK_N, BLOCK_K)
@@ -835,8 +833,7 @@ if triton is not None:
                 acc += tl.dot(w16, tl.trans(x))
             else:
                 acc += tl.dot(x, tl.trans(w16))
-        if not EARLY_TRIGGER:
-            pdl_trigger(PDL)
+        pdl_trigger(PDL)
         if SWAP_AB:
             acc = tl.trans(acc)
         offs_out = offs_m[:, None].to(tl.int64) * N + cols[None, :]
@@ -1086,7 +1083,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         tma = False
         weight = _pointers(p)
     grid = (m_blocks, bands, split_k)
-    pdl = pdl_args(x2, matmul=True)
+    pdl = pdl_args(x2)
     launch = dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}   # (not under the interpreter)
     if maxnreg and x2.is_cuda:
         launch["maxnreg"] = maxnreg
@@ -1094,7 +1091,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
-        **(dict(PREFETCH=prefetch_tiles(block_m), EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
+        **(dict(PREFETCH=prefetch_tiles(block_m)) if pdl else {}),
         **launch)
     if partials:
         return part.view(split_k, *lead, N)
@@ -1307,8 +1304,6 @@ SPLIT_SUM_HERE = True
 # predecessor's last programs, which the wait is for; docs/decisions/l2-prefetch-before-wait.md); in 16-row
 # blocks only: prefetch_tiles
 PREFETCH_TILES = 1
-# and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
-EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
 # Prompt chunks of at most this many rows (a power of two, at least 16): a short request, a follow-up's new
 # tokens, a prompt's tail. They take the packed kernel with all rows in one block of x (small_prompt), not

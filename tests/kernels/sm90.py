@@ -49,8 +49,7 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
     qt = QT[qtype]
     p = pack_weight(_random_weight(qt, tile_n, k), qt, tile_n, k, tile_n=tile_n, tile_k=tile_k)
     const = dict(kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=True, TMA=False, SPLIT=split,
-                 SUM_HERE=split > 1, HAS_ADD=False, PDL=pdl, PREFETCH=prefetch,
-                 EARLY_TRIGGER=False)
+                 SUM_HERE=split > 1, HAS_ADD=False, PDL=pdl, PREFETCH=prefetch)
     sig = {n: "constexpr" if n in const else _MM_POINTERS.get(n, "i32") for n in fn.arg_names}
     # what the launcher specializes: pointers and the row stride divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
