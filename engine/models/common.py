@@ -31,13 +31,6 @@ _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # the rows of their prefill product (kernels/quant/packed.py: matmul_tuned; a small chunk, at most
 # SMALL_PROMPT_ROWS, takes the packed kernel instead); 0 for decode rows
 PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
-# whether a GPU step fuses per-head work: the DeltaNet's output norm with its SiLU gate (head_rms_norm_silu),
-# and in decode rows the attention's q/k norms and rope with the K/V write (HeadPrep, engine/runner/attention.py);
-# HIVEJET_FUSED_HEADS=0: separate launches (to measure one against the other)
-FUSED_HEADS = os.environ.get("HIVEJET_FUSED_HEADS", "1") != "0"
-# whether a GPU step's embedding rows come from one Triton launch (kernels/quant/packed.py: packed_rows) rather
-# than some twenty torch kernels; HIVEJET_ROWS_KERNEL=0: the torch ops (to measure one against the other)
-ROWS_KERNEL = os.environ.get("HIVEJET_ROWS_KERNEL", "1") != "0"
 _POOL_LOCK = threading.Lock()
 # whether the CPU path multiplies quantized weights as llama.cpp's CPU backend does, in exact integer block dots
 # (kernels/quant/intdot.py); False: activations_like_llamacpp's rounded floats times the dequantized weights in
@@ -198,7 +191,8 @@ class Weight:
             if isinstance(self.gpu, torch.Tensor):
                 return self.gpu[ids].float()
             from kernels.quant.packed import packed_rows
-            return packed_rows(self.gpu, ids, "auto" if ROWS_KERNEL else "torch")
+            # one Triton launch rather than some twenty torch kernels (docs/decisions/embedding-rows-kernel.md)
+            return packed_rows(self.gpu, ids)
         row_bytes = self.raw.numel() // self.n_out
         raw_rows = self.raw.view(self.n_out, row_bytes)[ids]
         return dequantize_rows(raw_rows, self.qtype, self.n_in)
@@ -354,8 +348,9 @@ sigmoid_mul = fused.sigmoid_gate_mul   # a * sigmoid(gate), gate reshaped to a's
 
 def head_rms_norm_silu(x: torch.Tensor, w: torch.Tensor | None, eps: float, gate: torch.Tensor,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """silu(gate) * RMSNorm(x) per head, x and gate [N, H, D]: one launch on the GPU."""
-    if x.is_cuda and FUSED_HEADS:
+    """silu(gate) * RMSNorm(x) per head, x and gate [N, H, D]: one launch on the GPU
+    (docs/decisions/fused-head-kernels.md)."""
+    if x.is_cuda:
         return fused.head_rms_norm_silu(x, w, eps, gate, out_dtype)
     return silu_mul(gate, rms_norm(x, w, eps), out_dtype)
 
