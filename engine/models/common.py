@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextvars
 import math
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -39,14 +38,13 @@ CPU_INT_DOTS = True
 
 
 class DequantBudget:
-    """Bytes of repacked weights (integers and scales, or dequantized float32) the CPU path may keep, process-wide (HIVEJET_CPU_WEIGHT_CACHE:
-    bytes, 0 = none; default min(1 GiB, 1/8 of the machine's memory)). A weight that takes some gives it
-    back when it is freed."""
+    """Bytes of repacked weights (integers and scales, or dequantized float32) the CPU path may keep, process-wide
+    (nbytes, 0 = none; by default min(1 GiB, 1/8 of the machine's memory): no setting, docs/decisions/README.md).
+    A weight that takes some gives it back when it is freed."""
 
-    def __init__(self):
-        env = os.environ.get("HIVEJET_CPU_WEIGHT_CACHE")
-        if env is not None:
-            self.left = int(env)
+    def __init__(self, nbytes: int | None = None):
+        if nbytes is not None:
+            self.left = nbytes
         else:
             from engine.hostmem import physical_memory
             self.left = min(1 << 30, physical_memory() // 8)
