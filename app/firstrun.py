@@ -500,7 +500,7 @@ def make_progress_dialog(command: Sequence[str], title: str = "Setting up GPU su
     its log; `dialog.result_ok`/`dialog.result_message` hold the outcome once it closes. Needs a QApplication
     (app/gui/setup_progress.py; imported here so that this module loads without Qt)."""
     from app.gui.setup_progress import SetupProgressDialog
-    return SetupProgressDialog(command, title)
+    return SetupProgressDialog(command, title, stopped=stopped_message, tail_lines=TAIL_LINES)
 
 
 def stopped_message(command: Sequence[str], code: int, recent: Sequence[str]) -> str:

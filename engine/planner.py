@@ -8,8 +8,8 @@ Every number comes from the GGUF header (nothing is loaded):
 
 * **weights**: what `DecoderModel.to_device` puts on the GPU, from the file's tensor index: quantized
   matrices repacked into kernels/quant/packed.py's layout (Q4_K 5 bits/value, Q6_K 7, ...; 4.625 and
-  6.5625 with HIVEJET_PACKED_CODES=1: exactly its planes + scales, `packed_bytes`), float matrices as
-  they are, vectors as float32
+  6.5625 with the scale codes kept, pack_weight(coded=True): exactly its planes + scales, `packed_bytes`),
+  float matrices as they are, vectors as float32
   (qwen35's conv kernels also once more as float32). All tensors count, including the token embedding
   and the MTP block. (`ModelFacts.weight_bytes` stays the file's own byte count.)
 * **KV cache**: one pool of `n_seqs x ctx` tokens that all sequences share (engine/runner/runner.py: blocks of

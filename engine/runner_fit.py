@@ -154,8 +154,7 @@ class RunnerFit:
         from engine import planner as P
         from engine.runner import prompt_pieces_per_pass
         c = self.config
-        if prompt_pieces_per_pass(c.max_seqs, True, "cuda", bool(self.spec.recurrent_layers),
-                                  c.shared_prompt_passes) <= 1:
+        if prompt_pieces_per_pass(c.max_seqs, True, c.shared_prompt_passes) <= 1:
             return 0
         return P.piece_graph_bytes(facts, c.max_seqs)
 

@@ -4,20 +4,22 @@ log, and keeps the `@@result` line's outcome."""
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 from PySide6.QtCore import QProcess, QProcessEnvironment, Qt
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QPlainTextEdit, QProgressBar, QVBoxLayout
 
-from app.firstrun import TAIL_LINES, stopped_message
-
 
 class SetupProgressDialog(QDialog):
     """Runs `command` (a `setup` child process) and shows its steps, pip's download progress and its log;
-    `result_ok`/`result_message` hold the outcome once it closes (make_progress_dialog in app/firstrun.py)."""
+    `result_ok`/`result_message` hold the outcome once it closes (made by make_progress_dialog in
+    app/firstrun.py, which passes its wording: `stopped(command, code, recent)` says what happened when the
+    process ends without a result line, quoting its last `tail_lines` output lines)."""
 
-    def __init__(self, command: Sequence[str], title: str = "Setting up GPU support"):
+    def __init__(self, command: Sequence[str], title: str, stopped: Callable[[Sequence[str], int, Sequence[str]], str],
+                 tail_lines: int):
         super().__init__()
+        self._stopped, self._tail_lines = stopped, tail_lines
         self.setAttribute(Qt.WA_DeleteOnClose, False)
         self.setWindowTitle(f"HiveJet - {title}")
         self.setMinimumWidth(560)
@@ -81,7 +83,7 @@ class SetupProgressDialog(QDialog):
                 return
             if line.strip():
                 self.log.appendPlainText(line)
-                self.recent = (self.recent + [line])[-TAIL_LINES:]
+                self.recent = (self.recent + [line])[-self._tail_lines:]
 
     def _finished(self, code, _status=None):
         if self._finished_called:
@@ -92,7 +94,7 @@ class SetupProgressDialog(QDialog):
             self._buf = ""
         if not self.result_message:
             self.result_ok = False
-            self.result_message = stopped_message(self._command, code, self.recent)
+            self.result_message = self._stopped(self._command, code, self.recent)
         self.accept() if self.result_ok else self.reject()
 
     def _error(self, err):

@@ -500,12 +500,11 @@ def test_recurrent_conversation_ended_by_a_stop_string_parks_its_last_token(tmp_
 @pytest.mark.parametrize("arch", ["qwen35", "llama"])
 def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
     """Several requests' short prompts in one padded pass of several slots (Runner.prefill_pieces, the
-    scheduler's chunks; HIVEJET_PROMPT_PIECES): the tokens and logprobs each request gets without it, and a
+    scheduler's chunks; EngineConfig.shared_prompt_passes): the tokens and logprobs each request gets without it, and a
     pass did hold several of them. (On the CPU the padded passes are asked for here; the first step waits
     until every request is in, so that later steps have several arrivals to group.)"""
     import threading
 
-    import engine.runner.runner as runner_mod
     from engine.runner import Runner
     from engine.step_runner import RunnerExecutor
     from engine.tools.synth import write_synthetic
@@ -531,9 +530,9 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
     monkeypatch.setattr(Runner, "_piece_pass", counted_pass)
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", on)
         go.clear()
-        eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=5, prefill_chunk=128, static_slots=True))
+        eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=5, prefill_chunk=128, static_slots=True,
+                                  shared_prompt_passes=on))
         try:
             assert eng.runner.prompt_pieces == (5 if on else 1)
             hs = [eng.submit(Request(prompt_ids=p, sampling=SamplingParams(max_tokens=10, temperature=0.0,
@@ -549,11 +548,9 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "llama"])
-def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
+def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch):
     """The GPU path's pool fit leaves room for the pieces' pass graphs (the planner's piece_graph_bytes)
-    when the runner will capture them: several slots, the pieces on (HIVEJET_PROMPT_PIECES and
-    EngineConfig.shared_prompt_passes), and for qwen35 the rows kernel on."""
-    import engine.runner.runner as runner_mod
+    when the runner will capture them: several slots and the pieces on (EngineConfig.shared_prompt_passes)."""
     from engine import planner as P
     from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
@@ -561,11 +558,7 @@ def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
     facts = P.model_facts(path)
     every = P.piece_graph_bytes(facts, 4)
     assert every > 0
-    for seqs, pieces, rows_kernel, shared, want in ((4, True, True, True, every), (1, True, True, True, 0),
-                                                    (4, False, True, True, 0), (4, True, True, False, 0),
-                                                    (4, True, False, True, 0 if arch == "qwen35" else every)):
-        monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", pieces)
-        monkeypatch.setattr(runner_mod, "ROWS_KERNEL_ON", rows_kernel)
+    for seqs, shared, want in ((4, True, every), (1, True, 0), (4, False, 0)):
         eng = Engine(EngineConfig(model=str(path), ctx_size=64, max_seqs=seqs, prefill_chunk=32, static_slots=True,
                                   shared_prompt_passes=shared))
         try:

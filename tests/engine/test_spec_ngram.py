@@ -121,7 +121,7 @@ def test_unknown_mode(tiny_llama):
         Engine(EngineConfig(model=str(tiny_llama), spec="medusa"))
 
 
-# --- the GPU path (engine/scheduler_gpu.py; on the CPU here through its static slots) -------------------------
+# --- the GPU path (engine/step_runner.py; on the CPU here through its static slots) -------------------------
 # drafts are extra decode rows of their sequence in the shared step; rejected rows are cut off
 
 @pytest.fixture(scope="module", params=["llama", "qwen35"])
