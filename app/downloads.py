@@ -344,43 +344,19 @@ class DownloadManager:
             self._fail(d, f"{type(e).__name__}: {e}")
 
     def _download(self, d: Download) -> None:
-        d.dest.parent.mkdir(parents=True, exist_ok=True)
-        have = d.part.stat().st_size if d.part.exists() else 0
-        if d.size and have > d.size:
-            self._discard(d)
-            have = 0
-        need = max(d.size - have, 0)
-        free = shutil.disk_usage(d.dest.parent).free
-        if need + DISK_MARGIN > free:
-            self._fail(d, f"Not enough disk space in {d.dest.parent}: {_human(need)} still to download, "
-                          f"only {_human(free)} free. Free some space or choose another models folder.")
+        have = self._resume_point(d)
+        if have is None:
             return
-        d.save_sidecar()
         sha = hashlib.sha256() if d.sha256 else None
         if sha and have:
             with open(d.part, "rb") as f:
                 for block in iter(lambda: f.read(CHUNK), b""):
                     sha.update(block)
-        headers = {"User-Agent": "hivejet", "Accept-Encoding": "identity"}
-        if d.token:
-            headers["Authorization"] = f"Bearer {d.token}"
-        if have:
-            headers["Range"] = f"bytes={have}-"
         d.state = "downloading"
         d.done_bytes = have
         self.on_change(d)
-        try:
-            resp = urllib.request.urlopen(urllib.request.Request(d.url, headers=headers), timeout=20)
-        except urllib.error.HTTPError as e:
-            if e.code == 416 and d.size and have == d.size:
-                resp = None
-            else:
-                self._fail(d, f"The hub answered HTTP {e.code} for {d.filename}"
-                              + (" (sign-in token needed?)" if e.code in (401, 403) else ""))
-                return
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            self._fail(d, f"Network error: {reason}. {_human(have)} kept; press Resume to continue.")
+        ok, resp = self._request(d, have)
+        if not ok:
             return
         if resp is not None:
             with resp:
@@ -393,42 +369,89 @@ class DownloadManager:
                 if not d.size and length is not None:
                     d.size = have + int(length)
                     d.save_sidecar()
-                mode = "ab" if have else "wb"
-                window: list[tuple[float, int]] = [(time.monotonic(), d.done_bytes)]
-                last_emit = 0.0
-                try:
-                    with open(d.part, mode) as out:
-                        while True:
-                            if d._stop:
-                                break
-                            block = resp.read(64 * 1024)
-                            if not block:
-                                break
-                            out.write(block)
-                            if sha:
-                                sha.update(block)
-                            d.done_bytes += len(block)
-                            now = time.monotonic()
-                            window.append((now, d.done_bytes))
-                            while len(window) > 2 and now - window[0][0] > 3.0:
-                                window.pop(0)
-                            span = now - window[0][0]
-                            if span > 0.05:
-                                d.speed = (d.done_bytes - window[0][1]) / span
-                            if now - last_emit > 0.2:
-                                last_emit = now
-                                self.on_change(d)
-                except OSError as e:
-                    if isinstance(e, (ConnectionError, TimeoutError)) or "timed out" in str(e):
-                        self._fail(d, f"Network lost after {_human(d.done_bytes)} of {_human(d.size)}; "
-                                      "press Resume to continue.")
-                    else:
-                        self._fail(d, f"Cannot write {d.part}: {e.strerror or e}")
+                if not self._receive(d, resp, "ab" if have else "wb", sha):
                     return
-                except Exception as e:  # http.client.IncompleteRead and friends
-                    self._fail(d, f"Network lost after {_human(d.done_bytes)} of {_human(d.size)} "
-                                  f"({type(e).__name__}); press Resume to continue.")
-                    return
+        self._finish(d, sha)
+
+    def _resume_point(self, d: Download) -> int | None:
+        """The bytes of d.part to keep (0 when it is longer than the file), or None when the disk has no
+        room for the rest (the download has then failed)."""
+        d.dest.parent.mkdir(parents=True, exist_ok=True)
+        have = d.part.stat().st_size if d.part.exists() else 0
+        if d.size and have > d.size:
+            self._discard(d)
+            have = 0
+        need = max(d.size - have, 0)
+        free = shutil.disk_usage(d.dest.parent).free
+        if need + DISK_MARGIN > free:
+            self._fail(d, f"Not enough disk space in {d.dest.parent}: {_human(need)} still to download, "
+                          f"only {_human(free)} free. Free some space or choose another models folder.")
+            return None
+        d.save_sidecar()
+        return have
+
+    def _request(self, d: Download, have: int):
+        """(ok, response) for the bytes from `have` on: response None when the file is already complete
+        (HTTP 416 with all bytes here); ok False when the request failed (the download has then failed)."""
+        headers = {"User-Agent": "hivejet", "Accept-Encoding": "identity"}
+        if d.token:
+            headers["Authorization"] = f"Bearer {d.token}"
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        try:
+            return True, urllib.request.urlopen(urllib.request.Request(d.url, headers=headers), timeout=20)
+        except urllib.error.HTTPError as e:
+            if e.code == 416 and d.size and have == d.size:
+                return True, None
+            self._fail(d, f"The hub answered HTTP {e.code} for {d.filename}"
+                          + (" (sign-in token needed?)" if e.code in (401, 403) else ""))
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            self._fail(d, f"Network error: {reason}. {_human(have)} kept; press Resume to continue.")
+        return False, None
+
+    def _receive(self, d: Download, resp, mode: str, sha) -> bool:
+        """Append the response body to d.part (hashing it, measuring the speed over the last 3 s) until it
+        ends or the download is paused or cancelled; False when it failed."""
+        window: list[tuple[float, int]] = [(time.monotonic(), d.done_bytes)]
+        last_emit = 0.0
+        try:
+            with open(d.part, mode) as out:
+                while True:
+                    if d._stop:
+                        break
+                    block = resp.read(64 * 1024)
+                    if not block:
+                        break
+                    out.write(block)
+                    if sha:
+                        sha.update(block)
+                    d.done_bytes += len(block)
+                    now = time.monotonic()
+                    window.append((now, d.done_bytes))
+                    while len(window) > 2 and now - window[0][0] > 3.0:
+                        window.pop(0)
+                    span = now - window[0][0]
+                    if span > 0.05:
+                        d.speed = (d.done_bytes - window[0][1]) / span
+                    if now - last_emit > 0.2:
+                        last_emit = now
+                        self.on_change(d)
+        except OSError as e:
+            if isinstance(e, (ConnectionError, TimeoutError)) or "timed out" in str(e):
+                self._fail(d, f"Network lost after {_human(d.done_bytes)} of {_human(d.size)}; "
+                              "press Resume to continue.")
+            else:
+                self._fail(d, f"Cannot write {d.part}: {e.strerror or e}")
+            return False
+        except Exception as e:  # http.client.IncompleteRead and friends
+            self._fail(d, f"Network lost after {_human(d.done_bytes)} of {_human(d.size)} "
+                          f"({type(e).__name__}); press Resume to continue.")
+            return False
+        return True
+
+    def _finish(self, d: Download, sha) -> None:
+        """After the transfer: cancelled, paused, short, damaged (checksum) or done (d.part renamed)."""
         if d._stop == "cancel":
             self._discard(d)
             d.state, d.speed, d.done_bytes = "cancelled", 0.0, 0

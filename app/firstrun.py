@@ -331,83 +331,103 @@ def run_setup(plan: Plan, *, python: str = sys.executable, cache: Path | None = 
     mid-download (`resume`, default: when the environment's pip has it)."""
     check_runner = check_runner or runner
     plan = plan.pinned(platform)
-    log: list[str] = []
-    step_out: list[str] = []
-
-    def say(line: str) -> None:
-        log.append(line)
-        step_out.append(line)
-        on_line(line)
-
-    def done(ok: bool, gpu_ready: bool, msg: str, tv: str = "", quote: bool = False) -> SetupResult:
-        if quote and _tail(step_out):
-            msg += "\n\n" + _tail(step_out)
-        say(f"@@result {'ok' if ok else 'fail'} {msg}".replace("\n", "\\n"))
-        return SetupResult(ok, gpu_ready, msg, tv, log)
-
-    def step(k: int, title: str) -> None:
-        step_out.clear()
-        say(f"@@step {k} {total} {title}")
-
     cuda = plan.flavor != "cpu"
-    win = platform == "win32"
     # Default download folder: next to the environment, so that a Windows upgrade (which replaces the
     # environment) installs the GPU build again without downloading it again. Linux keeps its venv across
     # upgrades and drops the download once installed.
-    keep = cache is not None or win
+    keep = cache is not None or platform == "win32"
     cache = Path(cache) if cache else _env_prefix(python).parent / "gpu-cache" / plan.flavor
     cache.mkdir(parents=True, exist_ok=True)
-    if raw_progress is None or resume is None:
-        pv = pip_version(python)
-        raw_progress = pv >= (24, 1) if raw_progress is None else raw_progress
-        resume = pv >= (25, 1) if resume is None else resume
-    dl_opts = (["--progress-bar", "raw"] if raw_progress else []) + (
-        ["--resume-retries", str(RESUME_RETRIES)] if resume else [])
+    dl_opts = _download_options(python, raw_progress, resume)
     pip = [python, "-m", "pip"]
     total = 4 if plan.triton_spec else 3
+    out = _SetupLog(on_line, total)
     what = f"PyTorch ({plan.torch_spec.partition('==')[2]}" + (", CUDA" if cuda else "") + ")"
 
-    step(1, f"Downloading {what}")
-    rc = runner(pip + ["download", "--only-binary=:all:", "--dest", str(cache), "--index-url", plan.index, plan.torch_spec, *dl_opts, *pip_args], say)
+    out.step(1, f"Downloading {what}")
+    rc = runner(pip + ["download", "--only-binary=:all:", "--dest", str(cache), "--index-url", plan.index, plan.torch_spec, *dl_opts, *pip_args], out.say)
     tv = wheel_version(cache, "torch")
     if rc != 0 or not tv:
-        return done(False, False, f"Downloading {what} from {plan.index} failed (exit {rc}); nothing was changed. "
-                    "Check the internet connection and try again; what was downloaded is kept. HiveJet runs in "
-                    "CPU mode until then.", quote=True)
+        return out.done(False, False, f"Downloading {what} from {plan.index} failed (exit {rc}); nothing was changed. "
+                        "Check the internet connection and try again; what was downloaded is kept. HiveJet runs in "
+                        "CPU mode until then.", quote=True)
     extra: list[str] = []
     if plan.triton_spec:
-        step(2, "Downloading Triton for Windows")
+        out.step(2, "Downloading Triton for Windows")
         rc = runner(pip + ["download", "--only-binary=:all:", "--no-deps", "--dest", str(cache), plan.triton_spec,
-                           *dl_opts, *pip_args], say)
+                           *dl_opts, *pip_args], out.say)
         if rc != 0 or not wheel_version(cache, TRITON_WINDOWS):
-            return done(False, False, f"Downloading {plan.triton_spec} failed (exit {rc}); nothing was changed. "
-                        "HiveJet runs in CPU mode until the next try.", quote=True)
+            return out.done(False, False, f"Downloading {plan.triton_spec} failed (exit {rc}); nothing was changed. "
+                            "HiveJet runs in CPU mode until the next try.", quote=True)
         extra = [plan.triton_spec]
-    step(total - 1, f"Installing {what}")
+    out.step(total - 1, f"Installing {what}")
     rc = runner(pip + ["install", "--no-index", "--find-links", str(cache), "--upgrade", f"torch=={tv}", *extra,
-                       "--no-warn-script-location", *pip_args], say)
+                       "--no-warn-script-location", *pip_args], out.say)
     if rc != 0:
-        return done(False, False, f"Installing {what} failed (exit {rc}). Run the setup again "
-                    "(see docs/INSTALL.md); HiveJet may not start until it succeeds.", tv, quote=True)
-    step(total, "Checking PyTorch")
-    out: list[str] = []
-    rc = check_runner([python, "-c", "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"],
-                lambda s: (out.append(s), say(s)))
-    text = " ".join(out)
-    if rc != 0:
-        return done(False, False, f"PyTorch {tv} does not import: {text[-300:]}", tv)
-    if cuda and "cuda True" not in text:
-        return done(True, False, f"PyTorch {tv} is installed but does not see the GPU ({text[-200:]}): "
-                    "HiveJet runs in CPU mode. A reboot after a driver update often fixes this.", tv)
+        return out.done(False, False, f"Installing {what} failed (exit {rc}). Run the setup again "
+                        "(see docs/INSTALL.md); HiveJet may not start until it succeeds.", tv, quote=True)
+    out.step(total, "Checking PyTorch")
+    result = _check_torch(plan, python, tv, check_runner, out)
+    if result is not None:
+        return result
     if not keep:
         shutil.rmtree(cache, ignore_errors=True)
     _write_state(python, {"flavor": plan.flavor, "torch": tv, "gpu": plan.gpu.name if plan.gpu else None,
                           "driver": plan.gpu.driver if plan.gpu else None, "time": time.time()})
     if cuda:
-        return done(True, True, f"GPU support is ready: PyTorch {tv} on {plan.gpu.name if plan.gpu else 'the GPU'}.",
-                    tv)
-    return done(True, False, f"PyTorch {tv} (CPU build) is installed: HiveJet runs in CPU mode.", tv)
+        return out.done(True, True, f"GPU support is ready: PyTorch {tv} on {plan.gpu.name if plan.gpu else 'the GPU'}.",
+                        tv)
+    return out.done(True, False, f"PyTorch {tv} (CPU build) is installed: HiveJet runs in CPU mode.", tv)
 
+
+class _SetupLog:
+    """run_setup's output: every line goes to on_line and the full log; the current step's own lines are
+    kept for quoting in a failure's message."""
+
+    def __init__(self, on_line: Callable[[str], None], total: int):
+        self.on_line, self.total = on_line, total
+        self.log: list[str] = []
+        self.step_out: list[str] = []
+
+    def say(self, line: str) -> None:
+        self.log.append(line)
+        self.step_out.append(line)
+        self.on_line(line)
+
+    def step(self, k: int, title: str) -> None:
+        self.step_out.clear()
+        self.say(f"@@step {k} {self.total} {title}")
+
+    def done(self, ok: bool, gpu_ready: bool, msg: str, tv: str = "", quote: bool = False) -> SetupResult:
+        if quote and _tail(self.step_out):
+            msg += "\n\n" + _tail(self.step_out)
+        self.say(f"@@result {'ok' if ok else 'fail'} {msg}".replace("\n", "\\n"))
+        return SetupResult(ok, gpu_ready, msg, tv, self.log)
+
+
+def _download_options(python: str, raw_progress: bool | None, resume: bool | None) -> list[str]:
+    """pip download's progress and resume options, by default as far as the environment's pip has them."""
+    if raw_progress is None or resume is None:
+        pv = pip_version(python)
+        raw_progress = pv >= (24, 1) if raw_progress is None else raw_progress
+        resume = pv >= (25, 1) if resume is None else resume
+    return (["--progress-bar", "raw"] if raw_progress else []) + (
+        ["--resume-retries", str(RESUME_RETRIES)] if resume else [])
+
+
+def _check_torch(plan: Plan, python: str, tv: str, check_runner: Runner, out: _SetupLog) -> SetupResult | None:
+    """Import the installed torch in `python`: the failed result when it does not import (or, for a CUDA
+    build, does not see the GPU), else None."""
+    said: list[str] = []
+    rc = check_runner([python, "-c", "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"],
+                      lambda s: (said.append(s), out.say(s)))
+    text = " ".join(said)
+    if rc != 0:
+        return out.done(False, False, f"PyTorch {tv} does not import: {text[-300:]}", tv)
+    if plan.flavor != "cpu" and "cuda True" not in text:
+        return out.done(True, False, f"PyTorch {tv} is installed but does not see the GPU ({text[-200:]}): "
+                        "HiveJet runs in CPU mode. A reboot after a driver update often fixes this.", tv)
+    return None
 
 
 def _env_prefix(python: str) -> Path:
@@ -477,108 +497,10 @@ def setup_command(flavor: str, python: str = sys.executable, elevate: bool = Fal
 # ----------------------------------------------------------------------------------------------- progress window
 def make_progress_dialog(command: Sequence[str], title: str = "Setting up GPU support"):
     """A Qt dialog that runs `command` (a `setup` child process) and shows its steps, pip's download progress and
-    its log; `dialog.result_ok`/`dialog.result_message` hold the outcome once it closes. Needs a QApplication."""
-    from PySide6.QtCore import QProcess, Qt
-    from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QLabel, QPlainTextEdit, QProgressBar,
-                                   QVBoxLayout)
-
-    class ProgressDialog(QDialog):
-        def __init__(self):
-            super().__init__()
-            self.setWindowTitle(f"HiveJet - {title}")
-            self.setMinimumWidth(560)
-            v = QVBoxLayout(self)
-            self.step_label = QLabel("Starting…")
-            self.step_label.setWordWrap(True)
-            self.bar = QProgressBar()
-            self.bar.setRange(0, 0)
-            self.detail = QLabel("")
-            self.log = QPlainTextEdit()
-            self.log.setReadOnly(True)
-            self.log.setMaximumBlockCount(2000)
-            self.log.setMinimumHeight(140)
-            self.buttons = QDialogButtonBox(QDialogButtonBox.Cancel)
-            self.buttons.rejected.connect(self._cancel)
-            for w in (self.step_label, self.bar, self.detail, self.log, self.buttons):
-                v.addWidget(w)
-            self.result_ok = False
-            self.result_message = ""
-            self.recent: list[str] = []     # the last output lines: quoted when the setup stops without a result
-            self.step = (0, 1)
-            self._buf = ""
-            self.proc = QProcess(self)
-            self.proc.setProcessChannelMode(QProcess.MergedChannels)
-            self.proc.readyReadStandardOutput.connect(self._read)
-            self.proc.finished.connect(self._finished)
-            self.proc.errorOccurred.connect(self._error)
-            self._command = list(command)
-            self._finished_called = False
-
-        def start(self):
-            from PySide6.QtCore import QProcessEnvironment
-            env = QProcessEnvironment.systemEnvironment()
-            env.insert("PYTHONUNBUFFERED", "1")
-            self.proc.setProcessEnvironment(env)
-            self.proc.start(self._command[0], self._command[1:])
-
-        def _read(self):
-            self._buf += bytes(self.proc.readAllStandardOutput()).decode("utf-8", "replace")
-            *lines, self._buf = re.split(r"\r?\n|\r", self._buf)
-            for line in lines:
-                self.handle_line(line)
-
-        def handle_line(self, line: str):
-            if line.startswith("@@step "):
-                k, n, text = (line[7:].split(" ", 2) + [""])[:3]
-                self.step = (int(k), int(n))
-                self.step_label.setText(f"Step {k} of {n}: {text}")
-                self.bar.setRange(0, 0)
-                self.detail.setText("")
-            elif line.startswith("@@result "):
-                status, _, msg = line[9:].partition(" ")
-                self.result_ok = status == "ok"
-                self.result_message = msg.replace("\\n", "\n")
-            else:
-                m = re.match(r"Progress (\d+) of (\d+)", line)
-                if m and int(m.group(2)) > 0:
-                    cur, tot = int(m.group(1)), int(m.group(2))
-                    self.bar.setRange(0, 1000)
-                    self.bar.setValue(int(1000 * cur / tot))
-                    self.detail.setText(f"{cur / 1e6:,.0f} MB of {tot / 1e6:,.0f} MB")
-                    return
-                if line.strip():
-                    self.log.appendPlainText(line)
-                    self.recent = (self.recent + [line])[-TAIL_LINES:]
-
-        def _finished(self, code, _status=None):
-            if self._finished_called:
-                return
-            self._finished_called = True
-            if self._buf:
-                self.handle_line(self._buf)
-                self._buf = ""
-            if not self.result_message:
-                self.result_ok = False
-                self.result_message = stopped_message(self._command, code, self.recent)
-            self.accept() if self.result_ok else self.reject()
-
-        def _error(self, err):
-            if err == QProcess.FailedToStart:
-                self.result_message = f"Could not start the setup ({self._command[0]})."
-                self._finished(127)
-
-        def _cancel(self):
-            if self.proc.state() != QProcess.NotRunning:
-                self.proc.kill()
-                self.proc.waitForFinished(3000)
-            self.result_ok = False
-            self.result_message = "GPU setup cancelled: HiveJet runs in CPU mode for now."
-            self._finished_called = True
-            self.reject()
-
-    d = ProgressDialog()
-    d.setAttribute(Qt.WA_DeleteOnClose, False)
-    return d
+    its log; `dialog.result_ok`/`dialog.result_message` hold the outcome once it closes. Needs a QApplication
+    (app/gui/setup_progress.py; imported here so that this module loads without Qt)."""
+    from app.gui.setup_progress import SetupProgressDialog
+    return SetupProgressDialog(command, title, stopped=stopped_message, tail_lines=TAIL_LINES)
 
 
 def stopped_message(command: Sequence[str], code: int, recent: Sequence[str]) -> str:

@@ -5,9 +5,11 @@ Every step stacks the rows of all running sequences into one forward pass: a dec
 each sequence that is generating, and the next chunk of each prompt still being read, within a
 token budget. So several requests progress together and a long prompt never blocks the others.
 
-This module holds the contract (EngineConfig, submit, the handles, stats), the loop and the CPU path's
-step; the GPU path's step is engine/scheduler_gpu.py (RunnerScheduler) and the speculative decoding of
-both paths engine/spec/engine_spec.py (SpeculationMixin), mixins the Engine inherits.
+This module holds the contract (EngineConfig, submit, the handles, stats) and the Engine, which ties
+objects with one job each: the Scheduler (engine/scheduler.py: each step's rows as a StepPlan, room in the
+KV pool, pre-emption), the step's executor (engine/step_cpu.py on the CPU path, engine/step_runner.py on
+the runner's slots, engine/slots.py), and the Speculator (engine/spec/speculator.py: the drafters, their
+drafts and verification). The Engine admits requests, runs the loop, streams tokens and finishes requests.
 """
 from __future__ import annotations
 
@@ -27,20 +29,20 @@ from engine.catalog import ensure_model
 from engine.chat_template import ChatTemplate, ChatTemplateError, fallback_for
 from engine.gguf.reader import GGUFError
 from engine.models import open_model
-from engine.models.common import SeqChunk
-from engine.kv.pool import PoolFullError
-from engine.pacing import PrefillPacer
+from engine.pacing import PrefillPacer, StepClock
 from engine.planner import auto_prefill_chunk
 from engine.hostmem import physical_memory
 from engine.prefix import Entry, ResidentCache, add_checkpoint
-from engine.scheduler_gpu import RunnerScheduler
+from engine.runner_fit import RunnerFit
+from engine.scheduler import RUNNER_BLOCK, Scheduler
+from engine.sequence import Sequence
+from engine.slots import SlotTable
 from engine.spec import SPEC_MODES
-from engine.spec.adaptive import DraftLength, StepCosts
-from engine.spec.engine_spec import SpeculationMixin, _acceptance_by_drafter
-from engine.spec.ngram import SharedNgramPool
-from kernels.quant.ref import ROW_BLOCK
-from engine.sampling import Sampler, SamplingParams, StopChecker
-from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.spec.speculator import Speculator, acceptance_by_drafter
+from engine.step_cpu import CpuExecutor
+from engine.step_runner import RunnerExecutor
+from engine.sampling import StopChecker
+from engine.tokenizer import Tokenizer
 from engine.types import (DEFAULT_MAX_SEQS, ContextTooLongError, EngineError, FinishEvent, KVPoolTooSmallError,
                           QueueFullError, Request, Timings, TokenEvent, Usage)
 
@@ -125,6 +127,24 @@ def resolve_auto_device(config: EngineConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _checked_config(config: EngineConfig) -> EngineConfig:
+    """config with device "auto" resolved and an automatic prefill_chunk where it is settled before the model
+    loads (the CPU, a given pool size); EngineError for a value out of range or a device torch does not see."""
+    if config.device == "auto":
+        config = dataclasses.replace(config, device=resolve_auto_device(config))
+    if config.prefill_chunk < 0:
+        raise EngineError(f"prefill_chunk {config.prefill_chunk}: a positive number of tokens, or 0 (auto)")
+    if config.checkpoint_memory not in CHECKPOINT_MEMORY:
+        raise EngineError(f"checkpoint_memory {config.checkpoint_memory!r}: one of {', '.join(CHECKPOINT_MEMORY)}")
+    if config.prefill_chunk == 0 and (config.device == "cpu" or config.ctx_pool_tokens):
+        config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(None))
+    if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
+        raise EngineError(f"unknown device {config.device!r} (cpu or cuda)")
+    if config.device != "cpu" and not torch.cuda.is_available():
+        raise EngineError(f"device {config.device!r} asked for, but torch sees no CUDA GPU")
+    return config
+
+
 def _has_image_parts(messages) -> bool:
     from engine.vision.prompt import has_image_parts
     return has_image_parts(messages)
@@ -182,94 +202,13 @@ class RequestHandle:
         return "".join(text), ids, fin
 
 
-class _Sequence:
-    def __init__(self, rid: int, req: Request, prompt_ids: list[int], handle: RequestHandle,
-                 tokenizer: Tokenizer, vocab_size: int, kv):
-        self.id = rid
-        self.req = req
-        self.params: SamplingParams = req.sampling
-        self.handle = handle
-        self.tokens = list(prompt_ids)       # prompt then generated tokens
-        self.n_prompt = len(prompt_ids)
-        self.n_computed = 0                  # tokens whose KV is stored
-        self.kv = kv
-        self.sampler = Sampler(req.sampling, vocab_size)
-        self.stopper = StopChecker(req.sampling.stop)
-        self.decoder = StreamDecoder(tokenizer)
-        self.t_submit = time.monotonic()
-        self.t_start: float | None = None
-        self.t_first: float | None = None
-        self.recent = collections.deque()    # (time, tokens) for tok/s over the last seconds
-        self.vision = None                   # engine.vision.prompt.VisionPrompt when the prompt holds images
-        self.slot: int | None = None         # the runner's slot (GPU path) while running
-        self.cached = 0                      # prompt tokens taken from a resident/shared prefix
-        self.drafter = None                  # engine.spec.ngram.NgramDrafter when speculating with n-grams
-        self.mtp = None                      # engine.spec.mtp.MtpState when drafting with the MTP block
-        self.dflash = None                   # engine.spec.dflash.DFlashState when drafting with DFlash
-        self.drafts: list[int] = []          # this step's draft tokens (verified after the forward)
-        self.draft_q = None                  # their drafter distributions [k, V] (None: one-hot drafts)
-        self.draft_src = ""                  # the drafter that made them (ngram, mtp, dflash)
-        self.spec_k = 0                      # current draft length (spec_adaptive=False: from acceptance only)
-        self.adapt: dict[str, DraftLength] = {}   # per drafter: acceptance, next k, back-off (spec_adaptive)
-        self.spec_src: str | None = None     # the drafter of its next step (for stats())
-        self.ngram_wait = 0                  # steps before the next n-gram lookup (GPU path, after a miss)
-        self.drafted = self.accepted = 0     # draft tokens proposed / accepted so far
-        self.spec_by = collections.Counter()  # "<drafter>_drafted" / "<drafter>_accepted" counts
-        self.checkpoints: dict[int, dict] = {}   # recurrent-state snapshots by length (engine/prefix.py)
+class Engine:
+    """Requests in (submit), tokens out (each request's handle), one engine thread stepping the running
+    sequences: self.scheduler plans a step, self.executor runs it, self.speculator drafts and verifies."""
 
-    @property
-    def image_hashes(self) -> list[str]:
-        """sha256 of each image's decoded pixels, in prompt order (with the image token spans in
-        `vision.spans`): what a prefix cache must key on besides the token ids."""
-        return self.vision.hashes if self.vision is not None else []
-
-    def prefix_keys(self, hi: int | None = None, lo: int = 0) -> list[int]:
-        """The tokens [lo, hi) (hi None: to the end) as a prefix cache compares them: the token ids, each image
-        token replaced by a key of its image's content and its place in the image (VisionPrompt.prefix_keys)."""
-        toks = self.tokens[lo:hi]
-        return toks if self.vision is None else self.vision.prefix_keys(toks, lo)
-
-    @property
-    def n_generated(self) -> int:
-        return len(self.tokens) - self.n_prompt
-
-    @property
-    def target(self) -> int:
-        """Tokens to have in the KV before decoding: the prompt, or after a pre-emption everything but
-        the last sampled token (which the next decode row feeds)."""
-        return self.n_prompt if self.n_generated == 0 else len(self.tokens) - 1
-
-    def state(self) -> str:
-        if self.t_start is None:
-            return "queued"
-        if self.n_generated == 0:
-            return f"prefill {100 * self.n_computed // max(self.n_prompt, 1)}%"
-        return "decoding"
-
-    def tok_per_s(self, now: float, window: float = 5.0) -> float:
-        while self.recent and now - self.recent[0][0] > window:
-            self.recent.popleft()
-        if not self.recent:
-            return 0.0
-        span = max(now - self.recent[0][0], 1e-3)
-        return sum(n for _, n in self.recent) / span if len(self.recent) > 1 else 0.0
-
-
-class Engine(RunnerScheduler, SpeculationMixin):
     def __init__(self, config: EngineConfig, progress=None):
-        if config.device == "auto":
-            config = dataclasses.replace(config, device=resolve_auto_device(config))
-        if config.prefill_chunk < 0:
-            raise EngineError(f"prefill_chunk {config.prefill_chunk}: a positive number of tokens, or 0 (auto)")
-        if config.checkpoint_memory not in CHECKPOINT_MEMORY:
-            raise EngineError(f"checkpoint_memory {config.checkpoint_memory!r}: one of {', '.join(CHECKPOINT_MEMORY)}")
-        if config.prefill_chunk == 0 and (config.device == "cpu" or config.ctx_pool_tokens):
-            config = dataclasses.replace(config, prefill_chunk=auto_prefill_chunk(None))
+        config = _checked_config(config)
         self.config = config   # (a GPU fitting its pool picks an automatic prefill_chunk once the weights are on it)
-        if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
-            raise EngineError(f"unknown device {config.device!r} (cpu or cuda)")
-        if config.device != "cpu" and not torch.cuda.is_available():
-            raise EngineError(f"device {config.device!r} asked for, but torch sees no CUDA GPU")
         try:
             self._pacer = PrefillPacer(config.prefill_share)    # (the GPU path's prompt chunks)
         except ValueError as e:
@@ -308,17 +247,21 @@ class Engine(RunnerScheduler, SpeculationMixin):
         if config.spec not in SPEC_MODES:
             self.model.close()
             raise EngineError(f"unknown speculative decoding mode {config.spec!r} ({', '.join(SPEC_MODES)})")
-        self._spec_kinds = set(config.spec.split("+")) - {"off"}
-        if "mtp" in self._spec_kinds and getattr(self.model, "mtp", None) is None:
+        kinds = set(config.spec.split("+")) - {"off"}
+        if "mtp" in kinds and getattr(self.model, "mtp", None) is None:
             self.model.close()
             raise EngineError(f"{path.name} has no MTP (NextN) block: use --spec ngram or off")
-        self._ngram_pool = SharedNgramPool()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._totals = collections.Counter()
+        self.speculator = Speculator(config, self.model, kinds, self._running, self._totals, self._append_token,
+                                     self.ctx_size)
         self.runner = None            # engine/runner/runner.py: the GPU path (static KV/state slots, CUDA graphs)
+        self.slots = None             # engine/slots.py: the runner's free and parked slots
         self._resident = ResidentCache(config.resident_tokens)
         self._pool_tokens = None      # the CPU pool's token limit (None on the GPU path)
-        self._dflash = None           # engine/spec/dflash.py: the DFlash drafter
-        if "dflash" in self._spec_kinds:
-            self._open_dflash(config.spec_drafter)   # (before the GPU path's graphs: they keep its features)
+        if "dflash" in kinds:
+            self.speculator.open_dflash(config.spec_drafter)   # (before the GPU path's graphs: they keep its features)
         if config.device != "cpu" or config.static_slots:
             self._open_runner()
         if self.runner is None:
@@ -327,18 +270,12 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 budget = config.kv_memory or _default_kv_memory()
                 pool.set_limit(max(256, budget // max(pool.bytes_per_token(), 1)))
                 self._pool_tokens = pool.max_tokens
-        self._costs = StepCosts()     # engine/spec/adaptive.py: measured step / drafting times
-        self._draft_s = 0.0           # avoidable drafting seconds of the current step
-        self.spec_active = self._spec_kinds if self.runner is None else self._runner_spec_kinds()
+        self._open_core()
         self.model_name = md.get("general.name") or path.stem
         self._ids = itertools.count(1)
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._running: list[_Sequence] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._totals = collections.Counter()
-        self._last_step = {"rows": 0, "seqs": 0, "ms": 0.0}
         self._thread = threading.Thread(target=self._loop, name="hivejet-engine", daemon=True)
         self._thread.start()
 
@@ -362,6 +299,50 @@ class Engine(RunnerScheduler, SpeculationMixin):
             self.model.close()
             raise EngineError(f"vision projector: {e}") from None
         log.info("vision projector %s (%s, %.1fM params)", mmproj, self.vision.projector, self.vision.n_params / 1e6)
+
+    def _open_runner(self) -> None:
+        """The GPU path (static slots on the CPU too): the runner with its memory fit (engine/runner_fit.py),
+        the MTP block's pool on the device, the step clock for prompt-chunk pacing, the CUDA graphs and the
+        slot table. The fit may pick an automatic prefill_chunk (self.config) and caps the context at the
+        pool."""
+        fit = RunnerFit(self.config, self.model, self.speculator, self.vision, self._image_format,
+                        self.EMBED_CACHE_BYTES)
+        self.runner = fit.open()
+        self.config = self.speculator.config = fit.config
+        self.speculator.runner = self.runner
+        self.ctx_size = self.speculator.ctx_size = min(self.ctx_size, self.runner.max_ctx)
+        dev = torch.device(self.config.device)
+        self.speculator.open_mtp_pool(self.runner, dev, fit.cache_types(), RUNNER_BLOCK)
+        self._clock = StepClock(self._pacer, dev)
+        fit.capture()
+        self.slots = SlotTable(self.runner, self.config.max_seqs, self.speculator)
+
+    def _open_core(self) -> None:
+        """The Scheduler and the executor of the path the engine runs. Pre-empting and stopping go back to
+        the engine, which owns the queue and finishing (late-bound: a test may wrap _preempt)."""
+        c = self.config
+        common = dict(step_tokens=c.step_tokens, prefill_chunk=c.prefill_chunk, ctx_size=self.ctx_size,
+                      drafts=self.speculator, preempt=lambda s: self._preempt(s),
+                      stop=lambda s: self._finish(s, "length"), totals=self._totals)
+        encode = self._encode_images if self.vision is not None else None
+        if self.runner is not None:
+            self.scheduler = Scheduler(self._running, runner=self.runner, slots=self.slots, pacer=self._pacer,
+                                       recurrent=bool(self.spec.recurrent_layers), **common)
+            self.executor = RunnerExecutor(self.runner, c, self.spec, scheduler=self.scheduler,
+                                           speculator=self.speculator, slots=self.slots, running=self._running,
+                                           totals=self._totals, on_logits=self._on_logits,
+                                           append_token=self._append_token, encode_images=encode, clock=self._clock)
+        else:
+            self.scheduler = Scheduler(self._running, kv_pool=self.model.kv_pool(), pool_tokens=self._pool_tokens,
+                                       resident=self._resident, **common)
+            self.executor = CpuExecutor(self.model, scheduler=self.scheduler, speculator=self.speculator,
+                                        resident=self._resident, running=self._running, totals=self._totals,
+                                        on_logits=self._on_logits, encode_images=encode)
+
+    @property
+    def spec_active(self) -> set[str]:
+        """The drafters that draft (the spec mode's: n-gram, MTP, DFlash)."""
+        return self.speculator.active
 
     @property
     def has_vision(self) -> bool:
@@ -398,7 +379,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
         rid = next(self._ids)
         handle = RequestHandle(rid, len(ids))
         kv = self.model.new_kv() if self.runner is None else None   # the runner keeps KV in its slots
-        seq = _Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, kv)
+        seq = Sequence(rid, req, ids, handle, self.tokenizer, self.spec.vocab_size, kv)
         if req.messages is not None and self.template.stop_strings:   # a fallback template's end markers
             seq.stopper = StopChecker(list(req.sampling.stop) + list(self.template.stop_strings))
         seq.vision = vision
@@ -537,37 +518,26 @@ class Engine(RunnerScheduler, SpeculationMixin):
                              cached_tokens=s.cached, tok_per_s=round(s.tok_per_s(now), 2), queue_position=None,
                              drafted=s.drafted, accepted=s.accepted,
                              acceptance=round(s.accepted / s.drafted, 3) if s.drafted else None,
-                             drafters=_acceptance_by_drafter(s.spec_by), images=len(s.image_hashes),
-                             **self._spec_length_stats(s)))
+                             drafters=acceptance_by_drafter(s.spec_by), images=len(s.image_hashes),
+                             **self.speculator.length_stats(s)))
         for i, s in enumerate(waiting):
             seqs.append(dict(id=s.id, session=s.req.session, state="queued", context=len(s.tokens),
                              ctx_limit=self.ctx_size, prompt_tokens=s.n_prompt, generated=0,
                              cached_tokens=0, tok_per_s=0.0, queue_position=i + 1, images=len(s.image_hashes)))
+        parked = self.slots.parked if self.slots is not None else {}
         vision = None
         if self.vision is not None:
             vision = dict(projector=self.vision.projector, path=str(self.vision.path),
                           n_params=self.vision.n_params)
         return dict(model=self.model_name, path=str(self.model_path), arch=self.spec.arch, device=self.config.device,
                     ctx_size=self.ctx_size, running=len(running), waiting=len(waiting) + self._inbox.qsize(),
-                    sequences=seqs, last_step=dict(self._last_step), totals=dict(self._totals), vision=vision,
+                    sequences=seqs, last_step=dict(self.executor.last_step), totals=dict(self._totals), vision=vision,
                     prefill_pacing=dict(share=self._pacer.share, chunks_held=self._pacer.held),
-                    spec=dict(mode=self.config.spec, active=bool(self.spec_active),
-                              drafters=_acceptance_by_drafter(self._totals),
-                              adaptive=self.config.spec_adaptive, costs=self._costs.summary(),
-                              mtp_pool=self._mtp_pool_stats()),
-                    resident=dict(conversations=len(self._resident.entries) + len(getattr(self, "_parked", {})),
-                                  tokens=self._resident.n_tokens + sum(len(t) for t in getattr(self, "_parked", {}).values()),
+                    spec=self.speculator.stats(),
+                    resident=dict(conversations=len(self._resident.entries) + len(parked),
+                                  tokens=self._resident.n_tokens + sum(len(t) for t in parked.values()),
                                   budget=self._resident.budget, evicted=self._resident.evicted),
                     kv_pool=self._pool_stats())
-
-    def _mtp_pool_stats(self) -> dict | None:
-        """GPU path with MTP drafts: the MTP block's KV pool (blocks used of all, its cache type)."""
-        pool = getattr(self, "_mtp_pool", None)
-        if pool is None:
-            return None
-        used = sum(g.n_used for g in pool.groups)
-        return dict(cache_type=pool.cache_type_k, blocks_used=used, blocks=pool.block_capacity(),
-                    parked_states=len(self._parked_mtp))
 
     def _pool_stats(self) -> dict | None:
         """GPU path: the shared KV pool's blocks (used, free, shared by several slots), in tokens too (what
@@ -584,7 +554,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
                         resident_tokens=self._resident.n_tokens, seq_max_tokens=self.ctx_size)
         out = r.pool_stats()
         out.update(capacity_tokens=out["tokens"], used_tokens=out["used"] * r.block_size, seq_max_tokens=r.max_ctx,
-                   parked_blocks=sum(r.held(p) for p in list(self._parked)), state_checkpoints=r.checkpoint_stats())
+                   parked_blocks=sum(r.held(p) for p in list(self.slots.parked)), state_checkpoints=r.checkpoint_stats())
         return out
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -635,63 +605,23 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 item = None
         with self._lock:
             while self._waiting and len(self._running) < self.config.max_seqs:
-                if self._running and not self._pool_has_room(self._waiting[0]):
+                if self._running and not self.scheduler.has_room(self._waiting[0]):
                     break   # waits until a running sequence finishes and frees KV
                 s = self._waiting.popleft()
                 s.t_start = time.monotonic()
-                if self.runner is not None:
-                    self._take_slot(s)
-                    if self._spec_ok(s):
-                        self._attach_drafters(s)
-                else:
-                    self._reuse_prefix(s)
-                    if self._spec_ok(s):
-                        self._attach_drafters(s)
+                self.executor.admit(s, self._resident.budget > 0)   # (a slot, a reused prefix)
+                if self.speculator.ok(s):
+                    self.speculator.attach(s)
                 self._running.append(s)
 
-    def _pool_has_room(self, s: _Sequence) -> bool:
-        """Whether the CPU pool (free blocks plus evictable resident ones) can take s's tokens."""
-        if self.runner is not None:
-            return self._runner_has_room(s)
-        if self._pool_tokens is None:
-            return True
-        pool = self.model.kv_pool()
-        free = min((g.n_free + (g.limit or g.capacity) - g.capacity) for g in pool.groups) * pool.block_size
-        return free + self._resident.n_tokens >= len(s.tokens) + pool.block_size
-
-    def _reserve_kv(self, plan: list) -> list:
-        """Allocate every chunk's KV blocks before the forward. When the pool is full: evict resident
-        conversations (least recently used first), then pre-empt the newest running sequence (its KV
-        freed, back to the front of the queue, recomputed when there is room); a sequence that cannot
-        fit even alone stops with reason "length". Returns the plan without pre-empted sequences."""
-        while True:
-            try:
-                for s, c in plan:
-                    s.kv.reserve(c.start, c.start + len(c.tokens))
-                return plan
-            except PoolFullError:
-                if self._resident.evict_one():
-                    continue
-                if len(plan) <= 1 and len(self._running) <= 1:
-                    s = plan[0][0] if plan else None
-                    if s is not None:
-                        log.warning("KV pool full: request %d stopped at %d tokens", s.id, len(s.tokens))
-                        self._totals["pool_full_stops"] += 1
-                        self._finish(s, "length")
-                    return []
-                victim = max(self._running, key=lambda r: (r.t_start or 0, r.id))
-                self._preempt(victim)
-                plan = [(s, c) for s, c in plan if s is not victim]
-
-    def _preempt(self, s: _Sequence) -> None:
+    def _preempt(self, s: Sequence) -> None:
         """Pool full: s goes back to the front of the queue and gives its KV back; it is computed again
         (prompt and generated tokens, in prompt chunks) when there is room."""
         with self._lock:
             self._running.remove(s)
             self._waiting.appendleft(s)
         if s.slot is not None:   # GPU path: the slot and its blocks go back
-            self.runner.release(s.slot)
-            self._free_slots.append(s.slot)
+            self.slots.release(s.slot)
             s.slot = None
         else:
             s.kv.release()
@@ -705,70 +635,9 @@ class Engine(RunnerScheduler, SpeculationMixin):
         s.t_start = None
         self._totals["preempted"] += 1
 
-    def _reuse_prefix(self, s: _Sequence) -> None:
-        """Start s from the longest prefix of its prompt that a resident or running sequence holds."""
-        if self._resident.budget <= 0 or s.n_prompt < 2 * ROW_BLOCK:
-            return
-        # (images compared by content: _Sequence.prefix_keys)
-        running = [Entry(r.prefix_keys(r.n_computed), r.kv, r.checkpoints) for r in self._running if r.kv is not None]
-        n, entry, _ = self._resident.best(s.prefix_keys(s.n_prompt), bool(self.spec.recurrent_layers), running)
-        if entry is not None and s.vision is not None:
-            n = s.vision.safe_start(n)        # (an image attended both ways is read whole)
-            n -= n % ROW_BLOCK
-        if entry is None or n <= 0:
-            return
-        old = s.kv
-        s.kv = entry.kv.fork()
-        old.release()
-        if entry.checkpoints:
-            s.kv.restore(entry.checkpoints[n])
-        s.kv.truncate(n)
-        s.n_computed = s.cached = n
-        self._totals["cached_tokens"] += n
-
     def _drop_cancelled(self) -> None:
         for s in [s for s in self._running + list(self._waiting) if s.handle.cancelled]:
             self._finish(s, "cancelled")
-
-    def _plan(self) -> list[tuple[_Sequence, SeqChunk]]:
-        """Decode rows for every generating sequence, then prompt chunks in arrival order."""
-        budget = max(self.config.step_tokens, len(self._running))
-        plan = []
-        for s in self._running:
-            if s.n_computed >= s.target:  # generating: feed the last sampled token (and drafts after it)
-                lo, hi = s.n_computed, len(s.tokens)
-                vp = s.vision
-                pos = vp.generated_positions(lo, hi) if vp is not None and vp.positions is not None else None
-                room = min(self._draft_len(s), self.ctx_size - hi - 1, s.params.max_tokens - s.n_generated - 1)
-                s.drafts, s.draft_q, s.draft_src = self._take_drafts(s, room)
-                toks = s.tokens[lo:hi] + s.drafts
-                plan.append((s, SeqChunk(torch.tensor(toks), lo, s.kv, "all" if s.drafts else "last", positions=pos,
-                                         rowwise=bool(s.drafts))))
-                budget -= len(toks)
-        budget = max(budget, self.config.prefill_chunk)   # (room for one whole chunk beside the decode rows)
-        prefilling = False
-        for s in self._running:
-            if s.n_computed < s.target:
-                lo = s.n_computed
-                pc = self.config.prefill_chunk
-                hi = min((lo // pc + 1) * pc, s.target)   # chunk ends at fixed positions, even after a reused prefix
-                vp = s.vision
-                if vp is not None:
-                    hi = vp.chunk_end(lo, hi)  # an image attended both ways is never split
-                n = hi - lo
-                if n > budget and plan and (prefilling or n <= self.config.step_tokens):
-                    continue  # waits for a step with room; chunks are never cut differently (a chunk
-                    # longer than a whole step, e.g. a large image read in one piece, goes with decode rows)
-                last = hi == s.n_prompt and s.n_generated == 0   # (a recomputed sequence samples nothing here)
-                pos = emb = bidir = None
-                if vp is not None:
-                    pos, emb, bidir = vp.chunk_inputs(lo, hi)
-                chunk = SeqChunk(torch.tensor(s.tokens[lo:hi]), lo, s.kv, "last" if last else "none",
-                                 positions=pos, embeds=emb, bidirectional=bidir)
-                plan.append((s, chunk))
-                budget -= n
-                prefilling = True
-        return plan
 
     EMBED_CACHE_BYTES = 256 << 20   # image embeddings kept for re-sent images (a chat resends them each turn)
 
@@ -807,46 +676,10 @@ class Engine(RunnerScheduler, SpeculationMixin):
             self._totals["image_encode_ms"] += round(1000 * (time.monotonic() - t0), 3)
 
     def _step(self) -> None:
-        if self.runner is not None:
-            return self._step_runner()
-        t0 = time.monotonic()
-        if self.vision is not None:
-            self._encode_images()
-        self._draft_s = 0.0
-        plan = self._reserve_kv(self._plan())
-        if not plan:
-            return
-        chunks = [c for _, c in plan]
-        decode = [(s, len(c.tokens), len(s.drafts)) for s, c in plan if s.n_computed >= s.target]   # generating
-        mtp = "mtp" in self._spec_kinds and any(s.mtp is not None for s, _ in plan)
-        if mtp:
-            logits, hidden = self.model.forward_with_hidden(chunks)
-        else:
-            logits = self.model.forward(chunks)
-        rows = sum(len(c.tokens) for _, c in plan)
-        recurrent = bool(self.spec.recurrent_layers) and self._resident.budget > 0
-        for (s, c), lg in zip(plan, logits):
-            s.n_computed = c.start + len(c.tokens)   # with drafts: set again by _verify_drafts
-            if recurrent and s.n_computed <= s.n_prompt:
-                add_checkpoint(s.checkpoints, s.kv)   # a later request can resume here
-            if s.n_computed == s.n_prompt and s.n_generated == 0:
-                self._totals["prompt_tokens"] += s.n_prompt
-            if s.drafts:
-                self._verify_drafts(s, c.start, lg)
-            elif lg.shape[0]:
-                self._on_logits(s, lg[-1])
-        if self._spec_kinds:
-            self._adapt_draft_lengths(decode)
-        if mtp:
-            self._mtp_catch_up([(s, c.start, h) for (s, c), h in zip(plan, hidden) if s.kv is not None])
-        if self._dflash is not None:
-            self._dflash_step([(s, c.start, c.features) for s, c in plan if s.kv is not None])
-        if self._spec_kinds and decode and len(decode) == len(plan):   # decode rows only: T(rows)
-            self._costs.add_step(rows, time.monotonic() - t0 - self._draft_s)
-        self._last_step = {"rows": rows, "seqs": len(plan), "ms": round(1000 * (time.monotonic() - t0), 2)}
-        self._totals["steps"] += 1
+        """One step: the executor runs the Scheduler's plan (engine/step_cpu.py, engine/step_runner.py)."""
+        self.executor.step()
 
-    def _on_logits(self, s: _Sequence, logits: torch.Tensor) -> None:
+    def _on_logits(self, s: Sequence, logits: torch.Tensor) -> None:
         p = s.params
         constraint = s.req.constraint
         if constraint is not None:
@@ -860,7 +693,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
             tok, lp = s.sampler.sample_with_logprobs(logits, s.tokens)
         self._append_token(s, tok, lp)
 
-    def _append_token(self, s: _Sequence, tok: int, lp) -> None:
+    def _append_token(self, s: Sequence, tok: int, lp) -> None:
         """A sampled token: stream it, and finish the sequence on end of generation, a stop string,
         a finished grammar, max_tokens or the context limit."""
         p = s.params
@@ -890,11 +723,11 @@ class Engine(RunnerScheduler, SpeculationMixin):
             self._finish(s, "length")
 
     @staticmethod
-    def _emit_text(s: _Sequence, text: str, ids: list[int], lps) -> None:
+    def _emit_text(s: Sequence, text: str, ids: list[int], lps) -> None:
         if text or ids:
             s.handle._put(TokenEvent(text=text, ids=ids, logprobs=lps))
 
-    def _finish(self, s: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, s: Sequence, reason: str, error: str | None = None) -> None:
         with self._lock:
             if s in self._running:
                 self._running.remove(s)
@@ -903,7 +736,7 @@ class Engine(RunnerScheduler, SpeculationMixin):
             else:
                 return
         if s.drafter is not None:
-            self._ngram_pool.add(s.tokens)   # other conversations can draft from this one
+            self.speculator.ngram_pool.add(s.tokens)   # other conversations can draft from this one
         if s.kv is not None:
             if reason != "error" and self._resident.budget > 0 and s.n_computed > 0:
                 if self.spec.recurrent_layers:
@@ -913,18 +746,8 @@ class Engine(RunnerScheduler, SpeculationMixin):
                 s.kv.release()
         s.kv = None  # the pool keeps a resident sequence's blocks; otherwise they are free now
         parked = False
-        if getattr(s, "slot", None) is not None:
-            if self._ahead is not None and s.id in self._ahead.decode:
-                self._discard_ahead_row(s)
-            if reason != "error" and self._resident.budget > 0 and s.n_computed > 0:
-                # resident (its blocks kept) until evicted; images by content (prefix_keys)
-                self._parked[s.slot] = s.prefix_keys(s.n_computed)
-                self._park_drafters(s)
-                parked = True
-            else:
-                self.runner.release(s.slot)
-                self._free_slots.append(s.slot)
-            s.slot = None
+        if getattr(s, "slot", None) is not None:   # GPU path: the slot parked (a follow-up may continue it) or freed
+            parked = self.executor.let_go(s, keep=reason != "error" and self._resident.budget > 0)
         if s.mtp is not None and not parked:
             s.mtp.release()
             s.mtp = None

@@ -1,5 +1,5 @@
 """How often a step may take a prompt chunk while other sequences are generating (the GPU path's
-scheduler, engine/scheduler_gpu.py).
+scheduler, engine/scheduler.py; the step clock runs in engine/step_runner.py).
 
 A step with a prompt chunk takes several times as long as a decode-only step (H200, 27B: ~60-130 ms
 against ~20 ms), so a long prompt fed one chunk per step slows every generating agent to a fraction of

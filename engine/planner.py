@@ -8,8 +8,8 @@ Every number comes from the GGUF header (nothing is loaded):
 
 * **weights**: what `DecoderModel.to_device` puts on the GPU, from the file's tensor index: quantized
   matrices repacked into kernels/quant/packed.py's layout (Q4_K 5 bits/value, Q6_K 7, ...; 4.625 and
-  6.5625 with HIVEJET_PACKED_CODES=1: exactly its planes + scales, `packed_bytes`), float matrices as
-  they are, vectors as float32
+  6.5625 with the scale codes kept, pack_weight(coded=True): exactly its planes + scales, `packed_bytes`),
+  float matrices as they are, vectors as float32
   (qwen35's conv kernels also once more as float32). All tensors count, including the token embedding
   and the MTP block. (`ModelFacts.weight_bytes` stays the file's own byte count.)
 * **KV cache**: one pool of `n_seqs x ctx` tokens that all sequences share (engine/runner/runner.py: blocks of
@@ -125,7 +125,7 @@ CUDA_GRAPH_BYTES = 384 * MiB   # (256 for the decode graphs, 128 for the 64-row 
 PIECE_PASS_ROWS = 256          # engine/runner/runner.py PIECE_PASS_ROWS (tests check they agree)
 # recurrent-state checkpoints (EngineConfig.checkpoint_memory): "auto" keeps the default ones on the device
 # when 2 % of the KV cache holds at least MIN_DEVICE_CHECKPOINTS, else in pinned host memory, up to
-# HOST_CHECKPOINTS in an eighth of the RAM and at most HOST_CHECKPOINT_BYTES (engine/scheduler_gpu.py)
+# HOST_CHECKPOINTS in an eighth of the RAM and at most HOST_CHECKPOINT_BYTES (engine/runner_fit.py)
 DEVICE_CHECKPOINT_SHARE = 0.02   # of the KV cache, for the default device checkpoints
 MAX_DEVICE_CHECKPOINTS = 64
 MIN_DEVICE_CHECKPOINTS = 8
@@ -528,7 +528,7 @@ def mtp_token_bytes(n_head_kv: int, head_dim: int, head_dim_v: int, kv_type: str
 
 
 def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, n_seqs: int, kv_type: str, kv_type_v: str | None = None) -> int:
-    """The MTP block's KV on the GPU path (engine/scheduler_gpu.py: _open_mtp_pool): its rows mirror the
+    """The MTP block's KV on the GPU path (engine/spec/speculator.py: open_mtp_pool): its rows mirror the
     pool's, in 16-token blocks, plus 4 blocks per slot (and the scratch slot) for draft rows and copies."""
     if not facts.n_layer_nextn:
         return 0
@@ -540,7 +540,7 @@ def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, n_seqs: int, kv_type: str,
 def drafter_bytes(drafter, pool_tokens: int) -> int:
     """A DFlash drafter (engine/spec/dflash.py: DFlashDrafter) on the GPU path: its weights as the engine
     holds them (bfloat16 matrices) and its context K/V (bfloat16) for every pool token, as the engine's
-    memory fit reserves it (engine/scheduler_gpu.py: _drafter_bytes_per_token)."""
+    memory fit reserves it (engine/spec/speculator.py: drafter_bytes_per_token)."""
     return drafter.device_weight_bytes() + drafter.context_bytes_per_token() * pool_tokens
 
 

@@ -14,7 +14,7 @@ Rules that keep the result the same as computing the prompt from scratch:
 - a sliding-window layer group must still hold every block the window needs at that length;
 - a recurrent (qwen35) model can only resume where a snapshot of its states was taken: at the end of
   every prompt chunk (multiples of the prefill chunk) and at the end of the prompt and of the answer;
-- images count by content (`_Sequence.prefix_keys`: their placeholder tokens do not say which image they
+- images count by content (`Sequence.prefix_keys`: their placeholder tokens do not say which image they
   hold), and an image attended both ways (Gemma) is never entered mid-way.
 
 Resident entries are evicted least recently used first when their tokens exceed the budget.

@@ -50,7 +50,6 @@ of 1 + tanh(u) for negative x; it matches torch's to ~1e-7 of the output's scale
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -582,7 +581,7 @@ def triton_argmax_rows(logits: torch.Tensor, *, block: int = 1024, chunk: int | 
 # dispatchers
 # ---------------------------------------------------------------------------------------------
 
-_FORCE = os.environ.get("HIVEJET_FORCE_TRITON", "") not in ("", "0")
+_FORCE = False   # (force_triton: tests only; no setting, docs/decisions/README.md)
 
 
 @contextlib.contextmanager

@@ -102,7 +102,8 @@ def packed_layouts() -> list[SimpleNamespace]:
     """Every (type, tile layout) the loader makes by default (kernels/packed_layout.py): fp16 scales, tiles of
     64 or 128 rows by 128 values (K a multiple of 128) or 64 (K an odd multiple of 64, e.g. SmolLM2's 576).
     Not compiled: 32-value tiles (K an odd multiple of 32; the 64-value tile's code with half the tile, under
-    its figures) and the layouts of the HIVEJET_PACKED_CODES / _TILE_K / _NARROW_TILE_K experiments."""
+    its figures) and the layouts only pack_weight's arguments make (scale codes kept, 256-value tiles:
+    docs/decisions/packed-scale-codes.md, tiles-64x256.md)."""
     from kernels.packed_layout import PACKED_LAYOUT
     return [p for q in PACKED_LAYOUT for tn in (64, 128) for tk in (64, 128)
             if (p := _layout(q, tn, tk, False)) is not None]
@@ -117,7 +118,7 @@ def _mm_types(p) -> dict:
 def _packed_mm(p, cfg: dict, family: Family, what: str) -> list[Launch]:
     """The decode matmul launched with settings cfg (packed_matmul's keywords) on p, with `add` and, on a
     family that takes the Hopper paths, with PDL as packed_matmul launches it."""
-    from kernels.quant.packed import (EARLY_TRIGGER, SPLIT_SUM_HERE, _packed_mm_kernel, _split_for,
+    from kernels.quant.packed import (SPLIT_SUM_HERE, _packed_mm_kernel, _split_for,
                                       kernel_constants, prefetch_tiles)
     kt = p.k // p.tile_k
     split = cfg.get("split_k") or _split_for(p.n_pad // p.tile_n, kt, SM_COUNT[family.name], 2)
@@ -127,7 +128,7 @@ def _packed_mm(p, cfg: dict, family: Family, what: str) -> list[Launch]:
                  FAST_CVT=True, TMA=bool(cfg.get("tma")), SPLIT=split, SUM_HERE=split > 1 and SPLIT_SUM_HERE,
                  HAS_ADD=False)
     if pdl:
-        const.update(PDL=1, PREFETCH=prefetch_tiles(const["BLOCK_M"]), EARLY_TRIGGER=EARLY_TRIGGER)
+        const.update(PDL=1, PREFETCH=prefetch_tiles(const["BLOCK_M"]))
     opts = dict(num_warps=cfg.get("num_warps") or (8 if p.hi_bits in (1, 2) else 4),
                 num_stages=cfg.get("num_stages", 3))
     if cfg.get("maxnreg"):
@@ -178,9 +179,8 @@ def packed_launches(family: Family) -> list[Launch]:
             wide = wide_decode_rows(decode, m)
             if wide is not decode:
                 out += _packed_mm(p, wide, family, f"decode {m} rows")
-        if SMALL_PROMPT_ROWS:
-            small = tuned_config(p, SMALL_PROMPT_ROWS, n_sm, tma=settings["tma"], family=family)
-            out += _packed_mm(p, small, family, "small prompt")
+        small = tuned_config(p, SMALL_PROMPT_ROWS, n_sm, tma=settings["tma"], family=family)
+        out += _packed_mm(p, small, family, "small prompt")
         c = kernel_constants(p)
         types = _mm_types(p)
         out.append(Launch(f"packed_dequant {p.qtype} {p.tile_n}x{p.tile_k}", _dequant_kernel,

@@ -4,8 +4,6 @@ many rows and values a tile holds, and so how many bytes a matrix takes. engine/
 with these (it runs without torch); kernels/quant/packed.py packs with the same rules."""
 from __future__ import annotations
 
-import os
-
 # How a packed type stores its per-group scale (and min):
 #   "f16"        an fp16 scale per group (the min, if any, a fixed multiple of it: no bytes)
 #   "f16+min"    an fp16 scale and an fp16 min per group (Q4_1, Q5_1)
@@ -24,12 +22,13 @@ PACKED_LAYOUT: dict[str, tuple[int, int, str]] = {
 }
 
 
-# Whether the coded kinds keep their 8-bit codes on the GPU (environment HIVEJET_PACKED_CODES=1) or are
-# stored as fp16 products ("codes" as "f16", "codes+min" as "f16+min"; the default). The codes take 1.3 GB
-# less for the 27B Q4_K_M (16.9 against 18.4 GB) but its decode step 14 % longer on the H200 (18.1 against
-# 15.9 ms: making the scales in the kernel costs more than the bytes it saves; docs/PERFORMANCE.md):
-# the choice for a card where those 1.3 GB decide whether a model fits at all.
-CODED_SCALES = os.environ.get("HIVEJET_PACKED_CODES", "0") == "1"
+# Whether the coded kinds keep their 8-bit codes on the GPU (True) or are stored as fp16 products ("codes" as
+# "f16", "codes+min" as "f16+min"). False: the codes take 1.3 GB less for the 27B Q4_K_M (16.9 against 18.4 GB)
+# but its decode step 14 % longer on the H200 (18.1 against 15.9 ms: making the scales in the kernel costs more
+# than the bytes it saves; docs/decisions/packed-scale-codes.md). pack_weight(coded=True) still keeps the codes
+# (the kernels' tests, .ci/gpu/sweep_scales.py): the layout for a card where those 1.3 GB decide whether a model
+# fits at all, to become a typed setting when one needs it.
+CODED_SCALES = False
 
 
 def scale_kind(qtype_name: str, coded: bool | None = None) -> str:
@@ -41,8 +40,9 @@ def scale_kind(qtype_name: str, coded: bool | None = None) -> str:
     return kind
 
 
-# the fewest rows of a matrix packed in 128-row tiles (fewer: 64-row tiles); HIVEJET_PACKED_WIDE_ROWS overrides
-WIDE_ROWS = int(os.environ.get("HIVEJET_PACKED_WIDE_ROWS", "16384"))
+# the fewest rows of a matrix packed in 128-row tiles (fewer: 64-row tiles): 128-row tiles for every matrix
+# made the 27B's decode step longer on the H200 (docs/decisions/tiles-128-rows-everywhere.md)
+WIDE_ROWS = 16384
 
 
 def default_tile_n(n: int) -> int:
@@ -50,35 +50,21 @@ def default_tile_n(n: int) -> int:
     return 128 if n >= WIDE_ROWS else 64
 
 
-# Values per tile along K (environment HIVEJET_PACKED_TILE_K: 256, 128, 64 or 32; by default 128, or 256 for
-# weights that keep their 8-bit scale codes). 128 because the decode matmul holds its
-# whole dequantized tile in registers as the dot's operand, and a 128 x 256 tile needs 221 registers per
-# thread on sm_90 (two programs per SM), 128 x 128 needs 139; the 27B's Q4_K matmuls run 18-26 % faster
-# and its decode step 13.6 instead of 15.8 ms on the H200 (docs/PERFORMANCE.md). Coded
-# weights keep 256: their fp16 factor per tile row would cost 0.125-0.25 bits per value more at 128,
-# most of what storing the codes saves.
-TILE_K = int(os.environ.get("HIVEJET_PACKED_TILE_K", "0")) or None
-if TILE_K not in (None, 256, 128, 64, 32):
-    raise ValueError(f"HIVEJET_PACKED_TILE_K must be 256, 128, 64 or 32, not {TILE_K}")
+# Values per tile along K: 128, or 256 for weights that keep their 8-bit scale codes. 128 because the decode
+# matmul holds its whole dequantized tile in registers as the dot's operand, and a 128 x 256 tile needs 221
+# registers per thread on sm_90 (two programs per SM), 128 x 128 needs 139; the 27B's Q4_K matmuls run 18-26 %
+# faster and its decode step 13.6 instead of 15.8 ms on the H200 (docs/decisions/tile-k-128.md). Coded weights
+# keep 256: their fp16 factor per tile row would cost 0.125-0.25 bits per value more at 128, most of what
+# storing the codes saves. (64-row tiles of 256 values, the registers of a 128 x 128 tile, made a step slower:
+# docs/decisions/tiles-64x256.md.)
+TILE_K = 128
+CODED_TILE_K = 256
 
 
-# values per tile along K for matrices in 64-row tiles, over TILE_K's default (environment
-# HIVEJET_PACKED_NARROW_TILE_K: 256 or 128; unset, or HIVEJET_PACKED_TILE_K set: TILE_K's). An experiment: a
-# 64 x 256 tile needs the registers of a 128 x 128 one, for one pass of the decode matmul's loop instead of
-# two, but slower end to end (docs/PERFORMANCE.md: a step
-# 8.66 against 8.19 ms; its 140 registers leave three programs per SM, not four), so off by default. 128
-# changes only weights that keep their scale codes (256 by default), at more bytes: one fp16 d per tile row.
-NARROW_TILE_K = int(os.environ.get("HIVEJET_PACKED_NARROW_TILE_K", "0")) or None
-if NARROW_TILE_K not in (None, 256, 128):
-    raise ValueError(f"HIVEJET_PACKED_NARROW_TILE_K must be 256 or 128, not {NARROW_TILE_K}")
-
-
-def default_tile_k(k: int, coded: bool = False, tile_rows: int = 0) -> int:
-    """The largest power of two >= 32 that divides K, up to TILE_K (by default 128, or 256 for a weight
-    whose scales are stored as codes), or NARROW_TILE_K for a matrix in tiles of 64 rows (tile_rows)."""
-    limit = TILE_K or (256 if coded else 128)
-    if NARROW_TILE_K and tile_rows == 64 and not TILE_K:
-        limit = NARROW_TILE_K
+def default_tile_k(k: int, coded: bool = False) -> int:
+    """The largest power of two >= 32 that divides K, up to TILE_K (CODED_TILE_K for a weight whose scales
+    are stored as codes)."""
+    limit = CODED_TILE_K if coded else TILE_K
     for tk in (256, 128, 64, 32):
         if tk <= limit and k % tk == 0:
             return tk
@@ -98,7 +84,7 @@ def packed_bytes(qtype_name: str, n: int, k: int) -> int | None:
     n = -(-n // tile) * tile
     planes = n * k if hi_bits == 8 else n * k // 2 + n * k * hi_bits // 8
     groups = n * (k // group)
-    tile_rows = n * (k // default_tile_k(k, kind.startswith("codes"), tile))
+    tile_rows = n * (k // default_tile_k(k, kind.startswith("codes")))
     scales = {"f16": 2 * groups, "f16+min": 4 * groups, "codes": groups + 2 * tile_rows,
               "codes+min": 2 * groups + 4 * tile_rows}[kind]
     return planes + scales

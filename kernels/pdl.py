@@ -15,11 +15,11 @@ Rules that keep it correct:
   everything before it, so the usual stream order holds transitively (torch's kernels, launched
   without PDL, wait for full completion as always);
 - PDL is on only for CUDA devices of the sm90 family (kernels/family.py: the instructions do not exist before
-  sm_90, and on sm_100/sm_120, which have them, the path was never run), never under Triton's interpreter, and
-  not with HIVEJET_PDL=0. PDL is on by default (~7 % of a decode step,
-  docs/PERFORMANCE.md). A 27B prompt's prefill that is not the same bits twice is not a PDL launch-order problem:
-  the packed matmul compiled with its L2 prefetch in 64-row blocks of x gives another result nearly every run,
-  launched with PDL or not, so the prefetch is kept to 16-row blocks (kernels/quant/packed.py: prefetch_tiles).
+  sm_90, and on sm_100/sm_120, which have them, the path was never run) and never under Triton's interpreter
+  (~7 % of a decode step, docs/decisions/programmatic-dependent-launch.md). A 27B prompt's prefill that is not
+  the same bits twice is not a PDL launch-order problem: the packed matmul compiled with its L2 prefetch in
+  64-row blocks of x gives another result nearly every run, launched with PDL or not, so the prefetch is kept
+  to 16-row blocks (kernels/quant/packed.py: prefetch_tiles).
 """
 from __future__ import annotations
 
@@ -40,16 +40,10 @@ try:
 except ImportError:          # a Triton without grid dependency control (before 3.4): PDL stays off
     HAVE_GDC = False
 
-ENABLED = HAVE_GDC and os.environ.get("HIVEJET_PDL", "1") != "0" \
-    and os.environ.get("TRITON_INTERPRET", "0") != "1"
-# the order of pdl_enter (kernels/pdl.py's small kernels): "trigger" lets the next kernel launch before this
-# one waits (the default: a chain of small kernels may all be launched, each
-# waiting on the one before), "wait" only after (at most one kernel ahead, the order CUTLASS-style kernels
-# use): measured not to change the prefill race above, and 0.5 % slower (docs/PERFORMANCE.md)
-WAIT_FIRST = os.environ.get("HIVEJET_PDL_ENTER", "trigger") == "wait"
-# which kernels launch with PDL when it is on: "all", "matmul" (the packed decode matmul and its sums only) or
-# "small" (every other kernel): to tell which kernels bring a difference between runs (.ci/gpu/prefill_repeat.py)
-KERNELS = os.environ.get("HIVEJET_PDL_KERNELS", "all")
+# PDL wherever the family and Triton have it: no setting turns it off (the launch attribute is in every CUDA 12
+# driver torch runs on; docs/decisions/programmatic-dependent-launch.md). Tests and .ci/gpu/sweep_pdl.py set
+# ENABLED to compare against launches without it.
+ENABLED = HAVE_GDC and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def _capable(device_index: int) -> bool:
@@ -62,13 +56,11 @@ def pdl_on(t: torch.Tensor) -> bool:
                                               else torch.cuda.current_device())
 
 
-def pdl_args(t: torch.Tensor, matmul: bool = False) -> dict:
-    """Launch keywords for a kernel with a `PDL: tl.constexpr` argument, for a launch on t's device (PDL 1:
-    pdl_enter triggers, then waits; 2: waits, then triggers: WAIT_FIRST). matmul: the packed decode matmul's
-    launches (KERNELS)."""
-    if not pdl_on(t) or KERNELS == ("small" if matmul else "matmul"):
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel with a `PDL: tl.constexpr` argument, for a launch on t's device."""
+    if not pdl_on(t):
         return {}
-    return dict(PDL=2 if WAIT_FIRST else 1, launch_pdl=True)
+    return dict(PDL=1, launch_pdl=True)
 
 
 if triton is not None:
@@ -86,14 +78,10 @@ if triton is not None:
 
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
-        """pdl_trigger, then pdl_wait (PDL 2: the other way round): a kernel with nothing to do before its
-        inputs are there."""
-        if PDL == 2:
-            pdl_wait(PDL)
-            pdl_trigger(PDL)
-        else:
-            pdl_trigger(PDL)
-            pdl_wait(PDL)
+        """pdl_trigger, then pdl_wait: a kernel with nothing to do before its inputs are there. (Waiting
+        first, as CUTLASS-style kernels do, measured 0.5 % slower: docs/decisions/programmatic-dependent-launch.md.)"""
+        pdl_trigger(PDL)
+        pdl_wait(PDL)
 
     @triton.jit
     def prefetch_l2(ptr, nbytes):

@@ -17,6 +17,8 @@
 #                                             shared-pass piece, eagerly: the same bits? (prefill_repeat.py)
 #   bash .ci/gpu/bench.sh spec                bench spec on the 27B with a random MTP block (drafts never accepted):
 #                                             verify-step and drafter costs, then off / ngram / mtp end to end
+#   bash .ci/gpu/bench.sh spec-accept [RATES]  bench spec --accept (default 0.92,0.80,0.65) on the 27B with a random
+#                                             MTP block, 1 / 4 / 8 / 16 agents: off, controlled, uncontrolled
 #   bash .ci/gpu/bench.sh vision              the Qwen3.5-27B vision tower (synthetic F16) on a 1024x768 image
 set -e
 source .ci/gpu/env.sh
@@ -62,10 +64,16 @@ w('/tmp/m27mtp.part.gguf', 'qwen35', '27b-q4_k_m', mtp=True, threads=16); os.rep
         timeout 250 python3 -u -m app.cli bench spec -m /tmp/m27mtp.gguf --device cuda -n 128 \
             --json "$OUT/spec_modes.json" 2>&1 | grep -v Warn | tail -10
         ;;
+    spec-accept)
+        [ -f /tmp/m27mtp.gguf ] || python3 -c "import os; from engine.tools.synth import write_synthetic as w
+w('/tmp/m27mtp.part.gguf', 'qwen35', '27b-q4_k_m', mtp=True, threads=16); os.replace('/tmp/m27mtp.part.gguf', '/tmp/m27mtp.gguf')"
+        timeout 540 python3 -u -m app.cli bench spec -m /tmp/m27mtp.gguf --device cuda --accept "${1:-0.92,0.80,0.65}" \
+            --json "$OUT/spec_accept.json" 2>&1 | grep -v Warn | tail -10
+        ;;
     vision)
         timeout 300 python3 -u -m engine.tools.bench_vision --device cuda --size 1024x768 2>&1 | grep -v Warn | tail -10
         ;;
     *)
-        echo "usage: bash .ci/gpu/bench.sh decode|steps|kv-types|ctx200k|card24|pieces|repeat|spec|vision [ARGS]"; exit 2
+        echo "usage: bash .ci/gpu/bench.sh decode|steps|kv-types|ctx200k|card24|pieces|repeat|spec|spec-accept|vision [ARGS]"; exit 2
         ;;
 esac

@@ -1,6 +1,6 @@
 """On the GPU machine: the engine on the synthetic Qwen3.5-27B Q4_K_M as if the card had 24 GiB, the GPU
 HiveJet is built for. A tensor first takes the rest of the H200's memory, so the engine's own fit
-(engine/scheduler_gpu.py: the KV pool from torch.cuda.mem_get_info, less the step workspace) sees what a
+(engine/runner_fit.py: the KV pool from torch.cuda.mem_get_info, less the step workspace) sees what a
 24 GiB card leaves; then three agents decode while a fourth sends a 20,000-token prompt, as `bench agents`
 scenario 4 does; that 20K prompt is regenerated (sent again) and followed up with its reply's first tokens
 dropped (as Qwen3.5's chat template drops the last reply's reasoning), both resuming at the prompt's last

@@ -1,9 +1,8 @@
 """On the GPU machine: k arriving prompts of N tokens each (k = 1, 2, 4, 8, 16) prefilled one pass each
-(Runner.prefill, the default) against one padded pass of several slots' pieces (Runner.prefill_pieces,
-HIVEJET_PROMPT_PIECES=1 with HIVEJET_GDN_ROWS_KERNEL=1 for qwen35), on the 27B with its graphs captured as the
-engine captures them -> $OUT/pieces_timing.json. Also checks that each piece's logits are the bits its own
-prefill gives.
-    HIVEJET_PROMPT_PIECES=1 HIVEJET_GDN_ROWS_KERNEL=1 python3 -u .ci/gpu/pieces_timing.py /tmp/m27.gguf [N] [CHUNK]"""
+(Runner.prefill) against one padded pass of several slots' pieces (Runner.prefill_pieces), on the 27B with its
+graphs captured as the engine captures them -> $OUT/pieces_timing.json. Also checks that each piece's logits are
+the bits its own prefill gives.
+    python3 -u .ci/gpu/pieces_timing.py /tmp/m27.gguf [N] [CHUNK]"""
 import json
 import os
 import sys

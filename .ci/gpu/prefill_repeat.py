@@ -2,7 +2,7 @@
 it (graphs captured at start): prefill of the same 32-token prompt into slot 0 three times, into slot 1, eagerly
 (a runner without graphs), and with prefill_pieces beside three other prompts; the largest difference in the
 last row's logits and whether the argmax agrees; the memory the prompt graphs reserve -> $OUT/prefill_repeat.json.
-    [HIVEJET_...=1] python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf [N]"""
+    python3 -u .ci/gpu/prefill_repeat.py /tmp/m27.gguf [N]"""
 import json
 import os
 import sys

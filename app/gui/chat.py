@@ -100,7 +100,16 @@ class ChatPage(QWidget):
         outer.setContentsMargins(0, 0, 0, 0)
         split = QSplitter(Qt.Horizontal)
         outer.addWidget(split)
-        # conversations
+        split.addWidget(self._build_conversation_list())
+        split.addWidget(self._build_conversation())
+        split.addWidget(self._build_settings_panel())
+        split.setSizes([230, 800, 260])
+        split.setStretchFactor(1, 1)
+        self._loading_settings = False
+        self._show_settings(*self._defaults())   # before any conversation: the values a new one gets
+
+    def _build_conversation_list(self) -> QWidget:
+        """New chat, search, the conversations."""
         side = QWidget()
         side.setObjectName("SidePanel")
         sl = QVBoxLayout(side)
@@ -121,8 +130,10 @@ class ChatPage(QWidget):
         self.conv_list.customContextMenuRequested.connect(self._conv_menu)
         sl.addWidget(self.conv_list, 1)
         side.setMinimumWidth(200)
-        split.addWidget(side)
-        # the conversation
+        return side
+
+    def _build_conversation(self) -> QWidget:
+        """Title, banners, the messages, attachments, the composer and its row of actions."""
         center = QWidget()
         cl = QVBoxLayout(center)
         cl.setContentsMargins(16, 10, 16, 12)
@@ -161,6 +172,11 @@ class ChatPage(QWidget):
         self.composer.sendRequested.connect(lambda: self.send())
         self.composer.attachRequested.connect(self._attach_any)
         cl.addWidget(self.composer)
+        cl.addLayout(self._build_action_row())
+        return center
+
+    def _build_action_row(self) -> QHBoxLayout:
+        """Attach, the context meter, errors, Stop and Send."""
         row = QHBoxLayout()
         self.attach_button = QPushButton(icon("attach"), "Attach")
         self.attach_button.clicked.connect(self._attach_dialog)
@@ -186,9 +202,10 @@ class ChatPage(QWidget):
         self.send_button.setObjectName("Primary")
         self.send_button.clicked.connect(lambda: self.send())
         row.addWidget(self.send_button)
-        cl.addLayout(row)
-        split.addWidget(center)
-        # conversation settings
+        return row
+
+    def _build_settings_panel(self) -> QWidget:
+        """This conversation's system prompt and sampling settings."""
         right = QWidget()
         right.setObjectName("RightPanel")
         rl = QVBoxLayout(right)
@@ -223,11 +240,7 @@ class ChatPage(QWidget):
         rl.addWidget(note)
         rl.addStretch(1)
         right.setMinimumWidth(230)
-        split.addWidget(right)
-        split.setSizes([230, 800, 260])
-        split.setStretchFactor(1, 1)
-        self._loading_settings = False
-        self._show_settings(*self._defaults())   # before any conversation: the values a new one gets
+        return right
 
     # ----- conversations -----
     def reload_conversations(self, *_):

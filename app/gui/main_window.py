@@ -80,6 +80,17 @@ class MainWindow(QMainWindow):
         v = QVBoxLayout(central)
         v.setContentsMargins(0, 0, 0, 0)
         v.setSpacing(0)
+        v.addWidget(self._build_top_bar())
+        v.addLayout(self._build_pages(), 1)
+        self.setCentralWidget(central)
+        self.nav.currentRowChanged.connect(self.stack.setCurrentIndex)
+        self.nav.setCurrentRow(0)
+        self._wire_pages()
+        self._add_shortcuts()
+        self.statusBar().showMessage("Ready")
+
+    def _build_top_bar(self) -> QFrame:
+        """Logo, model picker, the loaded model's state, load progress + Cancel, Eject, device, server switch."""
         top = QFrame()
         top.setObjectName("TopBar")
         tl = QHBoxLayout(top)
@@ -124,7 +135,10 @@ class MainWindow(QMainWindow):
         self.server_switch = QCheckBox("Local server")
         self.server_switch.setObjectName("Switch")
         tl.addWidget(self.server_switch)
-        v.addWidget(top)
+        return top
+
+    def _build_pages(self) -> QHBoxLayout:
+        """The navigation rail and the pages."""
         body = QHBoxLayout()
         body.setSpacing(0)
         self.nav = QListWidget()
@@ -144,11 +158,10 @@ class MainWindow(QMainWindow):
         for w in (self.chat, self.models, self.planner, self.monitor, self.server, self.settings):
             self.stack.addWidget(w)
         body.addWidget(self.stack, 1)
-        v.addLayout(body, 1)
-        self.setCentralWidget(central)
-        self.nav.currentRowChanged.connect(self.stack.setCurrentIndex)
-        self.nav.setCurrentRow(0)
-        # wiring
+        return body
+
+    def _wire_pages(self) -> None:
+        """What the pages tell each other and the window."""
         self.models.loadRequested.connect(self.load_model)
         self.models.planRequested.connect(self._plan_for)
         self.models.libraryChanged.connect(self.refresh_models)
@@ -161,6 +174,9 @@ class MainWindow(QMainWindow):
         self.settings.remoteChosen.connect(self._use_remote)
         self.server_switch.toggled.connect(self._switch_toggled)
         self.server.stateChanged.connect(self._server_state)
+
+    def _add_shortcuts(self) -> None:
+        """Ctrl+1..6 pages, Ctrl+N new chat, Ctrl+Q quit."""
         for i, p in enumerate(PAGES):
             act = QAction(self)
             act.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
@@ -175,7 +191,6 @@ class MainWindow(QMainWindow):
         self.quit_action.setShortcutContext(Qt.ApplicationShortcut)
         self.quit_action.triggered.connect(self.close)
         self.addAction(self.quit_action)
-        self.statusBar().showMessage("Ready")
 
     def show_page(self, name: str):
         self.nav.setCurrentRow(PAGES.index(name))

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+REPLY_WAIT_S = 300          # the longest wait for one demo reply (a busy CPU makes ~1 token/s)
 
 
 def _ensure_display() -> subprocess.Popen | None:
@@ -54,28 +55,15 @@ def main(argv=None) -> int:
 
 
 def _run(out: Path, theme: str, home: Path) -> int:
-    from PySide6.QtCore import QEventLoop
+    from PySide6.QtCore import QEvent, QEventLoop
     from PySide6.QtWidgets import QApplication
 
     from app.gui.main_window import MainWindow
     from app.gui.theme import apply_theme
     from app.store import Store
-    from engine.catalog import ensure_model, models_dir
-    from engine.tools.synth import write_synthetic
 
     out.mkdir(parents=True, exist_ok=True)
-    src = ensure_model("demo")                       # the user's copy; the shots use their own folder
-    os.environ["HIVEJET_MODELS"] = str(home / "models")
-    demo = models_dir() / src.name
-    try:
-        os.link(src, demo)
-    except OSError:
-        shutil.copyfile(src, demo)
-    synth_dir = models_dir() / "hivejet-synthetic"
-    synth_dir.mkdir(parents=True, exist_ok=True)
-    synth = synth_dir / "Qwen3.5-27B-layout-Q4_K_M-header-only.gguf"
-    if not synth.exists():
-        write_synthetic(synth, "qwen35", "27b-q4_k_m", header_only=True)
+    demo, synth = _models(home)
     app = QApplication.instance() or QApplication(["hivejet"])
     apply_theme(app, theme)
     store = Store(home / "hivejet.db")
@@ -89,6 +77,9 @@ def _run(out: Path, theme: str, home: Path) -> int:
         t = time.time()
         while time.time() - t < secs:
             app.processEvents(QEventLoop.AllEvents, 50)
+            # processEvents leaves deleteLater()'d widgets alive (only a running event loop deletes them):
+            # removed messages would still be painted into the shots
+            app.sendPostedEvents(None, QEvent.DeferredDelete)
             if until is not None and until():
                 return True
             time.sleep(0.02)
@@ -97,22 +88,61 @@ def _run(out: Path, theme: str, home: Path) -> int:
     if not pump(120, lambda: w.ctl.engine is not None):
         print("the demo model did not load:", w.state_label.text(), file=sys.stderr)
         return 1
-    chat = w.chat
+    _converse(w.chat, store, pump)
+    _shoot_pages(w, out, synth, pump)
+    w.close()
+    store.close()
+    return 0
+
+
+def _models(home: Path) -> tuple[Path, Path]:
+    """The demo model (linked into the throw-away models folder) and a header-only synthetic
+    Qwen3.5-27B layout for the Planner."""
+    from engine.catalog import ensure_model, models_dir
+    from engine.tools.synth import write_synthetic
+
+    src = ensure_model("demo")                       # the user's copy; the shots use their own folder
+    os.environ["HIVEJET_MODELS"] = str(home / "models")
+    demo = models_dir() / src.name
+    try:
+        os.link(src, demo)
+    except OSError:
+        shutil.copyfile(src, demo)
+    synth_dir = models_dir() / "hivejet-synthetic"
+    synth_dir.mkdir(parents=True, exist_ok=True)
+    synth = synth_dir / "Qwen3.5-27B-layout-Q4_K_M-header-only.gguf"
+    if not synth.exists():
+        write_synthetic(synth, "qwen35", "27b-q4_k_m", header_only=True)
+    return demo, synth
+
+
+def _converse(chat, store, pump) -> None:
+    """A two-message conversation with the demo model, and two more (empty) conversations in the list.
+    A first, deleted conversation warms the engine up (the CPU kernels compile on first use), so the
+    replies shown have the speed and first-token time of a warm engine."""
+    warm = chat.new_conversation()
+    chat.send("Hello")
+    pump(REPLY_WAIT_S, lambda: not chat.generating)
+    chat.delete_conversation(warm)
     chat.new_conversation()
     chat.send("Explain what this Python function does:\n\n```python\ndef mean(xs):\n    return sum(xs) / len(xs)\n```")
-    pump(120, lambda: not chat.generating)
+    pump(REPLY_WAIT_S, lambda: not chat.generating)
     chat.send("Give me one tip for naming variables.")
-    pump(120, lambda: not chat.generating)
-    other = store.create_conversation("Trip ideas for Lisbon")
+    pump(REPLY_WAIT_S, lambda: not chat.generating)
+    store.create_conversation("Trip ideas for Lisbon")
     store.create_conversation("Refactor the download queue")
     chat.reload_conversations()
-    del other
+
+
+def _shoot_pages(w, out: Path, synth: Path, pump) -> None:
+    """One PNG per page; the monitor's while a reply is being generated, the server's with it running."""
+    chat = w.chat
 
     def shot(name: str, page: str, prep=None):
         w.show_page(page)
         if prep:
             prep()
-        pump(0.8)
+        pump(2.0)       # the page laid out (a busy machine needs more than a moment)
         path = out / f"{name}.png"
         w.grab().save(str(path))
         print("wrote", path)
@@ -131,16 +161,18 @@ def _run(out: Path, theme: str, home: Path) -> int:
     chat.s_max.setValue(200)
     chat.send("Write a short poem about bees.")
 
-    def monitor():
-        pump(6)
+    def decoding() -> bool:
+        eng = w.ctl.engine
+        return eng is not None and any(q.get("generated", 0) >= 8 for q in eng.stats()["sequences"])
+
+    def monitor():     # the reply past its prefill, a few tokens in, so the row shows a decode speed
+        pump(REPLY_WAIT_S, decoding)
+        pump(3)
         w.monitor.refresh()
     shot("monitor", "Monitor", monitor)
     chat.stop()
     pump(10, lambda: not chat.generating)
     shot("settings", "Settings")
-    w.close()
-    store.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -155,6 +155,19 @@ class ServerPage(QWidget):
         intro.setWordWrap(True)
         intro.setObjectName("Muted")
         lay.addWidget(intro)
+        lay.addLayout(self._build_switch_row(store))
+        self._build_connection_rows(lay, store)
+        self.status = QLabel("Off.")
+        self.status.setWordWrap(True)
+        lay.addWidget(self.status)
+        self._build_activity(lay)
+        self._log_version = -1
+        self.timer = QTimer(self, interval=1000, timeout=self._refresh_clients)
+        self.timer.start()
+        self._update_texts()
+
+    def _build_switch_row(self, store) -> QHBoxLayout:
+        """Server on, port, allow other devices."""
         row = QHBoxLayout()
         self.switch = QCheckBox("Server on")
         self.switch.setObjectName("Switch")
@@ -171,42 +184,36 @@ class ServerPage(QWidget):
         self.lan.toggled.connect(self._lan_toggled)
         row.addWidget(self.lan)
         row.addStretch(1)
-        lay.addLayout(row)
-        krow = QHBoxLayout()
-        krow.addWidget(QLabel("API key"))
-        self.key = QLineEdit(store.get_setting("server_api_key", "") or "")
-        self.key.setReadOnly(True)
-        self.key.setPlaceholderText("generated when you allow other devices")
-        krow.addWidget(self.key, 1)
+        return row
+
+    def _copy_row(self, label: str, edit: QLineEdit) -> QHBoxLayout:
+        """label, a read-only field and its Copy button."""
+        row = QHBoxLayout()
+        row.addWidget(QLabel(label))
+        edit.setReadOnly(True)
+        row.addWidget(edit, 1)
         b = QPushButton("Copy")
-        b.clicked.connect(lambda: self._copy(self.key.text()))
-        krow.addWidget(b)
+        b.clicked.connect(lambda: self._copy(edit.text()))
+        row.addWidget(b)
+        return row
+
+    def _build_connection_rows(self, lay: QVBoxLayout, store) -> None:
+        """What a client needs: the API key (with New key), the base URL, the model id."""
+        self.key = QLineEdit(store.get_setting("server_api_key", "") or "")
+        self.key.setPlaceholderText("generated when you allow other devices")
+        krow = self._copy_row("API key", self.key)
         b = QPushButton("New key")
         b.clicked.connect(self.new_key)
         krow.addWidget(b)
         lay.addLayout(krow)
-        urow = QHBoxLayout()
-        urow.addWidget(QLabel("Base URL"))
         self.url = QLineEdit()
-        self.url.setReadOnly(True)
-        urow.addWidget(self.url, 1)
-        b = QPushButton("Copy")
-        b.clicked.connect(lambda: self._copy(self.url.text()))
-        urow.addWidget(b)
-        lay.addLayout(urow)
-        mrow = QHBoxLayout()
-        mrow.addWidget(QLabel("Model id"))
+        lay.addLayout(self._copy_row("Base URL", self.url))
         self.model_id = QLineEdit()
-        self.model_id.setReadOnly(True)
         self.model_id.setToolTip("The name clients send as \"model\" (GET /v1/models lists it)")
-        mrow.addWidget(self.model_id, 1)
-        b = QPushButton("Copy")
-        b.clicked.connect(lambda: self._copy(self.model_id.text()))
-        mrow.addWidget(b)
-        lay.addLayout(mrow)
-        self.status = QLabel("Off.")
-        self.status.setWordWrap(True)
-        lay.addWidget(self.status)
+        lay.addLayout(self._copy_row("Model id", self.model_id))
+
+    def _build_activity(self, lay: QVBoxLayout) -> None:
+        """Editor snippets, connected clients, recent requests."""
         lay.addWidget(QLabel("Settings to paste into your editor or agent"))
         self.snippets = QPlainTextEdit()
         self.snippets.setReadOnly(True)
@@ -224,10 +231,6 @@ class ServerPage(QWidget):
         self.requests.verticalHeader().hide()
         self.requests.setEditTriggers(QTableWidget.NoEditTriggers)
         lay.addWidget(self.requests, 2)
-        self._log_version = -1
-        self.timer = QTimer(self, interval=1000, timeout=self._refresh_clients)
-        self.timer.start()
-        self._update_texts()
 
     def _copy(self, text):
         QGuiApplication.clipboard().setText(text)

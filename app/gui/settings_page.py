@@ -31,6 +31,16 @@ class SettingsPage(QWidget):
         h = QLabel("Settings")
         h.setObjectName("H1")
         lay.addWidget(h)
+        lay.addLayout(self._build_form(store))
+        self._build_remotes(lay)
+        self.data_note = QLabel()
+        self.data_note.setObjectName("Muted")
+        lay.addWidget(self.data_note)
+        self.data_note.setText(f"Conversations and settings: {store.path}")
+        self._fill_remotes()
+
+    def _build_form(self, store) -> QFormLayout:
+        """Models folder, theme, the engine's settings, the default system prompt."""
         form = QFormLayout()
         from engine.catalog import models_dir
         frow = QHBoxLayout()
@@ -48,6 +58,18 @@ class SettingsPage(QWidget):
         self.theme.setCurrentIndex(max(0, self.theme.findData(store.get_setting("theme", "system"))))
         self.theme.currentIndexChanged.connect(self._theme)
         form.addRow("Theme", self.theme)
+        self._add_engine_rows(form, store)
+        self.sys_prompt = QPlainTextEdit(store.get_setting("default_system_prompt", ""))
+        self.sys_prompt.setFixedHeight(70)
+        self.sys_prompt.setPlaceholderText("Used for new conversations")
+        self.sys_prompt.textChanged.connect(lambda: store.set_setting("default_system_prompt",
+                                                                      self.sys_prompt.toPlainText()))
+        form.addRow("Default system prompt", self.sys_prompt)
+        return form
+
+    def _add_engine_rows(self, form: QFormLayout, store) -> None:
+        """The settings the next model load uses: CPU threads, speculative decoding, parallel
+        conversations, long-prompt pacing."""
         from engine.engine import default_threads
         self.threads = QSpinBox(minimum=0, maximum=256, value=int(store.get_setting("threads", 0)))
         self.threads.setSpecialValueText(f"automatic ({default_threads()})")
@@ -81,13 +103,9 @@ class SettingsPage(QWidget):
                                "server), a long new prompt is read in chunks between their steps: how much of "
                                "their speed it may take. Pacing makes that prompt's first token come later.")
         form.addRow("Long prompts beside generating conversations (next load)", self.pacing)
-        self.sys_prompt = QPlainTextEdit(store.get_setting("default_system_prompt", ""))
-        self.sys_prompt.setFixedHeight(70)
-        self.sys_prompt.setPlaceholderText("Used for new conversations")
-        self.sys_prompt.textChanged.connect(lambda: store.set_setting("default_system_prompt",
-                                                                      self.sys_prompt.toPlainText()))
-        form.addRow("Default system prompt", self.sys_prompt)
-        lay.addLayout(form)
+
+    def _build_remotes(self, lay: QVBoxLayout) -> None:
+        """Remote endpoints: add one (URL, key), the models listed, remove, chat with one."""
         h2 = QLabel("Remote endpoints")
         h2.setObjectName("H2")
         lay.addWidget(h2)
@@ -122,11 +140,6 @@ class SettingsPage(QWidget):
         b.clicked.connect(lambda: self._use_remote(self.r_list.currentItem()))
         brow.addWidget(b)
         lay.addLayout(brow)
-        self.data_note = QLabel()
-        self.data_note.setObjectName("Muted")
-        lay.addWidget(self.data_note)
-        self.data_note.setText(f"Conversations and settings: {store.path}")
-        self._fill_remotes()
 
     def _choose(self):
         d = QFileDialog.getExistingDirectory(self, "Models folder", self.folder.text())

@@ -65,6 +65,8 @@ def apply_theme(app, mode: str = "system") -> bool:
     qss = (RESOURCES / "qss" / "app.qss").read_text()
     for k, v in pal_colors.items():
         qss = qss.replace("{" + k + "}", v)
+    # the arrows of combo and spin boxes: once a box is styled, Qt draws them only from these images
+    qss = qss.replace("{qss_dir}", (RESOURCES / "qss").as_posix())
     app.setStyleSheet(qss)
     app.setProperty("hivejet_dark", dark)
     return dark

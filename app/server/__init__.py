@@ -102,7 +102,7 @@ def settings_from_args(args) -> ServerSettings:
 def run_serve(args) -> int:
     """`hivejet serve`: listen at once (GET /health answers 503 while the model loads), then serve until
     Ctrl-C. Returns the exit code."""
-    from app.server.app import create_app as _create, set_engine, uvicorn_server
+    from app.server.app import create_app as _create, uvicorn_server
     err = lambda msg: print(f"error: {msg}", file=sys.stderr)  # noqa: E731
     settings = settings_from_args(args)
     try:
@@ -110,63 +110,14 @@ def run_serve(args) -> int:
     except SettingsError as e:
         err(e)
         return 2
-    from kernels.kvcodec import cache_type_name
-    for name in ("cache_type_k", "cache_type_v"):
-        try:
-            setattr(args, name, cache_type_name(getattr(args, name).lower()))
-        except ValueError as e:
-            err(f"--{name.replace('_', '-')}: {e}")
-            return 2
-    if args.spec == "none":
-        args.spec = "off"
-    from engine.spec import SPEC_MODES
-    if args.spec not in SPEC_MODES:
-        err(f"--spec {args.spec}: choose {', '.join(SPEC_MODES)}")
-        return 2
-    if "dflash" in args.spec and not args.spec_drafter:
-        err(f"--spec {args.spec} needs --spec-drafter (a DFlash drafter directory or GGUF)")
-        return 2
-    if args.agents < 1 or args.max_queue < 0 or args.ctx < 0 or args.kv_memory < 0:
-        err("--agents must be >= 1, --max-queue >= 0, --ctx >= 0 and --kv-memory >= 0")
-        return 2
-    if not 0 < args.prefill_share <= 1:
-        err("--prefill-share must be in (0, 1]")
-        return 2
-    if args.prefill_chunk < 0 or args.prefill_chunk % 16:
-        err(f"--prefill-chunk {args.prefill_chunk}: a multiple of 16 (0: automatic)")
+    problem = _check_engine_args(args)
+    if problem:
+        err(problem)
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     app = _create(None, settings)
-    holder = {}
-
-    def load():
-        from engine.engine import Engine, EngineConfig
-        try:
-            eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
-                                      max_queue=args.max_queue, threads=args.threads,
-                                      device=args.device, spec=args.spec, spec_drafter=args.spec_drafter,
-                                      device_sampling=not getattr(args, "host_sampling", False),
-                                      overlap_steps=not getattr(args, "host_sampling", False),
-                                      cache_type_k=args.cache_type_k,
-                                      kv_memory=int(args.kv_memory * 2**30),
-                                      prefill_share=args.prefill_share,
-                                      shared_prompt_passes=args.shared_passes,
-                                      state_checkpoints=args.state_checkpoints,
-                                      checkpoint_memory=args.checkpoint_memory,
-                                      prefill_chunk=args.prefill_chunk,
-                                      cache_type_v=args.cache_type_v),
-                         progress=lambda msg: print(msg, file=sys.stderr))
-        except Exception as e:  # shown by /health and the log; the server keeps answering 503
-            logging.getLogger("hivejet.server").error("model failed to load: %s", e)
-            set_engine(app, None, error=str(e))
-            return
-        holder["engine"] = eng
-        set_engine(app, eng)
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        print(f"HiveJet: serving {eng.model_name} (context {eng.ctx_size}) at http://{host}:{settings.port}/v1",
-              file=sys.stderr)
-
-    threading.Thread(target=load, name="hivejet-load", daemon=True).start()
+    holder: dict = {}
+    threading.Thread(target=_load_engine, args=(app, args, settings, holder), name="hivejet-load", daemon=True).start()
     from app.server.access_log import quiet_polls
     quiet_polls(args.log_level)      # monitoring polls (hivejet top, Prometheus) stay out of the access log
     try:
@@ -180,6 +131,62 @@ def run_serve(args) -> int:
         if eng is not None:
             eng.shutdown()
     return 0
+
+
+def _check_engine_args(args) -> str | None:
+    """What is wrong with the engine's arguments (None when nothing); normalizes the cache type names and
+    --spec none."""
+    from kernels.kvcodec import cache_type_name
+    for name in ("cache_type_k", "cache_type_v"):
+        try:
+            setattr(args, name, cache_type_name(getattr(args, name).lower()))
+        except ValueError as e:
+            return f"--{name.replace('_', '-')}: {e}"
+    if args.spec == "none":
+        args.spec = "off"
+    from engine.spec import SPEC_MODES
+    if args.spec not in SPEC_MODES:
+        return f"--spec {args.spec}: choose {', '.join(SPEC_MODES)}"
+    if "dflash" in args.spec and not args.spec_drafter:
+        return f"--spec {args.spec} needs --spec-drafter (a DFlash drafter directory or GGUF)"
+    if args.agents < 1 or args.max_queue < 0 or args.ctx < 0 or args.kv_memory < 0:
+        return "--agents must be >= 1, --max-queue >= 0, --ctx >= 0 and --kv-memory >= 0"
+    if not 0 < args.prefill_share <= 1:
+        return "--prefill-share must be in (0, 1]"
+    if args.prefill_chunk < 0 or args.prefill_chunk % 16:
+        return f"--prefill-chunk {args.prefill_chunk}: a multiple of 16 (0: automatic)"
+    return None
+
+
+def _load_engine(app, args, settings: ServerSettings, holder: dict) -> None:
+    """Load the model (on its own thread) and hand the engine to the app; a failure is shown by /health
+    and the log, and the server keeps answering 503."""
+    from app.server.app import set_engine
+    from engine.engine import Engine, EngineConfig
+    try:
+        eng = Engine(EngineConfig(model=args.model, ctx_size=args.ctx, max_seqs=args.agents,
+                                  max_queue=args.max_queue, threads=args.threads,
+                                  device=args.device, spec=args.spec, spec_drafter=args.spec_drafter,
+                                  device_sampling=not getattr(args, "host_sampling", False),
+                                  overlap_steps=not getattr(args, "host_sampling", False),
+                                  cache_type_k=args.cache_type_k,
+                                  kv_memory=int(args.kv_memory * 2**30),
+                                  prefill_share=args.prefill_share,
+                                  shared_prompt_passes=args.shared_passes,
+                                  state_checkpoints=args.state_checkpoints,
+                                  checkpoint_memory=args.checkpoint_memory,
+                                  prefill_chunk=args.prefill_chunk,
+                                  cache_type_v=args.cache_type_v),
+                     progress=lambda msg: print(msg, file=sys.stderr))
+    except Exception as e:
+        logging.getLogger("hivejet.server").error("model failed to load: %s", e)
+        set_engine(app, None, error=str(e))
+        return
+    holder["engine"] = eng
+    set_engine(app, eng)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(f"HiveJet: serving {eng.model_name} (context {eng.ctx_size}) at http://{host}:{settings.port}/v1",
+          file=sys.stderr)
 
 
 def main(argv=None) -> int:  # python -m app.server

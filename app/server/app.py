@@ -96,7 +96,17 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
     app = FastAPI(title="HiveJet local API", version="0.1.0",
                   description="OpenAI- and Anthropic-compatible API over the HiveJet engine.")
     app.state.hivejet = state
+    _add_error_handlers(app)
+    from app.server import anthropic_api, openai_api
+    app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    _add_server_routes(app, state)
+    _add_middleware(app, state, settings)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as the API family's error body (OpenAI or Anthropic shape, by the request's path)."""
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         path = request.url.path
@@ -123,10 +133,9 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
         return JSONResponse(error_body(request.url.path, 500, f"internal error: {type(exc).__name__}"),
                             status_code=500)
 
-    from app.server import anthropic_api, openai_api
-    app.include_router(openai_api.router)
-    app.include_router(anthropic_api.router)
 
+def _add_server_routes(app: FastAPI, state: ServerState) -> None:
+    """The server's own routes: /health, /metrics, /slots, /tokenize, /detokenize."""
     @app.get("/health", response_model=S.HealthResponse, responses={503: {"model": S.ErrorResponse}}, tags=["server"])
     async def health():
         if state.engine is None:
@@ -170,6 +179,8 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
             raise ApiError(400, f"token ids outside the vocabulary (0..{n - 1}): {bad[:5]}", param="tokens")
         return {"content": eng.tokenizer.decode(body.tokens)}
 
+
+def _add_middleware(app: FastAPI, state: ServerState, settings: ServerSettings) -> None:
     # Middleware, innermost first: auth + metrics, CORS (answers preflights before auth), body size limit.
     app.add_middleware(AuthAndMetrics, state=state)
     if settings.cors_origins:
@@ -178,7 +189,6 @@ def create_app(engine=None, settings: ServerSettings | None = None) -> FastAPI:
                            allow_headers=["*"], allow_credentials=False)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, error_body=error_body,
                        max_json_values=settings.max_json_values)
-    return app
 
 
 def set_engine(app: FastAPI, engine, error: str | None = None) -> None:

@@ -123,6 +123,52 @@ def _finish_reason(fin, calls) -> str:
     return "tool_calls" if calls else "stop"
 
 
+def _tool_choice(body: S.ChatCompletionRequest):
+    """(tools as dicts or None, whether to parse tool calls, the tool that tool_choice forces or None)."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    forced_name = None
+    parse_tools = bool(tools)
+    if choice is not None and not tools and choice != "none":
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    if choice == "none":
+        tools, parse_tools = None, False
+    elif isinstance(choice, S.NamedToolChoice):
+        forced_name = choice.function.name
+        if forced_name not in [t["function"]["name"] for t in tools]:
+            raise ApiError(400, f"tool_choice names {forced_name!r}, which is not in tools", param="tool_choice")
+    return tools, parse_tools, forced_name
+
+
+def _output_grammar(body: S.ChatCompletionRequest, fmt, tools, forced_name):
+    """The grammar the output must follow: a forced tool call, else response_format's JSON (None for
+    plain text)."""
+    if tools and (body.tool_choice == "required" or forced_name):
+        return forced_call_grammar(fmt, tools, forced_name)
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        schema = rf.json_schema.schema_
+    else:
+        schema = None
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as e:
+        raise ApiError(400, str(e), param="response_format") from None
+
+
+def _opens_in_reasoning(eng, prompt_messages, prompt_tools, kwargs) -> bool:
+    """True when the rendered prompt ends inside an open <think> block (the reply starts with reasoning)."""
+    try:
+        rendered = eng.render_chat(prompt_messages, True, prompt_tools, **kwargs)
+    except Exception as e:
+        raise ApiError(400, str(e), param="messages") from None
+    return rendered.rstrip().endswith("<think>")
+
+
 class ChatPlan:
     """Everything decided about a chat request before it runs."""
 
@@ -135,45 +181,18 @@ class ChatPlan:
         fmt = info["tool_format"]
         messages = [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
         _check_images(messages, state)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        choice = body.tool_choice
-        forced_name = None
-        parse_tools = bool(tools)
-        if choice is not None and not tools and choice != "none":
-            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-        if choice == "none":
-            tools, parse_tools = None, False
-        elif isinstance(choice, S.NamedToolChoice):
-            forced_name = choice.function.name
-            if forced_name not in [t["function"]["name"] for t in tools]:
-                raise ApiError(400, f"tool_choice names {forced_name!r}, which is not in tools", param="tool_choice")
+        tools, parse_tools, forced_name = _tool_choice(body)
         if body.n not in (None, 1):
             raise ApiError(400, "only n=1 is supported", param="n")
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
         kwargs = _template_kwargs(body, messages)
-        grammar = None
-        forced_call = bool(tools and (choice == "required" or forced_name))
-        if forced_call:
-            grammar = forced_call_grammar(fmt, tools, forced_name)
-            kwargs.setdefault("enable_thinking", False)
-        elif body.response_format is not None and body.response_format.type != "text":
-            rf = body.response_format
-            if rf.type == "json_schema":
-                if rf.json_schema is None or rf.json_schema.schema_ is None:
-                    raise ApiError(400, "response_format json_schema needs json_schema.schema",
-                                   param="response_format")
-                schema = rf.json_schema.schema_
-            else:
-                schema = None
-            try:
-                grammar = json_schema_grammar(schema)
-            except GrammarError as e:
-                raise ApiError(400, str(e), param="response_format") from None
-            kwargs.setdefault("enable_thinking", False)
+        forced_call = bool(tools and (body.tool_choice == "required" or forced_name))
+        grammar = _output_grammar(body, fmt, tools, forced_name)
         constraint = None
         if grammar is not None:
+            kwargs.setdefault("enable_thinking", False)
             try:
                 constraint = GrammarConstraint(eng.tokenizer, grammar)
             except GrammarError as e:
@@ -181,14 +200,8 @@ class ChatPlan:
 
         src = info["template_source"]
         prompt_messages, prompt_tools = prepare_messages(messages, tools, fmt, src)
-        in_reasoning = False
-        if info["reasoning"] and not (grammar is not None):
-            try:
-                rendered = eng.render_chat(prompt_messages, True, prompt_tools, **kwargs)
-            except Exception as e:
-                raise ApiError(400, str(e), param="messages") from None
-            tail = rendered.rstrip()
-            in_reasoning = tail.endswith("<think>")
+        in_reasoning = bool(info["reasoning"]) and grammar is None and _opens_in_reasoning(
+            eng, prompt_messages, prompt_tools, kwargs)
         self.parser = OutputParser(fmt if parse_tools else None, reasoning=info["reasoning"] and grammar is None,
                                    in_reasoning=in_reasoning)
         max_tokens = body.max_completion_tokens or body.max_tokens

@@ -140,32 +140,41 @@ def run_top(args, console=None) -> int:
     from rich.console import Console
 
     from app.top.client import Client
-    from app.top.view import KeyReader, Poller, TopScreen, frame_text, render
     console = console or Console()
     if args.run < 0 or args.steps < 1 or args.max_tokens < 1 or args.interval <= 0:
         _err("--run must be >= 0, --steps and --max-tokens >= 1, --interval > 0")
         return 2
     client = Client(args.url, api_key=args.api_key)
-
     if not args.run:
-        poller = Poller(client, gpu=False if args.no_gpu else None)
-        if args.once or not console.is_terminal:
-            snap = poller.poll()
-            if console.is_terminal:
-                console.print(render(snap, args.sort, show_keys=False))
-            else:
-                console.file.write(frame_text(snap, width=console.width, sort=args.sort, show_keys=False))
-            return 0 if snap.status == "ok" else 1
-        screen = TopScreen(poller, args.interval, console, args.sort)
-        restore = _terminate_as_interrupt()        # SIGTERM too leaves through KeyReader's terminal restore
-        try:
-            with KeyReader() as keys:
-                screen.run(keys=keys)
-        finally:
-            restore()
-        return _interrupt_code(screen.interrupted) if screen.interrupted is not None else 0
+        return _watch(args, client, console)
+    return _drive_agents(args, client, console)
 
-    from app.top.agents import AgentConfig, AgentRun, format_summary
+
+def _watch(args, client, console) -> int:
+    """The live view of a server (or one frame with --once or without a terminal)."""
+    from app.top.view import KeyReader, Poller, TopScreen, frame_text, render
+    poller = Poller(client, gpu=False if args.no_gpu else None)
+    if args.once or not console.is_terminal:
+        snap = poller.poll()
+        if console.is_terminal:
+            console.print(render(snap, args.sort, show_keys=False))
+        else:
+            console.file.write(frame_text(snap, width=console.width, sort=args.sort, show_keys=False))
+        return 0 if snap.status == "ok" else 1
+    screen = TopScreen(poller, args.interval, console, args.sort)
+    restore = _terminate_as_interrupt()        # SIGTERM too leaves through KeyReader's terminal restore
+    try:
+        with KeyReader() as keys:
+            screen.run(keys=keys)
+    finally:
+        restore()
+    return _interrupt_code(screen.interrupted) if screen.interrupted is not None else 0
+
+
+def _drive_agents(args, client, console) -> int:
+    """--run N: N coding agents on the server (started here when none answers), followed live, then the
+    summary."""
+    from app.top.agents import AgentConfig, AgentRun
     from app.top.tasks import TaskError, load_tasks
     try:
         tasks = load_tasks(args.tasks)
@@ -191,38 +200,50 @@ def run_top(args, console=None) -> int:
                           temperature=args.temp, seed=args.seed, tool_choice=args.tool_choice,
                           test_timeout=args.test_timeout, test_runner=args.test_runner)
         run = AgentRun(client, tasks, args.run, cfg).start()
-        view = not args.no_view and console.is_terminal
-        interrupted = None      # the signal that stopped the run (Ctrl-C, SIGTERM): the exit code says so
-        try:
-            if view:
-                poller = Poller(client, agents=lambda: run.statuses, gpu=False if args.no_gpu else None)
-                screen = TopScreen(poller, args.interval, console, args.sort)
-                with KeyReader() as keys:
-                    last = screen.run(until=run.done, keys=keys)
-                if screen.interrupted is not None:
-                    raise screen.interrupted        # (after the view is closed: stopped as below)
-                if screen.quit_requested and not run.done():
-                    run.cancel()
-                if last is not None and console.is_terminal:
-                    console.print(render(last, screen.sort, show_keys=False))
-            else:
-                _plain_progress(run, out=console.file)
-        except KeyboardInterrupt as e:
-            interrupted = e
-            run.cancel()
-        if not run.done():
-            run.cancel()
-        run.wait(60)       # the agents' threads remove their temporary folders as they stop
-        summary = run.summary()
-        console.file.write("\n" + format_summary(summary) + "\n")
-        console.file.flush()
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(summary, f, indent=2)
-        if interrupted is not None:
-            return _interrupt_code(interrupted)     # after the clean stop
-        return 1 if summary["agents"] and all(a["state"] == "error" for a in summary["per_agent"]) else 0
+        interrupted = _follow(args, run, client, console)
+        return _finish_run(args, run, console, interrupted)
     finally:
         if server is not None:
             server.stop()
         restore()
+
+
+def _follow(args, run, client, console) -> KeyboardInterrupt | None:
+    """Show the run (the live view on a terminal, else progress lines) until it ends, the view is quit or a
+    signal stops it; returns the interrupt that stopped it, if one did."""
+    from app.top.view import KeyReader, Poller, TopScreen, render
+    try:
+        if not args.no_view and console.is_terminal:
+            poller = Poller(client, agents=lambda: run.statuses, gpu=False if args.no_gpu else None)
+            screen = TopScreen(poller, args.interval, console, args.sort)
+            with KeyReader() as keys:
+                last = screen.run(until=run.done, keys=keys)
+            if screen.interrupted is not None:
+                raise screen.interrupted        # (after the view is closed: stopped as below)
+            if screen.quit_requested and not run.done():
+                run.cancel()
+            if last is not None and console.is_terminal:
+                console.print(render(last, screen.sort, show_keys=False))
+        else:
+            _plain_progress(run, out=console.file)
+    except KeyboardInterrupt as e:
+        run.cancel()
+        return e
+    return None
+
+
+def _finish_run(args, run, console, interrupted: KeyboardInterrupt | None) -> int:
+    """Stop what still runs, print (and with --json write) the summary; the exit code."""
+    from app.top.agents import format_summary
+    if not run.done():
+        run.cancel()
+    run.wait(60)       # the agents' threads remove their temporary folders as they stop
+    summary = run.summary()
+    console.file.write("\n" + format_summary(summary) + "\n")
+    console.file.flush()
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    if interrupted is not None:
+        return _interrupt_code(interrupted)     # after the clean stop
+    return 1 if summary["agents"] and all(a["state"] == "error" for a in summary["per_agent"]) else 0

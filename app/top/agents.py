@@ -181,63 +181,7 @@ class Agent:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.first_message(ws)}]
         try:
             while st.step < cfg.max_steps and not self.stop.is_set():
-                st.step += 1
-                st.state = "generating"
-                body = {"model": cfg.model, "messages": messages, "tools": TOOLS, "tool_choice": cfg.tool_choice,
-                        "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "user": st.session,
-                        "logprobs": True, "parallel_tool_calls": False}
-                if cfg.seed is not None:
-                    body["seed"] = cfg.seed + 1000 * self.index + st.step
-                buf = []
-
-                def on_text(piece, buf=buf):
-                    buf.append(piece)
-                    st.note("".join(buf)[-400:])
-                try:
-                    res = self._chat(body, on_text)
-                except ServerError as e:
-                    if e.code == "context_length_exceeded":   # the conversation filled its context: give up
-                        st.note(f"context full: {e}")
-                        break
-                    raise
-                st.requests += 1
-                st.gen_seconds += res.seconds
-                st.prompt_tokens += res.prompt_tokens
-                st.completion_tokens += res.completion_tokens
-                st.last_completion_tokens = res.completion_tokens
-                if res.ttft is not None:
-                    st.ttfts.append(res.ttft)
-                if res.finish_reason == "cancelled":
-                    break
-                calls = res.tool_calls[:1]  # one call per turn, as the system prompt asks
-                if not calls:
-                    st.no_call_steps += 1
-                    messages.append({"role": "assistant", "content": res.content or ""})
-                    messages.append({"role": "user", "content": "Call one of the tools (list_files, read_file, "
-                                                                "write_file, run_tests)."})
-                    continue
-                call = calls[0]
-                call_id = call["id"] or f"call_{st.step}"
-                messages.append({"role": "assistant", "content": res.content or None, "tool_calls": [
-                    {"id": call_id, "type": "function",
-                     "function": {"name": call["name"], "arguments": call["arguments"] or "{}"}}]})
-                st.state = f"tool {call['name']}"
-                t0 = time.monotonic()
-                try:
-                    answer = self.call_tool(ws, call["name"], call["arguments"])
-                except ToolError as e:
-                    st.tool_errors += 1
-                    answer = f"error: {e}"
-                except Exception as e:  # a tool must not end the agent
-                    st.tool_errors += 1
-                    answer = f"error: {type(e).__name__}: {e}"
-                st.tool_seconds += time.monotonic() - t0
-                st.tool_calls += 1
-                st.tool_counts[call["name"]] = st.tool_counts.get(call["name"], 0) + 1
-                st.last_line = tool_line(call["name"], call["arguments"], answer)
-                messages.append({"role": "tool", "tool_call_id": call_id, "name": call["name"],
-                                 "content": clip(answer)})
-                if call["name"] == "run_tests" and st.tests_passed:
+                if not self._turn(ws, messages):
                     break
             # the verdict: the tests as the agent left the folder (its own run counts when it was the last step)
             if not st.tests_passed and not self.stop.is_set():
@@ -261,6 +205,80 @@ class Agent:
             st.finished = time.monotonic()
             st.done = True
         return st
+
+    def _turn(self, ws: Workspace, messages: list[dict]) -> bool:
+        """One step: a reply, and the tool call it makes; False when the agent is done (context full,
+        cancelled, or its own test run passed)."""
+        st = self.status
+        st.step += 1
+        st.state = "generating"
+        res = self._reply(messages)
+        if res is None or res.finish_reason == "cancelled":
+            return False
+        calls = res.tool_calls[:1]  # one call per turn, as the system prompt asks
+        if not calls:
+            st.no_call_steps += 1
+            messages.append({"role": "assistant", "content": res.content or ""})
+            messages.append({"role": "user", "content": "Call one of the tools (list_files, read_file, "
+                                                        "write_file, run_tests)."})
+            return True
+        call = calls[0]
+        call_id = call["id"] or f"call_{st.step}"
+        messages.append({"role": "assistant", "content": res.content or None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"] or "{}"}}]})
+        answer = self._use_tool(ws, call)
+        messages.append({"role": "tool", "tool_call_id": call_id, "name": call["name"], "content": clip(answer)})
+        return not (call["name"] == "run_tests" and st.tests_passed)
+
+    def _reply(self, messages: list[dict]):
+        """The model's reply to the conversation so far (its figures added to the status); None when the
+        conversation has filled its context."""
+        st, cfg = self.status, self.config
+        body = {"model": cfg.model, "messages": messages, "tools": TOOLS, "tool_choice": cfg.tool_choice,
+                "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "user": st.session,
+                "logprobs": True, "parallel_tool_calls": False}
+        if cfg.seed is not None:
+            body["seed"] = cfg.seed + 1000 * self.index + st.step
+        buf = []
+
+        def on_text(piece):
+            buf.append(piece)
+            st.note("".join(buf)[-400:])
+        try:
+            res = self._chat(body, on_text)
+        except ServerError as e:
+            if e.code == "context_length_exceeded":   # the conversation filled its context: give up
+                st.note(f"context full: {e}")
+                return None
+            raise
+        st.requests += 1
+        st.gen_seconds += res.seconds
+        st.prompt_tokens += res.prompt_tokens
+        st.completion_tokens += res.completion_tokens
+        st.last_completion_tokens = res.completion_tokens
+        if res.ttft is not None:
+            st.ttfts.append(res.ttft)
+        return res
+
+    def _use_tool(self, ws: Workspace, call: dict) -> str:
+        """Run a tool call; its answer (a failing tool answers with the error, it does not end the agent)."""
+        st = self.status
+        st.state = f"tool {call['name']}"
+        t0 = time.monotonic()
+        try:
+            answer = self.call_tool(ws, call["name"], call["arguments"])
+        except ToolError as e:
+            st.tool_errors += 1
+            answer = f"error: {e}"
+        except Exception as e:  # a tool must not end the agent
+            st.tool_errors += 1
+            answer = f"error: {type(e).__name__}: {e}"
+        st.tool_seconds += time.monotonic() - t0
+        st.tool_calls += 1
+        st.tool_counts[call["name"]] = st.tool_counts.get(call["name"], 0) + 1
+        st.last_line = tool_line(call["name"], call["arguments"], answer)
+        return answer
 
 
 def make_statuses(n: int, tasks: list[Task], run_id: str | None = None) -> list[tuple[AgentStatus, Task]]:

@@ -110,68 +110,85 @@ class Client:
                     return res
                 raise ServerError(f"cannot reach {self.url}: {e}") from None
             if resp.status != 200:
-                raw = resp.read().decode("utf-8", "replace")
-                code = None
-                try:
-                    err = json.loads(raw).get("error", {})
-                    msg, code = err.get("message") or raw, err.get("code")
-                except Exception:
-                    msg = raw or resp.reason
-                raise ServerError(f"/v1/chat/completions: HTTP {resp.status}: {msg}", resp.status, code)
-            while True:
-                if cancel is not None and cancel.is_set():
-                    res.finish_reason = "cancelled"
-                    break
-                try:
-                    raw = resp.readline()
-                except (OSError, ValueError, http.client.HTTPException) as e:
-                    if cancel is not None and cancel.is_set():
-                        res.finish_reason = "cancelled"
-                        break
-                    raise ServerError(f"the stream broke off: {e}") from None
-                if not raw:
-                    if cancel is not None and cancel.is_set():
-                        res.finish_reason = "cancelled"
-                    break
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+                raise _http_error(resp)
+            for obj in _events(resp, cancel, res):
                 if "error" in obj:
                     raise ServerError(obj["error"].get("message", "error in stream"))
                 if obj.get("usage"):
                     res.usage = obj["usage"]
                 for ch in obj.get("choices") or []:
-                    delta = ch.get("delta") or {}
-                    piece = delta.get("content") or ""
-                    lp = (ch.get("logprobs") or {}).get("content") or []
-                    tok_text = "".join(x.get("token", "") for x in lp)
-                    res.streamed_tokens += len(lp)
-                    got = bool(piece or lp or delta.get("tool_calls") or delta.get("reasoning_content"))
-                    if got and res.ttft is None:
-                        res.ttft = time.monotonic() - t0
-                    if piece:
-                        content.append(piece)
-                    text = tok_text or piece or delta.get("reasoning_content") or ""
-                    if text and on_text is not None:
-                        on_text(text)
-                    for tc in delta.get("tool_calls") or []:
-                        c = calls.setdefault(tc.get("index", 0), {"id": "", "name": "", "arguments": ""})
-                        c["id"] = tc.get("id") or c["id"]
-                        fn = tc.get("function") or {}
-                        c["name"] += fn.get("name") or ""
-                        c["arguments"] += fn.get("arguments") or ""
-                    if ch.get("finish_reason"):
-                        res.finish_reason = ch["finish_reason"]
+                    _add_choice(ch, res, content, calls, on_text, t0)
         finally:
             conn.close()
         res.seconds = time.monotonic() - t0
         res.content = "".join(content)
         res.tool_calls = [calls[i] for i in sorted(calls)]
         return res
+
+
+def _http_error(resp) -> ServerError:
+    """The ServerError of a chat request answered with an error status (the API's message and code)."""
+    raw = resp.read().decode("utf-8", "replace")
+    code = None
+    try:
+        err = json.loads(raw).get("error", {})
+        msg, code = err.get("message") or raw, err.get("code")
+    except Exception:
+        msg = raw or resp.reason
+    return ServerError(f"/v1/chat/completions: HTTP {resp.status}: {msg}", resp.status, code)
+
+
+def _events(resp, cancel, res: "ChatResult"):
+    """The JSON objects of a server-sent event stream, until [DONE] or its end; when `cancel` is set the
+    stream stops and res.finish_reason becomes "cancelled"."""
+    while True:
+        if cancel is not None and cancel.is_set():
+            res.finish_reason = "cancelled"
+            return
+        try:
+            raw = resp.readline()
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            if cancel is not None and cancel.is_set():
+                res.finish_reason = "cancelled"
+                return
+            raise ServerError(f"the stream broke off: {e}") from None
+        if not raw:
+            if cancel is not None and cancel.is_set():
+                res.finish_reason = "cancelled"
+            return
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _add_choice(ch: dict, res: "ChatResult", content: list[str], calls: dict[int, dict], on_text, t0: float) -> None:
+    """One streamed choice delta: its text (to content and on_text), tool-call pieces (to calls), the time
+    to the first token and the finish reason (to res)."""
+    delta = ch.get("delta") or {}
+    piece = delta.get("content") or ""
+    lp = (ch.get("logprobs") or {}).get("content") or []
+    tok_text = "".join(x.get("token", "") for x in lp)
+    res.streamed_tokens += len(lp)
+    got = bool(piece or lp or delta.get("tool_calls") or delta.get("reasoning_content"))
+    if got and res.ttft is None:
+        res.ttft = time.monotonic() - t0
+    if piece:
+        content.append(piece)
+    text = tok_text or piece or delta.get("reasoning_content") or ""
+    if text and on_text is not None:
+        on_text(text)
+    for tc in delta.get("tool_calls") or []:
+        c = calls.setdefault(tc.get("index", 0), {"id": "", "name": "", "arguments": ""})
+        c["id"] = tc.get("id") or c["id"]
+        fn = tc.get("function") or {}
+        c["name"] += fn.get("name") or ""
+        c["arguments"] += fn.get("arguments") or ""
+    if ch.get("finish_reason"):
+        res.finish_reason = ch["finish_reason"]
 
 
 def abort(conn) -> None:

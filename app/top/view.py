@@ -181,6 +181,17 @@ def generated_total(snap: Snapshot, m: dict) -> int:
 
 
 def render(snap: Snapshot, sort: str = "agent", paused: bool = False, show_keys: bool = True):
+    parts = [_header(snap), _table(snap, sort), _totals(snap), _gpus(snap)]
+    if show_keys:
+        keys = Text(f"q quit  s sort ({sort})  p pause", style="dim")
+        if paused:
+            keys.append("  PAUSED", style="bold yellow")
+        parts.append(keys)
+    return Group(*parts)
+
+
+def _header(snap: Snapshot) -> Text:
+    """Server, model, uptime, and what is wrong when something is."""
     m = snap.metrics
     head = Text()
     head.append("HiveJet top", style="bold")
@@ -191,7 +202,11 @@ def render(snap: Snapshot, sort: str = "agent", paused: bool = False, show_keys:
         head.append(f"  up {_uptime(metric(m, 'uptime_seconds') or 0)}")
     if snap.status != "ok" or snap.error:
         head.append(f"  [{snap.status}] {snap.error}", style="red" if snap.status == "down" else "yellow")
+    return head
 
+
+def _table(snap: Snapshot, sort: str) -> Table:
+    """One row per conversation or agent."""
     rows = sort_rows(build_rows(snap), sort)
     t = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
     t.add_column("agent", no_wrap=True, max_width=22)
@@ -212,7 +227,12 @@ def render(snap: Snapshot, sort: str = "agent", paused: bool = False, show_keys:
                   ctx, gen, r.task, r.last_line.replace("\t", " "))
     if not rows:
         t.add_row("-", Text("idle", style="dim"), "", "", "", "", "no conversations")
+    return t
 
+
+def _totals(snap: Snapshot) -> Text:
+    """The server's totals (requests, speed, KV cache, tokens, drafts) and the agents' tally."""
+    m = snap.metrics
     tot = Text()
     if m:
         used, cap = metric(m, "kv_tokens_used"), metric(m, "kv_tokens_capacity")
@@ -237,7 +257,11 @@ def render(snap: Snapshot, sort: str = "agent", paused: bool = False, show_keys:
         fin = sum(a["done"] for a in snap.agents)
         tool_s = sum(a["tool_seconds"] for a in snap.agents)
         tot.append(f"\nagents {len(snap.agents)}  done {fin}  solved {solved}  waiting on tools {tool_s:.1f} s")
+    return tot
 
+
+def _gpus(snap: Snapshot) -> Text:
+    """One line per GPU: utilisation, memory, temperature, power."""
     gpu = Text()
     if snap.gpus:
         for i, g in enumerate(snap.gpus):
@@ -253,14 +277,7 @@ def render(snap: Snapshot, sort: str = "agent", paused: bool = False, show_keys:
             gpu.append(f"  util {util} {_bar((g.get('util_pct') or 0) / 100, 10)}  mem {mem}  {temp}  {power}")
     else:
         gpu.append(f"GPU: {snap.gpu_note or 'no numbers'}", style="dim")
-
-    parts = [head, t, tot, gpu]
-    if show_keys:
-        keys = Text(f"q quit  s sort ({sort})  p pause", style="dim")
-        if paused:
-            keys.append("  PAUSED", style="bold yellow")
-        parts.append(keys)
-    return Group(*parts)
+    return gpu
 
 
 def frame_text(snap: Snapshot, width: int = 120, sort: str = "agent", paused: bool = False,

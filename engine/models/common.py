@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextvars
 import math
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -32,17 +31,6 @@ _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # the rows of their prefill product (kernels/quant/packed.py: matmul_tuned; a small chunk, at most
 # SMALL_PROMPT_ROWS, takes the packed kernel instead); 0 for decode rows
 PREFILL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("prefill_rows", default=0)
-# whether a stacked gate+up product hands its split-K partial sums straight to the gated activation, which
-# adds them (StackedWeights.gated: the same bits, without the slices' arrival counts); HIVEJET_GATED_SUMS=0: the
-# matmul adds them and a separate activation kernel follows (to measure one against the other)
-GATED_SUMS = os.environ.get("HIVEJET_GATED_SUMS", "1") != "0"
-# whether a GPU step fuses per-head work: the DeltaNet's output norm with its SiLU gate (head_rms_norm_silu),
-# and in decode rows the attention's q/k norms and rope with the K/V write (HeadPrep, engine/runner/attention.py);
-# HIVEJET_FUSED_HEADS=0: separate launches (to measure one against the other)
-FUSED_HEADS = os.environ.get("HIVEJET_FUSED_HEADS", "1") != "0"
-# whether a GPU step's embedding rows come from one Triton launch (kernels/quant/packed.py: packed_rows) rather
-# than some twenty torch kernels; HIVEJET_ROWS_KERNEL=0: the torch ops (to measure one against the other)
-ROWS_KERNEL = os.environ.get("HIVEJET_ROWS_KERNEL", "1") != "0"
 _POOL_LOCK = threading.Lock()
 # whether the CPU path multiplies quantized weights as llama.cpp's CPU backend does, in exact integer block dots
 # (kernels/quant/intdot.py); False: activations_like_llamacpp's rounded floats times the dequantized weights in
@@ -51,14 +39,13 @@ CPU_INT_DOTS = True
 
 
 class DequantBudget:
-    """Bytes of repacked weights (integers and scales, or dequantized float32) the CPU path may keep, process-wide (HIVEJET_CPU_WEIGHT_CACHE:
-    bytes, 0 = none; default min(1 GiB, 1/8 of the machine's memory)). A weight that takes some gives it
-    back when it is freed."""
+    """Bytes of repacked weights (integers and scales, or dequantized float32) the CPU path may keep, process-wide
+    (nbytes, 0 = none; by default min(1 GiB, 1/8 of the machine's memory): no setting, docs/decisions/README.md).
+    A weight that takes some gives it back when it is freed."""
 
-    def __init__(self):
-        env = os.environ.get("HIVEJET_CPU_WEIGHT_CACHE")
-        if env is not None:
-            self.left = int(env)
+    def __init__(self, nbytes: int | None = None):
+        if nbytes is not None:
+            self.left = nbytes
         else:
             from engine.hostmem import physical_memory
             self.left = min(1 << 30, physical_memory() // 8)
@@ -203,7 +190,8 @@ class Weight:
             if isinstance(self.gpu, torch.Tensor):
                 return self.gpu[ids].float()
             from kernels.quant.packed import packed_rows
-            return packed_rows(self.gpu, ids, "auto" if ROWS_KERNEL else "torch")
+            # one Triton launch rather than some twenty torch kernels (docs/decisions/embedding-rows-kernel.md)
+            return packed_rows(self.gpu, ids)
         row_bytes = self.raw.numel() // self.n_out
         raw_rows = self.raw.view(self.n_out, row_bytes)[ids]
         return dequantize_rows(raw_rows, self.qtype, self.n_in)
@@ -283,7 +271,7 @@ class StackedWeights:
         split-K sums, docs/PERFORMANCE.md)."""
         one_stack = not self.single and [i for i, _ in self.groups[0][1]] == [0, 1] \
             and self.parts[0].n_out == self.parts[1].n_out
-        if not (GATED_SUMS and one_stack and self._stacked_rows(x)):
+        if not (one_stack and self._stacked_rows(x)):
             act = fused.silu_mul if op == "silu" else fused.gelu_tanh_mul
             return act(*self.matmul(x), out_dtype)
         from kernels.quant.packed import matmul_tuned
@@ -396,8 +384,9 @@ sigmoid_mul = fused.sigmoid_gate_mul   # a * sigmoid(gate), gate reshaped to a's
 
 def head_rms_norm_silu(x: torch.Tensor, w: torch.Tensor | None, eps: float, gate: torch.Tensor,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """silu(gate) * RMSNorm(x) per head, x and gate [N, H, D]: one launch on the GPU."""
-    if x.is_cuda and FUSED_HEADS:
+    """silu(gate) * RMSNorm(x) per head, x and gate [N, H, D]: one launch on the GPU
+    (docs/decisions/fused-head-kernels.md)."""
+    if x.is_cuda:
         return fused.head_rms_norm_silu(x, w, eps, gate, out_dtype)
     return silu_mul(gate, rms_norm(x, w, eps), out_dtype)
 

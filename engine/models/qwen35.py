@@ -407,7 +407,7 @@ class Qwen35Model(DecoderModel):
         Hv, D, K = self.n_v_heads, self.d_state, self.spec.ssm_d_conv
         kernel = pieces_kernel_applies(qkv)
         if not kernel and pieces.bounds is None:
-            raise ValueError("delta_net_pieces: a captured pass needs the pieces kernel (Triton on CUDA, HIVEJET_GDN_ROWS_KERNEL not 0)")
+            raise ValueError("delta_net_pieces: a captured pass needs the pieces kernel (Triton on CUDA)")
         conv_w = L["conv"]
         wins = conv_states.index_select(0, pieces.slots)                      # [P, K-1, conv_dim]
         wide = not kernel and qkv.dtype == torch.float32

@@ -5,13 +5,12 @@ pieces for compressed ones (CUDA), else the paged prefill kernel / its reference
 encoded into the pool first (and, for rotated K types, preconditioned: engine/runner/keyprep.py)."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from engine.models.common import FUSED_HEADS, HeadPrep
+from engine.models.common import HeadPrep
 from kernels.attention.flash import attention_lse, flash_chunk_attention, flash_fits, merge_attention
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
 
@@ -20,11 +19,6 @@ if TYPE_CHECKING:
     from engine.runner.keyprep import KeyPrep
 
 DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
-# float caches: the rows' new K and V written into the pool by one Triton kernel (kernels/attention/kv_write.py)
-# instead of two casts and two index_copy_ (torch kernels, outside the step's programmatic dependent launch);
-# the same bits. Measured on the H200 (docs/PERFORMANCE.md): the 27B's 1-row step
-# 8.09 -> 7.99 ms. HIVEJET_KV_WRITE_KERNEL=0 restores the torch path.
-KV_WRITE_KERNEL = os.environ.get("HIVEJET_KV_WRITE_KERNEL", "1") != "0"
 
 
 class AttentionMixin:
@@ -33,9 +27,11 @@ class AttentionMixin:
     def _kernel_writes(self, device: torch.device) -> bool:
         """Whether new K/V rows go into the pool by write_kv_rows (or norm_rope_write_kv): the Triton path
         and float cache types (bf16 on the GPU only: Triton's interpreter truncates to bf16 where torch and
-        the GPU round to nearest)."""
+        the GPU round to nearest). One kernel instead of two casts and two index_copy_ (torch kernels, outside
+        the step's programmatic dependent launch), the same bits: the 27B's 1-row step 8.09 -> 7.99 ms on the
+        H200 (docs/decisions/kv-write-kernel.md). The others encode and index_copy_."""
         types = ("f16", "f32", "bf16") if device.type == "cuda" else ("f16", "f32")
-        return self.triton and KV_WRITE_KERNEL and self.codec_k.name in types and self.codec_v.name in types
+        return self.triton and self.codec_k.name in types and self.codec_v.name in types
 
     def _attend(self, b: SlotBatch, il, q, k, v, scale, window):
         s = self.spec
@@ -67,7 +63,7 @@ class AttentionMixin:
         (kernels/attention/kv_write.py: norm_rope_write_kv), then they attend (times sigmoid(gate) in
         out_dtype, when given, in the attention's merge kernel). None: not this case (the caller preps and
         attends as usual)."""
-        if not (FUSED_HEADS and il not in self.kprep and self._kernel_writes(q.device)
+        if not (il not in self.kprep and self._kernel_writes(q.device)
                 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
             return None
         from kernels.attention.kv_write import norm_rope_write_kv

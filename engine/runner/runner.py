@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,7 +58,6 @@ from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.family import device_family
 from kernels.gdn import gdn_decode, gdn_gates
-from kernels.gdn.rows import ROWS_KERNEL_ON
 from kernels.kvcodec import cache_type_name, get_codec
 from kernels.quant import packed
 
@@ -72,10 +70,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HOST_CHECKPOINT_STRIDE = 4   # host-memory checkpoints: every 4th prompt chunk end (and each prompt's last: _grid_step)
 # Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
 # agents read the weights once, not once each). On by default: each piece gets the bits its prompt gets alone,
-# and 16 agents make 1420 tok/s instead of 1191 (H200, 27B, docs/PERFORMANCE.md); HIVEJET_PROMPT_PIECES=0 turns it off.
-# For qwen35 on a GPU it needs the pieces' delta-rule kernel (kernels/gdn/rows.py, on unless
-# HIVEJET_GDN_ROWS_KERNEL=0).
-PROMPT_PIECES_ON = os.environ.get("HIVEJET_PROMPT_PIECES", "1") != "0"
+# and 16 agents make 1420 tok/s instead of 1191 (H200, 27B, docs/decisions/shared-prompt-passes.md): always, unless
+# the user's EngineConfig.shared_prompt_passes (`serve --no-shared-passes`) is off. For qwen35 on a GPU the pass
+# runs the pieces' delta-rule kernel (kernels/gdn/rows.py).
 # the most rows such a pass has (its matmuls cost about one small chunk's per 64 rows, the rest of the pass is
 # paid once: longer passes gain little more, and each size is a graph of its own)
 PIECE_PASS_ROWS = 256
@@ -90,14 +87,10 @@ def chunk_rows(n: int, chunk: int) -> int:
     return small if packed.small_prompt_rows(n) and small < chunk else chunk
 
 
-def prompt_pieces_per_pass(n_slots: int, padded_prefill: bool, device_type: str, recurrent: bool,
-                           shared: bool = True) -> int:
+def prompt_pieces_per_pass(n_slots: int, padded_prefill: bool, shared: bool = True) -> int:
     """How many slots' short prompt pieces one padded pass may hold (Runner.prefill_pieces; 1: each its own
-    pass): all slots unless `shared` is off (EngineConfig.shared_prompt_passes), HIVEJET_PROMPT_PIECES=0, or,
-    for a recurrent model on a GPU, the pieces' delta-rule kernel is off (HIVEJET_GDN_ROWS_KERNEL=0)."""
-    on = shared and padded_prefill and PROMPT_PIECES_ON and (
-        not recurrent or device_type != "cuda" or ROWS_KERNEL_ON)
-    return n_slots if on else 1
+    pass): all slots of a padded prefill unless `shared` is off (EngineConfig.shared_prompt_passes)."""
+    return n_slots if shared and padded_prefill else 1
 
 
 def _wave_bucket(waves: list | None) -> int:
@@ -220,9 +213,8 @@ class Runner(AttentionMixin):
         self.padded_prefill = self.graphs_enabled if padded_prefill is None else padded_prefill
         self._prefill_graphs: dict[int, PrefillGraph] = {}   # chunk size -> its graphs
         # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): all
-        # slots unless HIVEJET_PROMPT_PIECES=0 or, on a GPU, the pieces' delta-rule kernel is off
-        self.prompt_pieces = prompt_pieces_per_pass(n_slots, self.padded_prefill, self.device.type,
-                                                    bool(self.conv_state), shared_prompt_passes)
+        # slots unless shared_prompt_passes is off
+        self.prompt_pieces = prompt_pieces_per_pass(n_slots, self.padded_prefill, shared_prompt_passes)
         self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces
         self.shared_passes = 0                               # passes that held several slots' pieces
         # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on

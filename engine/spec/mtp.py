@@ -12,7 +12,7 @@ deferred: the hidden inputs are kept and the rows written in one batch when draf
 and a catch-up that drafts nothing skips the LM head.
 
 A later request can start from a kept cache (the GPU path's resident conversations and shared prefixes,
-engine/scheduler_gpu.py): its rows before the first recomputed position n stay, and the row of n is
+engine/slots.py, Speculator.mtp_from): its rows before the first recomputed position n stay, and the row of n is
 written again from h_{n-1}, which the state keeps for its newest row (`tail`) and for every multiple of
 `mark_every` (where shared prefixes end): `resume_at`, `fork`.
 """
@@ -113,7 +113,7 @@ def catch_up(model, items: list[CatchUp], timing: dict | None = None) -> None:
         if (it.defer and it.k == 0 and len(rows) <= MAX_DEFERRED) or last < p0:
             st.deferred = torch.stack(rows)
             continue
-        # the rows whose token is not on the host yet (an overlapped step's, engine/scheduler_gpu.py) wait
+        # the rows whose token is not on the host yet (an overlapped step's, engine/step_runner.py) wait
         rows, later = rows[:last + 1 - p0], rows[last + 1 - p0:]
         st.deferred = torch.stack(later) if later else None
         st.kv.truncate(p0)

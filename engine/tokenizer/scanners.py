@@ -89,6 +89,37 @@ def _fragments(text: str, flags: list[int], offsets: list[int]):
         start = end
 
 
+def _whitespace_end(s, fl, pos: int, L: int) -> int:
+    """Where the whitespace alternatives at pos end: \\s*[\\r\\n]+, else \\s+(?!\\S), else \\s+, else one
+    character (the regexes' last resort)."""
+    n = 0
+    last_rn = 0
+    while fl[pos + n] & F_WHITESPACE:
+        if s[pos + n] in _RN:
+            last_rn = pos + n + 1
+        n += 1
+    if last_rn > 0:  # \s*[\r\n]+
+        return last_rn
+    if n > 1 and pos + n < L:  # \s+(?!\S)
+        return pos + n - 1
+    if n > 0:  # \s+
+        return pos + n
+    return pos + 1
+
+
+def _digit_groups(fl, pos: int, n_max: int, out: list[int]) -> int:
+    """\\p{N}{1,n_max} repeatedly from pos: each group's length appended to out; returns the end."""
+    ini = pos
+    while fl[pos] & F_NUMBER:
+        pos += 1
+        if pos - ini >= n_max:
+            out.append(pos - ini)
+            ini = pos
+    if pos > ini:
+        out.append(pos - ini)
+    return pos
+
+
 # ---- custom splitters (ports of unicode_regex_split_custom_*) --------------------------------
 
 def split_gpt2(text, flags, offsets):
@@ -178,14 +209,7 @@ def _split_llama3_like(text, flags, offsets, digits_max, with_marks):
                     out.append(1)
                     pos += 1
                     continue
-                ini = pos
-                while fl[pos] & F_NUMBER:
-                    pos += 1
-                    if pos - ini >= digits_max:
-                        out.append(pos - ini)
-                        ini = pos
-                if pos > ini:
-                    out.append(pos - ini)
+                pos = _digit_groups(fl, pos, digits_max, out)
                 continue
             # <space>?[^\s\p{L}\p{N}]+[\r\n]*
             sp = c == " "
@@ -202,20 +226,7 @@ def _split_llama3_like(text, flags, offsets, digits_max, with_marks):
                 if pos > start:
                     out.append(pos - start)
                 continue
-            n = 0
-            last_rn = 0
-            while fl[pos + n] & F_WHITESPACE:
-                if s[pos + n] in _RN:
-                    last_rn = pos + n + 1
-                n += 1
-            if last_rn > 0:  # \s*[\r\n]+
-                pos = last_rn
-            elif n > 1 and pos + n < L:  # \s+(?!\S)
-                pos += n - 1
-            elif n > 0:  # \s+
-                pos += n
-            else:
-                pos += 1
+            pos = _whitespace_end(s, fl, pos, L)
             if pos > start:
                 out.append(pos - start)
     return out
@@ -233,6 +244,39 @@ def split_qwen35(text, flags, offsets):
     return _split_llama3_like(text, flags, offsets, 1, True)
 
 
+def _kimi_word_end(s, fl, pos: int, L: int) -> int:
+    """kimi_k2's word alternatives at pos: [^\\r\\n\\p{L}\\p{N}]?[\\p{L}--\\p{Han}]+ with an optional (?i)
+    contraction; the end, or -1 when they do not match here."""
+    c = s[pos]
+    f = fl[pos]
+    is_letter_pattern = (f & F_LETTER and not _is_han(c)) or (
+        not (c == "\r" or c == "\n" or f & (F_LETTER | F_NUMBER))
+        and fl[pos + 1] & F_LETTER and not _is_han(s[pos + 1]))
+    if not is_letter_pattern:
+        return -1
+    has_leading = False
+    if not (c == "\r" or c == "\n" or f & (F_LETTER | F_NUMBER)):
+        has_leading = True
+        pos += 1
+    has_letters = False
+    while fl[pos] & F_LETTER and not _is_han(s[pos]):
+        has_letters = True
+        pos += 1
+    if not (has_letters or (not has_leading and fl[pos] & F_LETTER and not _is_han(s[pos]))):
+        return -1
+    if not has_letters:
+        pos += 1
+    while fl[pos] & F_LETTER and not _is_han(s[pos]):
+        pos += 1
+    if s[pos] == "'" and pos + 1 < L:
+        c1 = _lower_ascii(s[pos + 1])
+        if c1 in _CONTRACTION1:
+            pos += 2
+        elif pos + 2 < L and c1 + _lower_ascii(s[pos + 2]) in _CONTRACTION2:
+            pos += 3
+    return pos
+
+
 def split_kimi_k2(text, flags, offsets):
     out = []
     for s, fl, L in _fragments(text, flags, offsets):
@@ -247,43 +291,14 @@ def split_kimi_k2(text, flags, offsets):
                     pos += 1
                 out.append(pos - start)
                 continue
-            is_letter_pattern = (f & F_LETTER and not _is_han(c)) or (
-                not (c == "\r" or c == "\n" or f & (F_LETTER | F_NUMBER))
-                and fl[pos + 1] & F_LETTER and not _is_han(s[pos + 1]))
-            if is_letter_pattern:
-                has_leading = False
-                if not (c == "\r" or c == "\n" or f & (F_LETTER | F_NUMBER)):
-                    has_leading = True
-                    pos += 1
-                has_letters = False
-                while fl[pos] & F_LETTER and not _is_han(s[pos]):
-                    has_letters = True
-                    pos += 1
-                if has_letters or (not has_leading and fl[pos] & F_LETTER and not _is_han(s[pos])):
-                    if not has_letters:
-                        pos += 1
-                    while fl[pos] & F_LETTER and not _is_han(s[pos]):
-                        pos += 1
-                    if s[pos] == "'" and pos + 1 < L:
-                        c1 = _lower_ascii(s[pos + 1])
-                        if c1 in _CONTRACTION1:
-                            pos += 2
-                        elif pos + 2 < L and c1 + _lower_ascii(s[pos + 2]) in _CONTRACTION2:
-                            pos += 3
-                    out.append(pos - start)
-                    continue
-                elif has_leading:
-                    pos -= 1
+            end = _kimi_word_end(s, fl, pos, L)
+            if end >= 0:
+                out.append(end - start)
+                pos = end
+                continue
             # \p{N}{1,3}
             if f & F_NUMBER:
-                ini = pos
-                while fl[pos] & F_NUMBER:
-                    pos += 1
-                    if pos - ini >= 3:
-                        out.append(pos - ini)
-                        ini = pos
-                if pos > ini:
-                    out.append(pos - ini)
+                pos = _digit_groups(fl, pos, 3, out)
                 continue
             #  ?[^\s\p{L}\p{N}]+[\r\n]*
             sp = c == " "
@@ -299,20 +314,7 @@ def split_kimi_k2(text, flags, offsets):
                     pos += 1
                 out.append(pos - start)
                 continue
-            n = 0
-            last_rn = 0
-            while fl[pos + n] & F_WHITESPACE:
-                if s[pos + n] in _RN:
-                    last_rn = pos + n + 1
-                n += 1
-            if last_rn > 0:
-                pos = last_rn
-            elif n > 1 and pos + n < L:
-                pos += n - 1
-            elif n > 0:
-                pos += n
-            else:
-                pos += 1
+            pos = _whitespace_end(s, fl, pos, L)
             if pos > start:
                 out.append(pos - start)
     return out

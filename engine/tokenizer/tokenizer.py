@@ -13,15 +13,12 @@ from engine.tokenizer.pretokenize import BYTE_ENCODE_OFF, pre_tokenizer_for
 from engine.tokenizer.vocab import (end_of_generation, read_tokens, special_ids, special_tokens, vocab_settings,
                                     ATTR_BYTE, ATTR_CONTROL, ATTR_LSTRIP, ATTR_NORMAL, ATTR_RSTRIP, ATTR_UNKNOWN, ATTR_USER_DEFINED, C_ISSPACE, UNICODE_TO_BYTE, byte_encode)
 
-                              # least recently used dropped)
 
-
-_CACHE_LIMIT = 65536
-
-
+_CACHE_LIMIT = 65536   # BPE words / SPM fragments remembered (Tokenizer._remember)
 _GROUP_MIN = 64   # special texts sharing a first character, from which they are found by position
 _FRAG_MIN = 256   # fragments at least this long are remembered whole (Tokenizer._fragment_ids)
 _FRAG_CACHE_CHARS = 1 << 22   # ... up to this many characters in all (~40 conversations of 23K tokens;
+                              # least recently used dropped)
 
 
 class Tokenizer:
@@ -251,6 +248,17 @@ class Tokenizer:
             frags = new
         return frags
 
+    def _remember(self, text: str, tokenize) -> tuple[int, ...]:
+        """tokenize(text), kept in the cache of BPE words / SPM fragments (a cache miss of either path;
+        the callers look the cache up themselves, the hit being the hot path). The cache is emptied
+        whole when it reaches _CACHE_LIMIT entries."""
+        ids = tokenize(text)
+        cache = self._cache
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[text] = ids
+        return ids
+
     # ---- BPE
     def _bpe_fragment(self, text: str, out: list[int]) -> None:
         cache = self._cache
@@ -260,10 +268,7 @@ class Tokenizer:
         for w in words:
             ids = cache.get(w)
             if ids is None:
-                ids = self._bpe_word(w)
-                if len(cache) >= _CACHE_LIMIT:
-                    cache.clear()
-                cache[w] = ids
+                ids = self._remember(w, self._bpe_word)
             out.extend(ids)
 
     def _bpe_word(self, word: str) -> tuple[int, ...]:
@@ -330,13 +335,9 @@ class Tokenizer:
 
     # ---- SPM
     def _spm_fragment(self, text: str) -> tuple[int, ...]:
-        cache = self._cache
-        ids = cache.get(text)
+        ids = self._cache.get(text)
         if ids is None:
-            ids = self._spm_tokenize(text)
-            if len(cache) >= _CACHE_LIMIT:
-                cache.clear()
-            cache[text] = ids
+            ids = self._remember(text, self._spm_tokenize)
         return ids
 
     def _spm_tokenize(self, text: str) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ Scenarios:
   agents  coding agents against `hivejet serve` and llama-server (same client, same run):
           engine/tools/bench_agents.py.
   spec    speculative decoding on a code-edit workload (any device), and the speedup modelled from a
-          decode result's row table (engine/tools/bench_spec.py).
+          decode result's row table (engine/tools/bench_spec.py); with --accept RATES, the speed for 1, 4, 8
+          and 16 agents at a controlled acceptance (engine/tools/bench_spec_accept.py).
   plot    a PNG of a decode result's row-scaling table (`hivejet bench plot RESULT.json OUT.png`), or of
           agents results, the servers of all given files in one chart
           (`hivejet bench plot A.json B.json OUT.png`).
@@ -98,7 +99,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="spec: time steps verifying 0/4/8/16 drafts for 1 and 4 sequences (the GPU path's rows)")
     p.add_argument("--spec-drafter", default=None, metavar="PATH",
                    help="spec: a DFlash drafter (directory or GGUF) for the model: adds the dflash and dflash+ngram runs")
-    p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16], help="agents: concurrent agents per run")
+    p.add_argument("--accept", default=None, metavar="RATES",
+                   help="spec: per-position acceptance rates, e.g. 0.92,0.80,0.65: the drafter's tokens replaced so "
+                        "that they are accepted at these rates, for --agents agents (engine/tools/bench_spec_accept.py)")
+    p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16],
+                   help="agents, spec --accept: concurrent agents per run")
     p.add_argument("--context", type=int, default=23000, help="agents: tokens of each long conversation")
     p.add_argument("--long-prompt", type=int, default=20000, help="agents: the intruding prompt's tokens")
     p.add_argument("--duration", type=float, default=60.0, help="agents: seconds of the paused-agents run")
@@ -153,6 +158,19 @@ def run_bench(args) -> int:
                            long_prompt=args.long_prompt, duration=args.duration,
                            scenarios=tuple(args.scenarios), serve_args=tuple(shlex.split(args.serve_args)))
         print_agents(res)
+    elif args.scenario == "spec" and args.accept is not None:
+        from engine.spec.controlled import parse_rates
+        from engine.tools.bench_spec_accept import bench_accept
+        try:
+            rates = parse_rates(args.accept)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not args.model or any(n < 1 for n in args.agents):
+            print("hivejet bench spec --accept needs -m MODEL.gguf and --agents of at least 1", file=sys.stderr)
+            return 2
+        res = bench_accept(args.model, rates, agents=tuple(args.agents), n_gen=args.n_gen, device=args.device,
+                           drafter=args.spec_drafter)
     elif args.scenario == "spec":
         from engine.tools.bench_spec import run
         res = run(args)

@@ -124,7 +124,7 @@ def bench_decode(model_path: str, depths=(0, 23000), rows=ROWS, n_prompt: int = 
     """card (engine/cards.Card; default: the GPU in use, when the card table knows it): whose decode ceiling
     the result records beside the measured speed (ceiling_tok_s: bandwidth / the weights a step reads).
     The result also records the GPU family whose kernel settings ran (kernels/family.py).
-The cache before `depth` is not prefilled: attention reads the same bytes whatever they hold,
+    The cache before `depth` is not prefilled: attention reads the same bytes whatever they hold,
     so the depth's zeros cost what a real context costs (the recurrent layers do not see depth)."""
     import torch
 
@@ -140,6 +140,36 @@ The cache before `depth` is not prefilled: attention reads the same bytes whatev
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(res, f, indent=1)
+    _record_ceiling(res, torch, model_path, card)
+    t0 = time.perf_counter()
+    model = open_model(model_path)
+    ctx = max(depths) + n_prompt + n_gen + 16          # one slot with room for the deepest test
+    runner = Runner(model, device="cuda", n_slots=1, max_ctx=ctx)
+    _sync()
+    res["load_s"] = time.perf_counter() - t0
+    res["weights_gpu_bytes"] = torch.cuda.memory_allocated() - runner.kv_bytes() - runner.state_bytes()
+    res["bandwidth_limit_steps_s"] = res["copy_tbps"] * 1e12 / res["weights_gpu_bytes"]
+    _log(f"loaded in {res['load_s']:.1f} s, {res['weights_gpu_bytes'] / 1e9:.2f} GB of weights on the GPU")
+    _bench_depths(res, runner, model.spec.vocab_size, depths, n_prompt, n_gen, save)
+    if profile:
+        res["profile_1row"] = _profile_step(runner, 1, n_prompt)
+        save()
+    del runner
+    torch.cuda.empty_cache()
+    runner = Runner(model, device="cuda", n_slots=max(rows), max_ctx=512)
+    _bench_rows(res, runner, rows, profile)
+    save()
+    del runner
+    torch.cuda.empty_cache()
+    if llamacpp:
+        _log("llama-bench ...")
+        res["llamacpp"] = run_llama_bench(llamacpp, model_path, depths, n_prompt, n_gen)
+        save()
+    return res
+
+
+def _record_ceiling(res: dict, torch, model_path: str, card) -> None:
+    """The GPU family, the card's decode ceiling for this model and the measured copy bandwidth."""
     from engine.cards import current_card, decode_ceiling
     from engine.planner import model_facts
     from kernels.family import device_family
@@ -150,16 +180,10 @@ The cache before `depth` is not prefilled: attention reads the same bytes whatev
         res["card"] = dict(key=c.key, name=c.name, bandwidth_gbs=c.bandwidth_gbs, memory_gb=c.memory_gb, sm=c.sm)
         res["ceiling_tok_s"] = decode_ceiling(res["decode_read_bytes"], c)
     res["copy_tbps"] = copy_bandwidth(torch, 1 << 30) / 1e12        # read + write, like a weight stream
-    t0 = time.perf_counter()
-    model = open_model(model_path)
-    V = model.spec.vocab_size
-    ctx = max(depths) + n_prompt + n_gen + 16          # one slot with room for the deepest test
-    runner = Runner(model, device="cuda", n_slots=1, max_ctx=ctx)
-    _sync()
-    res["load_s"] = time.perf_counter() - t0
-    res["weights_gpu_bytes"] = torch.cuda.memory_allocated() - runner.kv_bytes() - runner.state_bytes()
-    res["bandwidth_limit_steps_s"] = res["copy_tbps"] * 1e12 / res["weights_gpu_bytes"]
-    _log(f"loaded in {res['load_s']:.1f} s, {res['weights_gpu_bytes'] / 1e9:.2f} GB of weights on the GPU")
+
+
+def _bench_depths(res: dict, runner, V: int, depths, n_prompt: int, n_gen: int, save) -> None:
+    """One sequence: pp{n_prompt} and tg{n_gen} at each depth, into res["hivejet"]."""
     runner.prefill(0, _tokens(n_prompt, V, 0))          # compile and warm up the prefill kernels
     runner._graph(1)
     _log("warm")
@@ -179,29 +203,19 @@ The cache before `depth` is not prefilled: attention reads the same bytes whatev
         res["hivejet"].append(dict(test=f"tg{n_gen}", depth=d, tok_s=n_gen / secs))
         _log(f"depth {d}: pp{n_prompt} {pp:.1f} tok/s, tg{n_gen} {n_gen / secs:.1f} tok/s")
         save()
-    if profile:
-        res["profile_1row"] = _profile_step(runner, 1, n_prompt)
-        save()
-    del runner
-    torch.cuda.empty_cache()
-    runner = Runner(model, device="cuda", n_slots=max(rows), max_ctx=512)
+
+
+def _bench_rows(res: dict, runner, rows, profile: bool) -> None:
+    """B sequences at position 256, one decode step each, into res["rows"]."""
     runner.capture(rows)
     base = None
-    for B in rows:            # B sequences at position 256, one decode step
+    for B in rows:
         ms = _row_step_ms(runner, B, 256)
         base = base or ms
         res["rows"].append(dict(rows=B, ms=ms, tok_s=B * 1e3 / ms, vs_1row=ms / base))
         _log(f"{B} rows: {ms:.3f} ms/step")
     if profile:
         res["profile_16rows"] = _profile_step(runner, 16, 256)
-    save()
-    del runner
-    torch.cuda.empty_cache()
-    if llamacpp:
-        _log("llama-bench ...")
-        res["llamacpp"] = run_llama_bench(llamacpp, model_path, depths, n_prompt, n_gen)
-        save()
-    return res
 
 
 def print_decode(res: dict) -> None:

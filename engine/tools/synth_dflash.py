@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.spec.dflash import _GGUF_BLK, DFlashConfig
+from engine.tools.synth_gguf import part_writer
 
 # z-lab (HF) name -> GGUF port name
 _HF_TO_GGUF_TOP = {"fc.weight": "dflash_fc.weight", "hidden_norm.weight": "dflash_hidden_norm.weight",
@@ -134,11 +135,9 @@ def write_dir(path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch
 def write_gguf(path, config: dict, tensors: dict[str, torch.Tensor], f16: bool = False) -> Path:
     """The GGUF port of a drafter given as a z-lab config.json dict and its tensors (docs/ARCHITECTURE.md
     lists the keys and tensor names). Matrices as F16 when f16, norms always F32."""
-    import gguf
     c = DFlashConfig.from_hf(config, "config")
     path = Path(path)
-    w = gguf.GGUFWriter(str(path), "dflash")
-    try:
+    with part_writer(path, "dflash") as w:
         w.add_string("general.name", config.get("_name_or_path", "DFlash drafter"))
         a = "dflash."
         for key, val in (("embedding_length", c.hidden_size), ("block_count", c.n_layer),
@@ -169,8 +168,6 @@ def write_gguf(path, config: dict, tensors: dict[str, torch.Tensor], f16: bool =
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-    finally:
-        w.close()
     return path
 
 

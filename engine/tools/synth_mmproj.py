@@ -24,6 +24,8 @@ import gguf
 import numpy as np
 from gguf import Keys, TokenType
 
+from engine.tools.synth_gguf import Layout, float_values, part_writer, write_gguf
+
 PROJECTORS = ("qwen3vl_merger", "gemma3")
 
 
@@ -62,34 +64,34 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(name.encode())])
 
 
+def _patch_and_positions(T: Layout, c: MmprojConfig) -> None:
+    p = c.patch
+    conv_std = 1.0 / math.sqrt(3 * p * p)
+    if c.projector == "qwen3vl_merger":           # two temporal patch kernels
+        T.add("v.patch_embd.weight", (c.hidden, 3, p, p), ("normal", conv_std / math.sqrt(2)))
+        T.add("v.patch_embd.weight.1", (c.hidden, 3, p, p), ("normal", conv_std / math.sqrt(2)))
+    else:
+        T.add("v.patch_embd.weight", (c.hidden, 3, p, p), ("normal", conv_std))
+    T.add("v.patch_embd.bias", (c.hidden,), ("normal", 0.02))
+    side = c.image_size // p
+    T.add("v.position_embd.weight", (side * side, c.hidden), ("normal", 0.5))
+
+
 def _layout(c: MmprojConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
     """(name, torch-order shape, init) of every tensor."""
-    E, FF, p = c.hidden, c.n_ff, c.patch
-    T: list[tuple[str, tuple[int, ...], tuple]] = []
+    E, FF = c.hidden, c.n_ff
+    T = Layout()
 
-    def lin(name, n_out, n_in, scale=1.0, bias=True):
-        T.append((name + ".weight", (n_out, n_in), ("normal", scale / math.sqrt(n_in))))
-        if bias:
-            T.append((name + ".bias", (n_out,), ("normal", 0.02)))
+    def lin(name, n_out, n_in, scale=1.0):
+        T.linear(name + ".weight", n_out, n_in, scale)
+        T.add(name + ".bias", (n_out,), ("normal", 0.02))
 
-    def norm(name, n, bias=True):
-        T.append((name + ".weight", (n,), ("norm", 0.1)))
-        if bias:
-            T.append((name + ".bias", (n,), ("normal", 0.02)))
+    def norm(name, n):
+        T.norm(name + ".weight", n)
+        T.add(name + ".bias", (n,), ("normal", 0.02))
 
-    conv_std = 1.0 / math.sqrt(3 * p * p)
     out_scale = 1.0 / math.sqrt(2.0 * c.n_layer)
-    if c.projector == "qwen3vl_merger":
-        T.append(("v.patch_embd.weight", (E, 3, p, p), ("normal", conv_std / math.sqrt(2))))
-        T.append(("v.patch_embd.weight.1", (E, 3, p, p), ("normal", conv_std / math.sqrt(2))))
-        T.append(("v.patch_embd.bias", (E,), ("normal", 0.02)))
-        side = c.image_size // p
-        T.append(("v.position_embd.weight", (side * side, E), ("normal", 0.5)))
-    else:
-        T.append(("v.patch_embd.weight", (E, 3, p, p), ("normal", conv_std)))
-        T.append(("v.patch_embd.bias", (E,), ("normal", 0.02)))
-        side = c.image_size // p
-        T.append(("v.position_embd.weight", (side * side, E), ("normal", 0.5)))
+    _patch_and_positions(T, c)
     for il in range(c.n_layer):
         b = f"v.blk.{il}."
         norm(b + "ln1", E)
@@ -102,26 +104,48 @@ def _layout(c: MmprojConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
         norm(b + "ln2", E)
         lin(b + "ffn_up", FF, E)
         lin(b + "ffn_down", E, FF, out_scale)
+    norm("v.post_ln", E)
     if c.projector == "qwen3vl_merger":
-        norm("v.post_ln", E)
         M = E * c.merge * c.merge
         lin("mm.0", M, M)
         lin("mm.2", c.n_embd_text, M)
     else:
-        norm("v.post_ln", E)
-        T.append(("mm.soft_emb_norm.weight", (E,), ("norm", 0.1)))          # holds 1 + w, as converted
-        T.append(("mm.input_projection.weight", (E, c.n_embd_text), ("normal", 1.0 / math.sqrt(E))))
-    return T
+        T.norm("mm.soft_emb_norm.weight", E)          # holds 1 + w, as converted
+        T.add("mm.input_projection.weight", (E, c.n_embd_text), ("normal", 1.0 / math.sqrt(E)))
+    return T.rows
 
 
 def _values(name: str, shape, init, seed: int) -> np.ndarray:
-    g = _rng(seed, name)
-    n = math.prod(shape)
-    if init[0] == "normal":
-        v = g.standard_normal(n, dtype=np.float32) * np.float32(init[1])
-    else:
-        v = (1.0 + g.uniform(-init[1], init[1], n)).astype(np.float32)
-    return v.reshape(shape)
+    return float_values(init, math.prod(shape), _rng(seed, name)).reshape(shape)
+
+
+def _write_clip_keys(w: gguf.GGUFWriter, c: MmprojConfig, preset: str, wt: str) -> None:
+    """The clip.* metadata of an mmproj file, as llama.cpp's converter writes them."""
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_name(f"HiveJet synthetic {c.projector} {preset}")
+    w.add_description("random weights written by engine/tools/synth_mmproj.py; not a trained model")
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if wt == "F32" else gguf.LlamaFileType.MOSTLY_F16))
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(c.projector)
+    w.add_vision_projection_dim(c.n_embd_text)
+    w.add_vision_image_size(c.image_size)
+    w.add_vision_patch_size(c.patch)
+    w.add_vision_embedding_length(c.hidden)
+    w.add_vision_feed_forward_length(c.n_ff)
+    w.add_vision_block_count(c.n_layer)
+    w.add_vision_head_count(c.n_head)
+    w.add_vision_attention_layernorm_eps(c.eps)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_use_gelu(True)
+    if c.projector == "qwen3vl_merger":
+        w.add_vision_spatial_merge_size(c.merge)
+        if c.min_pixels:
+            w.add_vision_min_pixels(c.min_pixels)
+        if c.max_pixels:
+            w.add_vision_max_pixels(c.max_pixels)
+    elif c.pool != 4:
+        w.add_vision_projector_scale_factor(c.pool)
 
 
 def write_mmproj(path, projector: str, preset: str = "tiny", *, seed: int = 0, weight_type: str = "F32",
@@ -139,36 +163,9 @@ def write_mmproj(path, projector: str, preset: str = "tiny", *, seed: int = 0, w
     wt = weight_type.upper()
     if wt not in ("F32", "F16"):
         raise ValueError("weight_type must be F32 or F16")
-    path = os.fspath(path)
-    tmp = path + ".part"
-    w = gguf.GGUFWriter(tmp, "clip")
-    try:
-        w.add_type(gguf.GGUFType.MMPROJ)
-        w.add_name(f"HiveJet synthetic {projector} {preset}")
-        w.add_description("random weights written by engine/tools/synth_mmproj.py; not a trained model")
-        w.add_file_type(int(gguf.LlamaFileType.ALL_F32 if wt == "F32" else gguf.LlamaFileType.MOSTLY_F16))
-        w.add_clip_has_vision_encoder(True)
-        w.add_clip_projector_type(projector)
-        w.add_vision_projection_dim(c.n_embd_text)
-        w.add_vision_image_size(c.image_size)
-        w.add_vision_patch_size(c.patch)
-        w.add_vision_embedding_length(c.hidden)
-        w.add_vision_feed_forward_length(c.n_ff)
-        w.add_vision_block_count(c.n_layer)
-        w.add_vision_head_count(c.n_head)
-        w.add_vision_attention_layernorm_eps(c.eps)
-        w.add_vision_image_mean([0.5, 0.5, 0.5])
-        w.add_vision_image_std([0.5, 0.5, 0.5])
-        w.add_vision_use_gelu(True)
-        if projector == "qwen3vl_merger":
-            w.add_vision_spatial_merge_size(c.merge)
-            if c.min_pixels:
-                w.add_vision_min_pixels(c.min_pixels)
-            if c.max_pixels:
-                w.add_vision_max_pixels(c.max_pixels)
-        elif c.pool != 4:
-            w.add_vision_projector_scale_factor(c.pool)
-        n_params = 0
+    n_params = 0
+    with part_writer(path, "clip") as w:
+        _write_clip_keys(w, c, preset, wt)
         for name, shape, init in _layout(c):
             v = _values(name, shape, init, seed)
             n_params += v.size
@@ -179,16 +176,7 @@ def write_mmproj(path, projector: str, preset: str = "tiny", *, seed: int = 0, w
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        w.close()
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    return dict(path=path, projector=projector, preset=preset, n_params=n_params, config=c)
+    return dict(path=os.fspath(path), projector=projector, preset=preset, n_params=n_params, config=c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,47 +214,18 @@ def write_vlm(path, arch: str, *, seed: int = 0, weight_type: str = "F32", templ
     if arch not in VISION_TOKENS:
         raise ValueError(f"no vision tokens defined for {arch!r} (choose from {', '.join(VISION_TOKENS)})")
     cfg = synth.config_for(arch, "tiny", weight_type=weight_type)
-    specs = synth._assign_types(cfg, synth._layout(cfg))
-    md = synth._metadata(cfg, seed)
+    md = synth.metadata_for(cfg, seed)
     extra = VISION_TOKENS[arch]
     tokens, types, merges = synth.build_vocab(cfg.vocab_size - len(extra))
     tokens, types = tokens + list(extra), types + [int(TokenType.CONTROL)] * len(extra)
-    eot = cfg.vocab_size - len(extra) - len(synth.SPECIAL_TOKENS)
-    md[Keys.Tokenizer.LIST], md[Keys.Tokenizer.TOKEN_TYPE], md[Keys.Tokenizer.MERGES] = tokens, types, merges
-    md[Keys.Tokenizer.BOS_ID], md[Keys.Tokenizer.EOS_ID], md[Keys.Tokenizer.PAD_ID] = eot, eot + 2, eot
+    md.update(synth.vocab_metadata(tokens, types, merges, eot=cfg.vocab_size - len(extra) - len(synth.SPECIAL_TOKENS)))
     md[Keys.General.NAME] = f"HiveJet synthetic {arch} tiny vision"
     if template == "vision":
         md[Keys.Tokenizer.CHAT_TEMPLATE] = vision_chat_template(arch)
     elif template != "chatml":
         raise ValueError("template must be 'vision' or 'chatml'")
-    path = os.fspath(path)
-    tmp = path + ".part"
-    writer = gguf.GGUFWriter(tmp, arch)
-    try:
-        for key, value in md.items():
-            if key == Keys.General.ARCHITECTURE:
-                continue
-            vt, sub = synth._vtype(value)
-            writer.add_key_value(key, value, vt, sub)
-        for s in specs:
-            writer.add_tensor_info(s.name, s.shape, np.dtype(np.float32), s.n_bytes, raw_dtype=s.qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        fout.write(b"\0" * (synth._pad(fout.tell()) - fout.tell()))
-        synth._write_data(fout, specs, seed, synth._Progress(0, False), 1)
-        fout.flush()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    return dict(path=path, arch=arch, vocab_size=cfg.vocab_size, image_tokens=extra, n_embd=cfg.n_embd)
+    write_gguf(path, arch, md, synth.tensor_specs(cfg), seed, threads=1)
+    return dict(path=os.fspath(path), arch=arch, vocab_size=cfg.vocab_size, image_tokens=extra, n_embd=cfg.n_embd)
 
 
 def main(argv=None) -> int:

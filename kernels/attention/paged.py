@@ -23,7 +23,6 @@ makes a decode step's table with `segment_bias` (Triton, row by row).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -287,9 +286,9 @@ DECODE_CONFIG = dict(block_t=16, num_warps=4, num_stages=1, min_keys=64, max_spl
 # A row under 8 * 256 keys gets about 8 programs of at least 64 keys (short_keys; H200, 27B shape, in CUDA
 # graphs, us a layer: one row at 512 keys 17.0 -> 9.0, four 17.3 -> 10.0; the 27B's 1-row step 7.81 ->
 # 7.73-7.76 ms; a fixed 64 for every row lost at 16 rows of 2-4K keys, 46.8 -> 60.9; .ci/gpu/
-# sweep_attn.py --short, docs/PERFORMANCE.md). HIVEJET_ATTN_SHORT_KEYS=0: min_keys for every row.
-FLOAT_DECODE_CONFIG = dict(DECODE_CONFIG, block_t=64, num_warps=8, num_stages=2, min_keys=256,
-                           short_keys=int(os.environ.get("HIVEJET_ATTN_SHORT_KEYS", "64")))
+# sweep_attn.py --short, docs/decisions/short-rows-attention-split.md).
+SHORT_KEYS = 64
+FLOAT_DECODE_CONFIG = dict(DECODE_CONFIG, block_t=64, num_warps=8, num_stages=2, min_keys=256, short_keys=SHORT_KEYS)
 
 
 # the decode kernel's settings by GPU family (kernels/family.py, docs/GPU_FAMILIES.md): "float" for fp16/bf16

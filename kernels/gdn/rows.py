@@ -20,7 +20,6 @@ captured pass serves every layout). `delta_rule_rows` is its one-piece case (sca
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -34,11 +33,10 @@ except ImportError:   # CPU-only installs keep the torch forms
     triton = None
 
 # the most tokens one launch takes (longer runs keep the chunked form: its work grows with T / 64, this
-# kernel's latency with T). On by default (H200, 27B: a 32-token prompt's pass 30 -> 26.6 ms,
-# docs/PERFORMANCE.md; the same bits run after run); HIVEJET_GDN_ROWS_KERNEL=0 turns it off.
+# kernel's latency with T). Always on CUDA (H200, 27B: a 32-token prompt's pass 30 -> 26.6 ms, the same bits run
+# after run; docs/decisions/shared-prompt-passes.md).
 # Compiled for sm_90 here at BV 16 and 4 warps: 95 registers for one run, 114 for pieces, no spills.
 ROWS_KERNEL_MAX = 64
-ROWS_KERNEL_ON = os.environ.get("HIVEJET_GDN_ROWS_KERNEL", "1") != "0"
 
 
 if triton is not None:
@@ -79,14 +77,14 @@ if triton is not None:
 
 def rows_kernel_applies(q: torch.Tensor) -> bool:
     """Whether the model takes `delta_rule_rows` for this run of tokens: Triton on a CUDA tensor, 2 to
-    ROWS_KERNEL_MAX tokens, the switch on."""
-    return triton is not None and ROWS_KERNEL_ON and q.is_cuda and 1 < q.shape[0] <= ROWS_KERNEL_MAX
+    ROWS_KERNEL_MAX tokens."""
+    return triton is not None and q.is_cuda and 1 < q.shape[0] <= ROWS_KERNEL_MAX
 
 
 def pieces_kernel_applies(x: torch.Tensor) -> bool:
     """Whether a padded prompt pass takes `delta_rule_pieces` (engine/models/qwen35.py: delta_net_pieces):
-    Triton on a CUDA tensor, the switch on. Passes that hold several slots' pieces need it."""
-    return triton is not None and ROWS_KERNEL_ON and x.is_cuda
+    Triton on a CUDA tensor. Passes that hold several slots' pieces need it."""
+    return triton is not None and x.is_cuda
 
 
 def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -89,7 +89,6 @@ the host, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -370,7 +369,7 @@ def pack_weight(raw: torch.Tensor, qtype, n: int, k: int, tile_n: int = 0, tile_
     dev = rows.device
     tn = tile_n or default_tile_n(n)
     keeps_codes = kind.startswith("codes")
-    tk = tile_k or default_tile_k(k, keeps_codes, tn)
+    tk = tile_k or default_tile_k(k, keeps_codes)
     if k % tk or tk % group or tn % 16 or (keeps_codes and SUPER_BLOCK % tk):
         raise ValueError(f"tile {tn}x{tk} does not fit K = {k} (groups of {group})")
     nt, kt = -(-n // tn), k // tk
@@ -544,11 +543,10 @@ def packed_rows(p: PackedWeight, ids: torch.Tensor, impl: str = "auto") -> torch
 # Triton matmul
 
 if triton is not None:
-    # the 4-bit and 2-bit planes' fields to fp16 by PTX (_nibbles_f16, _crumbs_f16), except under the
-    # interpreter, which runs no PTX, and with HIVEJET_NIBBLES_PTX=0 (the plain Triton extraction on the
-    # GPU too, to measure one against the other)
-    ASM4 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
-                        and os.environ.get("HIVEJET_NIBBLES_PTX", "1") != "0")
+    # the 4-bit and 2-bit planes' fields to fp16 by PTX (_nibbles_f16, _crumbs_f16) on the GPU; the plain
+    # Triton extraction (the same values) only under the interpreter, which runs no PTX
+    # (docs/decisions/fragment-order-planes.md)
+    ASM4 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     @triton.jit
     def _load_tile(ptr, tile, W: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False):
@@ -795,8 +793,7 @@ if triton is not None:
                           SWAP_AB: tl.constexpr = False, FAST_CVT: tl.constexpr = True,
                           TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                           SUM_HERE: tl.constexpr = False, HAS_ADD: tl.constexpr = False,
-                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                          EARLY_TRIGGER: tl.constexpr = False):
+                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
         """Program (m-block, row band, k-slice): the slice's TILES consecutive tiles of the band, each
         one contiguous run of bytes, against a [BLOCK_M, BLOCK_K] block of x per tile.
         SPLIT == 1: the result goes to out (plus add's block when HAS_ADD). SPLIT > 1: each k-slice
@@ -805,14 +802,13 @@ if triton is not None:
         out, so the bits do not depend on which one it is; else _sum_parts_kernel adds them afterwards.
         PDL (kernels/pdl.py): launched before the previous kernel ends; the program first asks for its
         first PREFETCH tiles in L2 (weights: never written, so before the wait), then waits. It lets the
-        next kernel launch when its tiles are done (EARLY_TRIGGER: at its start)."""
+        next kernel launch when its tiles are done, not at its start (a split-K matrix with many waves lost
+        ~10 % with the next kernel's programs beside its last wave: docs/decisions/programmatic-dependent-launch.md)."""
         # m-blocks vary fastest, so the programs that share a weight tile run back to back and
         # all but the first read it from L2
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
-        if EARLY_TRIGGER:
-            pdl_trigger(PDL)
         if PDL and PREFETCH > 0 and not TMA:
             _prefetch_tiles(lo_ptr, hi_ptr, s_ptr, m_ptr, sup_ptr, pid_n.to(tl.int64) * KT + pid_k * TILES,
                             tl.minimum(TILES, PREFETCH), HI_BITS, GROUP, CODES, HAS_MINV, BLOCK_N, BLOCK_K)
@@ -837,8 +833,7 @@ if triton is not None:
                 acc += tl.dot(w16, tl.trans(x))
             else:
                 acc += tl.dot(x, tl.trans(w16))
-        if not EARLY_TRIGGER:
-            pdl_trigger(PDL)
+        pdl_trigger(PDL)
         if SWAP_AB:
             acc = tl.trans(acc)
         offs_out = offs_m[:, None].to(tl.int64) * N + cols[None, :]
@@ -956,7 +951,7 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     # 27B: not used there; the TMA settings were picked end to end)
     hi = p.hi_bits in (1, 2)
     # the weight tile in registers as the dot's first operand: tiles under 256 values, and 256-value ones of at
-    # most 64 rows with fp16 scales (HIVEJET_PACKED_NARROW_TILE_K: the registers of a 128 x 128 tile)
+    # most 64 rows with fp16 scales (the registers of a 128 x 128 tile; pack_weight(tile_k=256) only)
     in_registers = p.hi_bits in (0, 1, 2) and (p.tile_k < 256 or (p.tile_n <= 64 and p.codes == 0))
     # TMA boxes need rows of at least 16 bytes: a tile's scale row (tile_k / group fp16 values) has them
     # only for 256-value tiles
@@ -971,7 +966,7 @@ def tuned_config(p: PackedWeight, prefill: int, n_sm: int, tma: bool = False, wa
     split = _split_for(p.n_pad // p.tile_n, p.k // p.tile_k, n_sm, (waves or DECODE_WAVES).get(p.tile_n, 4))
     if in_registers:
         # tiles in registers (measured for tiles under 256 values, .ci/gpu/sweep_tile_k.py on the H200; the
-        # 64 x 256 ones of HIVEJET_PACKED_NARROW_TILE_K end to end only, slower): 4 warps, 3 stages, the
+        # 64 x 256 ones end to end only, slower: docs/decisions/tiles-64x256.md): 4 warps, 3 stages, the
         # weight tile as the dot's first operand, in registers: with the 4-bit plane in fragment order that
         # holds for the high-plane types too (Q6_K 5120x17408 50.4 us against 79.4 with the tile in shared
         # memory, 248320x5120 591 against 831; Q4_K 34816x5120 54.1 against 124;
@@ -1007,7 +1002,7 @@ def small_prompt(p: PackedWeight, decode: dict) -> dict:
     once per 16 rows), SMALL_PROMPT_CONFIG's changes for the weight's class, no register cap (the cap was
     set for 16-row blocks; a 64-row accumulator needs more)."""
     cfg = rows_in_blocks(decode, SMALL_PROMPT_ROWS)
-    cfg.update((SMALL_PROMPT_CONFIG or {}).get(weight_class(p), {}))
+    cfg.update(SMALL_PROMPT_CONFIG.get(weight_class(p), {}))
     return cfg
 
 
@@ -1088,7 +1083,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         tma = False
         weight = _pointers(p)
     grid = (m_blocks, bands, split_k)
-    pdl = pdl_args(x2, matmul=True)
+    pdl = pdl_args(x2)
     launch = dict(num_warps=num_warps, num_stages=num_stages) if x2.is_cuda else {}   # (not under the interpreter)
     if maxnreg and x2.is_cuda:
         launch["maxnreg"] = maxnreg
@@ -1096,7 +1091,7 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
         x2, *weight, part, out, out if add is None else add, part if counts is None else counts, M, N, x2.stride(0), kt // split_k,
         **kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=fast_cvt, TMA=tma, SPLIT=split_k,
         SUM_HERE=counts is not None, HAS_ADD=add is not None, **pdl,
-        **(dict(PREFETCH=prefetch_tiles(block_m), EARLY_TRIGGER=EARLY_TRIGGER) if pdl else {}),
+        **(dict(PREFETCH=prefetch_tiles(block_m)) if pdl else {}),
         **launch)
     if partials:
         return part.view(split_k, *lead, N)
@@ -1110,7 +1105,8 @@ def packed_matmul(x: torch.Tensor, p: PackedWeight, out_dtype: torch.dtype = tor
 def prefetch_tiles(block_m: int) -> int:
     """How many tiles each program of the packed matmul asks L2 for before its PDL wait: PREFETCH_TILES for
     16-row blocks of x (decode rows of up to 16, the only setting whose results under PDL were measured the same
-    bits as without), none for wider blocks. On the H100 (.ci/gpu/pdl_isolate.py) the
+    bits as without), none for wider blocks. On the H100 (.ci/gpu/pdl_isolate.py at commit bd0ae1b,
+    docs/perf/pdl_isolate_h100.json) the
     small prompt's 64-row blocks, compiled with the prefetch, give a different result nearly every run (up to
     60 apart), launched with PDL or not, and the same bits every run without the prefetch: with it a 27B
     prefill differs between runs with PDL on. The prefetch only reads weights,
@@ -1261,13 +1257,9 @@ def wide_decode_rows(cfg: dict, m: int) -> dict:
     the MMA's N side: measured on the H200 to give every row the bits it gets alone (Q4_K, Q5_K, Q6_K).
     Not for x as the first operand (the int8-plane types: rows one rounding apart at 64-row blocks) nor
     for TMA's 256-value tiles (past the shared memory): those keep 16-row blocks."""
-    if (m <= 16 or DECODE_BLOCK_M <= 16 or cfg.get("block_m", 16) != 16 or not cfg.get("swap_ab")
-            or cfg.get("tma")):
+    if m <= 16 or cfg.get("block_m", 16) != 16 or not cfg.get("swap_ab") or cfg.get("tma"):
         return cfg
-    wide = rows_in_blocks(cfg, min(DECODE_BLOCK_M, 1 << (m - 1).bit_length()))
-    if DECODE_WIDE_WARPS:
-        wide["num_warps"] = DECODE_WIDE_WARPS
-    return wide
+    return rows_in_blocks(cfg, min(DECODE_BLOCK_M, 1 << (m - 1).bit_length()))
 
 
 def _checked_config(x: torch.Tensor, p: PackedWeight, prefill: int, n_sm: int, tma: bool,
@@ -1295,80 +1287,58 @@ _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _CONFIGS: dict = {}
 # decode settings with TMA loads per kind of weight: the 4-bit plane alone ("plain"), with a high plane
 # ("hi"); picked by .ci/gpu/sweep_tma.py on the H200 (docs/perf/sweep_tma_h200.json); None: no TMA.
-# (Only 256-value tiles load by TMA: weights that keep their scale codes, HIVEJET_PACKED_CODES=1, and
-# 128-row ones under HIVEJET_PACKED_TILE_K=256; 64-row ones with fp16 scales keep the tile in registers,
-# tuned_config. With the planes in fragment order, "hi" with the tile in shared memory runs Q6_K
-# 5120x17408 in 87 us against 37 at the default 128-value tiles,
-# docs/perf/sweep_fragment_order_q6_high_plane_h200.json; the tile
-# in registers was not measured at 128 x 256 values, where it needs ~220 registers.)
+# (Only 256-value tiles load by TMA: weights that keep their scale codes, pack_weight(coded=True), and
+# pack_weight(tile_k=256); 64-row ones with fp16 scales keep the tile in registers, tuned_config. With the planes
+# in fragment order, "hi" with the tile in shared memory runs Q6_K 5120x17408 in 87 us against 37 at the default
+# 128-value tiles, docs/perf/sweep_fragment_order_q6_high_plane_h200.json; the tile in registers was not measured
+# at 128 x 256 values, where it needs ~220 registers.)
 TMA_CONFIG: dict | None = {"plain": dict(num_warps=4, num_stages=2, waves=4, swap_ab=True),
                            "hi": dict(num_warps=4, num_stages=3, waves=4, swap_ab=False)}
-# split-K partial sums added by the last k-slice of each output block (True) or by a second kernel (False):
-# the same bits either way (HIVEJET_SPLIT_SUM_HERE=0: the second kernel, to tell the two apart on the GPU)
-SPLIT_SUM_HERE = os.environ.get("HIVEJET_SPLIT_SUM_HERE", "1") != "0"
+# split-K partial sums added by the last k-slice of each output block (True) rather than by a second kernel:
+# the same bits either way, one launch fewer (docs/decisions/split-k-sums-polled-by-last-slice.md). The second
+# kernel stays for launches made while a CUDA graph is being captured before the arrival counts exist
+# (_arrival_counts) and for packed_matmul(sum_here=False).
+SPLIT_SUM_HERE = True
 # with PDL (kernels/pdl.py), how many of its tiles each decode-matmul program asks L2 for before it waits
-# for the previous kernel (0: none; 2, 4 and 8 make the 27B's step 0.13-0.76 ms longer, docs/PERFORMANCE.md:
-# the prefetches slow the predecessor's last programs, which the wait is for); in 16-row blocks only: prefetch_tiles)
-PREFETCH_TILES = int(os.environ.get("HIVEJET_PREFETCH_TILES", "1"))
-# and whether it lets the next kernel launch at its start rather than after its tiles (HIVEJET_PDL_TRIGGER)
-EARLY_TRIGGER = os.environ.get("HIVEJET_PDL_TRIGGER", "end") == "start"
+# for the previous kernel: one (2, 4 and 8 make the 27B's step 0.13-0.76 ms longer: the prefetches slow the
+# predecessor's last programs, which the wait is for; docs/decisions/l2-prefetch-before-wait.md); in 16-row
+# blocks only: prefetch_tiles
+PREFETCH_TILES = 1
 PREFILL_CUBLAS = True   # False: prompt rows through packed_matmul's prefill configuration (benchmarks)
-# Prompt chunks of at most this many rows (a power of two, at least 16; 0: none): a short request, a
-# follow-up's new tokens, a prompt's tail. They take the packed kernel with all rows in one block of x
-# (small_prompt), not dequantize + cuBLAS: cuBLAS needs an fp16 copy of every weight first, one pass over
-# ~54 GB on the 27B whatever the rows (a 32-token prompt padded to 256 rows took 53-68 ms there), where the
-# packed kernel reads each weight once. HIVEJET_SMALL_PROMPT_ROWS overrides.
-SMALL_PROMPT_ROWS = int(os.environ.get("HIVEJET_SMALL_PROMPT_ROWS", "64"))
-if SMALL_PROMPT_ROWS and (SMALL_PROMPT_ROWS < 16 or SMALL_PROMPT_ROWS & (SMALL_PROMPT_ROWS - 1)):
-    raise ValueError(f"HIVEJET_SMALL_PROMPT_ROWS={SMALL_PROMPT_ROWS}: a power of two, at least 16 (or 0)")
+# Prompt chunks of at most this many rows (a power of two, at least 16): a short request, a follow-up's new
+# tokens, a prompt's tail. They take the packed kernel with all rows in one block of x (small_prompt), not
+# dequantize + cuBLAS: cuBLAS needs an fp16 copy of every weight first, one pass over ~54 GB on the 27B whatever
+# the rows (a 32-token prompt padded to 256 rows took 53-68 ms there), where the packed kernel reads each weight
+# once (docs/decisions/small-prompt-chunks.md).
+SMALL_PROMPT_ROWS = 64
 # what small prompt chunks change in the decode settings, per weight class (weight_class): picked by
-# .ci/gpu/small_prompt.py on the H200 over the 27B's matrices at 64 rows (docs/perf/small_prompt_chunks_h200.json:
+# .ci/gpu/small_prompt.py (at commit bd0ae1b) on the H200 over the 27B's matrices at 64 rows
+# (docs/perf/small_prompt_chunks_h200.json:
 # 4 warps, 3 stages, the weight tile as the dot's first operand; a chunk's matmuls 15.7 ms against 40.1 for
 # dequantize + cuBLAS padded to 256 rows, 21.8 with the decode rows' 16-row blocks); "int8" (Q8_0) was not
-# measured and keeps its decode settings. HIVEJET_SMALL_PROMPT_CONFIG (JSON, same form) replaces it.
-SMALL_PROMPT_CONFIG: dict | None = json.loads(os.environ.get("HIVEJET_SMALL_PROMPT_CONFIG", "null")) or {
+# measured and keeps its decode settings.
+SMALL_PROMPT_CONFIG: dict[str, dict] = {
     "plain": dict(num_warps=4, num_stages=3, swap_ab=True), "hi": dict(num_warps=4, num_stages=3, swap_ab=True)}
-# the most rows of x one decode program multiplies with its weight tiles (wide_decode_rows: a power of two, 16
-# or more; 16 keeps 16-row blocks for any number of rows); HIVEJET_DECODE_BLOCK_M overrides
-DECODE_BLOCK_M = int(os.environ.get("HIVEJET_DECODE_BLOCK_M", "64"))
-if DECODE_BLOCK_M < 16 or DECODE_BLOCK_M & (DECODE_BLOCK_M - 1):
-    raise ValueError(f"HIVEJET_DECODE_BLOCK_M={DECODE_BLOCK_M}: a power of two, at least 16")
-# the warps of those wider blocks (0: the weight's decode warps). Compiled for sm_90, 64-row blocks on 128-row tiles
-# take 255 registers and spill at 4 warps, 243-245 at 8 (.ci/gpu/sass_stats.py --block-m); on the H200 8 warps kept
-# each row's bits but make 32- and 64-row steps ~30 % slower (docs/PERFORMANCE.md), so the
-# default is 0. HIVEJET_DECODE_WIDE_WARPS=8 tries it again (another GPU)
-DECODE_WIDE_WARPS = int(os.environ.get("HIVEJET_DECODE_WIDE_WARPS", "0"))
+# the most rows of x one decode program multiplies with its weight tiles (wide_decode_rows: steps of 17-64 rows
+# in one block of their power of two, with the weight's decode warps: docs/decisions/wide-decode-blocks.md; 8
+# warps kept each row's bits but made 32- and 64-row steps ~30 % slower on the H200,
+# docs/decisions/wide-decode-block-warps.md)
+DECODE_BLOCK_M = 64
 # the most output rows of a 4-bit-only decode matmul that takes 4 pipeline stages (tuned_config;
-# HIVEJET_DEEP_PIPELINE_MAX_N=0: none, to measure one against the other)
-DEEP_PIPELINE_MAX_N = int(os.environ.get("HIVEJET_DEEP_PIPELINE_MAX_N", "5120"))
-
-
-def _by_tile_rows(env: str, default: str) -> dict[int, int]:
-    """A setting per tile height from the environment variable `env`, else `default`: "rows:value,..."
-    (e.g. "128:8,64:4"; "" for none)."""
-    text = os.environ.get(env, default)
-    try:
-        return {int(t): int(v) for t, v in (kv.split(":") for kv in text.split(",") if kv)}
-    except ValueError:
-        raise ValueError(f"{env}={text!r}: expected tile rows and a value, e.g. \"{default}\"") from None
-
-
+# docs/decisions/deep-pipeline-projections.md)
+DEEP_PIPELINE_MAX_N = 5120
 # split-K's target for decode rows, in programs per SM, by tile rows (tuned_config: the smallest split that
 # gives at least this many). 64-row tiles at 8 rather than 4: a 27B decode step on the H200 8.35 -> 8.21 ms
 # at one row, 9.07 -> 8.61 at four (docs/decisions/split-k-target-8-programs-per-sm.md).
-# HIVEJET_DECODE_WAVES="128:8,64:8"
-# (tile rows: programs per SM) overrides.
-DECODE_WAVES = _by_tile_rows("HIVEJET_DECODE_WAVES", "128:8,64:8")
+DECODE_WAVES = {128: 8, 64: 8}
 # the same for small prompt chunks (small_prompt): the targets SMALL_PROMPT_CONFIG was picked with (64-row tiles
-# at 4 programs per SM); the larger decode target was not measured on them.
-# HIVEJET_SMALL_PROMPT_WAVES overrides.
-SMALL_PROMPT_WAVES = _by_tile_rows("HIVEJET_SMALL_PROMPT_WAVES", "128:8,64:4")
+# at 4 programs per SM); the larger decode target was not measured on them (docs/decisions/small-prompt-chunks.md).
+SMALL_PROMPT_WAVES = {128: 8, 64: 4}
 # a cap on the decode matmul's registers per thread by tile rows (packed_matmul's maxnreg), so that more
 # programs share an SM: 128-row tiles need ~141 (3 programs of 4 warps per SM), capped at 128 without a spill
-# (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_register_cap_h200.json);
-# 64-row tiles gained nothing from caps of 80 / 72 / 64. HIVEJET_DECODE_MAXNREG="128:128,64:80" (tile rows:
-# registers; "" for none) overrides.
-DECODE_MAXNREG = _by_tile_rows("HIVEJET_DECODE_MAXNREG", "128:128")
+# (4 programs): the Q4_K gate+up stack 40.2 -> 38.1 us on the H200 (docs/perf/sweep_register_cap_h200.json,
+# docs/decisions/register-cap-decode-matmul.md); 64-row tiles gained nothing from caps of 80 / 72 / 64.
+DECODE_MAXNREG = {128: 128}
 
 
 # the decode matmul's settings by GPU family (kernels/family.py; docs/GPU_FAMILIES.md). tma: 256-value tiles by

@@ -49,3 +49,31 @@ def test_navigation_and_buttons_have_icons(qapp, tmp_path):
     finally:
         w.close()
         store.close()
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+def test_spin_and_combo_boxes_draw_their_arrows(qapp, mode):
+    """A styled spin or combo box draws its arrows only from the stylesheet's images: without them its
+    step buttons are empty boxes."""
+    from PySide6.QtWidgets import QComboBox, QSpinBox
+    from app.gui.theme import apply_theme
+    before = qapp.style().name(), qapp.palette(), qapp.styleSheet()
+    apply_theme(qapp, mode)
+    try:
+        for box in (QSpinBox(), QComboBox()):
+            if isinstance(box, QComboBox):
+                box.addItems(["one", "two"])
+            box.resize(120, 30)
+            box.show()
+            qapp.processEvents()
+            img = box.grab().toImage()
+            # the arrows' grey (#8a8f98) in the rightmost 20 pixels
+            grey = sum(1 for x in range(box.width() - 20, box.width()) for y in range(box.height())
+                       if abs(img.pixelColor(x, y).red() - 0x8a) < 30 and abs(img.pixelColor(x, y).blue() - 0x98) < 30
+                       and img.pixelColor(x, y).saturation() < 60 and 90 < img.pixelColor(x, y).lightness() < 200)
+            box.close()
+            assert grey >= 8, (type(box).__name__, grey)
+    finally:
+        qapp.setStyle(before[0])
+        qapp.setPalette(before[1])
+        qapp.setStyleSheet(before[2])

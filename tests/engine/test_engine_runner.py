@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
+from engine.runner_fit import RunnerFit
 from engine.sampling import SamplingParams
 from engine.types import EngineError, Request
 
@@ -46,7 +47,7 @@ def test_slots_engine_matches_cpu_path(smollm2_path, cpu_tokens):
         handles = [eng.submit(Request(messages=_chat(p), sampling=_greedy(12, ignore_eos=True))) for p in PROMPTS]
         together = [h.result()[1] for h in handles]
         assert [len(t) for t in together] == [12, 12, 12]
-        assert eng.stats()["running"] == 0 and sorted(eng._free_slots + list(eng._parked)) == [0, 1]
+        assert eng.stats()["running"] == 0 and sorted(eng.slots.free + list(eng.slots.parked)) == [0, 1]
         assert eng.stats()["totals"]["steps"] > 0
     finally:
         eng.shutdown()
@@ -190,7 +191,7 @@ def test_backed_off_drafters_overlap_steps(tmp_path, device, monkeypatch):
     the drafter's upkeep is deferred, yet every probe drafts exactly what it drafts without overlap (the
     MTP rows and DFlash context written late are the same), and the tokens are those of spec off. An n-gram
     lookup that finds nothing waits a few steps, which are overlapped."""
-    import engine.spec.engine_spec as es
+    import engine.spec.speculator as es
     from engine.tools.synth_dflash import synthetic_drafter, write_gguf
     from engine.tools.synth import write_synthetic
     path = tmp_path / "mtp.gguf"
@@ -312,7 +313,7 @@ def test_overlapped_steps_give_the_outputs_of_plain_steps(tmp_path, arch):
             hs = [eng.submit(Request(prompt_ids=p, sampling=sp)) for p, sp in zip(prompts, reqs)]
             out[name] = [_outcome(h) for h in hs]
             assert eng.stats()["running"] == 0
-            parked[name] = sorted(tuple(t) for t in eng._parked.values())
+            parked[name] = sorted(tuple(t) for t in eng.slots.parked.values())
             pools[name] = eng.stats()["kv_pool"]
             totals[name] = eng.stats()["totals"]
         finally:
@@ -363,7 +364,7 @@ def test_queued_requests_and_follow_ups_with_overlap(tmp_path, overlap):
         follow = prompts[0] + got[0][1] + [7, 8, 9]
         fu = _outcome(eng.submit(Request(prompt_ids=follow, sampling=_greedy(8, ignore_eos=True))))
         assert fu[4][2] == len(follow) - 4            # all but the answer's last token and the 3 new ones
-        assert eng.stats()["running"] == 0 and sorted(eng._free_slots + list(eng._parked)) == [0, 1]
+        assert eng.stats()["running"] == 0 and sorted(eng.slots.free + list(eng.slots.parked)) == [0, 1]
     finally:
         eng.shutdown()
     cold = Engine(EngineConfig(**cfg, resident_tokens=0))
@@ -411,7 +412,7 @@ def test_cancel_while_a_row_runs_ahead(tmp_path, overlap):
         assert fin.reason == "cancelled" and fin.usage.completion_tokens == len(ids) and ids == full_a[:len(ids)]
         assert hb.result()[1] == full_b
         assert eng.stats()["running"] == 0
-        parked = [t for t in eng._parked.values() if t[:len(a)] == a]
+        parked = [t for t in eng.slots.parked.values() if t[:len(a)] == a]
         assert parked == [a + ids[:-1]]          # the KV of its last streamed token was never needed
         assert eng.stats()["totals"].get("discarded_rows", 0) == (1 if overlap else 0)
     finally:
@@ -499,19 +500,18 @@ def test_recurrent_conversation_ended_by_a_stop_string_parks_its_last_token(tmp_
 @pytest.mark.parametrize("arch", ["qwen35", "llama"])
 def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
     """Several requests' short prompts in one padded pass of several slots (Runner.prefill_pieces, the
-    scheduler's chunks; HIVEJET_PROMPT_PIECES): the tokens and logprobs each request gets without it, and a
+    scheduler's chunks; EngineConfig.shared_prompt_passes): the tokens and logprobs each request gets without it, and a
     pass did hold several of them. (On the CPU the padded passes are asked for here; the first step waits
     until every request is in, so that later steps have several arrivals to group.)"""
     import threading
 
-    import engine.runner.runner as runner_mod
-    from engine.engine import Engine as Eng
     from engine.runner import Runner
+    from engine.step_runner import RunnerExecutor
     from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", seed=29)
     prompts = [[1 + (13 * i + 7 * j + i * j) % 400 for j in range(n)] for i, n in enumerate((20, 33, 47, 64, 9))]
-    init, step, pass_ = Runner.__init__, Eng._runner_step, Runner._piece_pass
+    init, step, pass_ = Runner.__init__, RunnerExecutor._step, Runner._piece_pass
     passes, go = [], threading.Event()
 
     def padded_init(self, *a, **kw):
@@ -526,13 +526,13 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
         passes.append(len(pieces))
         return pass_(self, pieces, chunk)
     monkeypatch.setattr(Runner, "__init__", padded_init)
-    monkeypatch.setattr(Eng, "_runner_step", held_step)
+    monkeypatch.setattr(RunnerExecutor, "_step", held_step)
     monkeypatch.setattr(Runner, "_piece_pass", counted_pass)
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", on)
         go.clear()
-        eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=5, prefill_chunk=128, static_slots=True))
+        eng = Engine(EngineConfig(model=str(path), ctx_size=256, max_seqs=5, prefill_chunk=128, static_slots=True,
+                                  shared_prompt_passes=on))
         try:
             assert eng.runner.prompt_pieces == (5 if on else 1)
             hs = [eng.submit(Request(prompt_ids=p, sampling=SamplingParams(max_tokens=10, temperature=0.0,
@@ -548,11 +548,9 @@ def test_arriving_prompts_share_padded_passes(tmp_path, arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "llama"])
-def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
+def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch):
     """The GPU path's pool fit leaves room for the pieces' pass graphs (the planner's piece_graph_bytes)
-    when the runner will capture them: several slots, the pieces on (HIVEJET_PROMPT_PIECES and
-    EngineConfig.shared_prompt_passes), and for qwen35 the rows kernel on."""
-    import engine.runner.runner as runner_mod
+    when the runner will capture them: several slots and the pieces on (EngineConfig.shared_prompt_passes)."""
     from engine import planner as P
     from engine.tools.synth import write_synthetic
     path = tmp_path / f"{arch}.gguf"
@@ -560,14 +558,10 @@ def test_prompt_pieces_graphs_kept_out_of_the_pool(tmp_path, arch, monkeypatch):
     facts = P.model_facts(path)
     every = P.piece_graph_bytes(facts, 4)
     assert every > 0
-    for seqs, pieces, rows_kernel, shared, want in ((4, True, True, True, every), (1, True, True, True, 0),
-                                                    (4, False, True, True, 0), (4, True, True, False, 0),
-                                                    (4, True, False, True, 0 if arch == "qwen35" else every)):
-        monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", pieces)
-        monkeypatch.setattr(runner_mod, "ROWS_KERNEL_ON", rows_kernel)
+    for seqs, shared, want in ((4, True, every), (1, True, 0), (4, False, 0)):
         eng = Engine(EngineConfig(model=str(path), ctx_size=64, max_seqs=seqs, prefill_chunk=32, static_slots=True,
                                   shared_prompt_passes=shared))
         try:
-            assert eng._pieces_workspace(facts) == want
+            assert RunnerFit(eng.config, eng.model, eng.speculator).pieces_workspace(facts) == want
         finally:
             eng.shutdown()

@@ -114,22 +114,17 @@ def test_a_whole_chunk_fits_beside_the_decode_rows(tmp_path, runner):
     cfg = dict(model=str(path), ctx_size=256, max_seqs=2, prefill_chunk=16, step_tokens=16, prefill_share=1.0)
     eng = Engine(EngineConfig(**cfg, static_slots=runner))
     mixed = []
+    sch = eng.scheduler
+    plan = sch.plan if runner else sch.plan_cpu
+
+    def logged(*a, **kw):
+        p = plan(*a, **kw)
+        mixed.append(bool(p.decode) and bool(p.chunks))   # (decode rows and chunks)
+        return p
     if runner:
-        plan = eng._plan_runner
-
-        def logged(*a, **kw):
-            dec, chunks = plan(*a, **kw)
-            mixed.append(bool(dec) and bool(chunks))
-            return dec, chunks
-        eng._plan_runner = logged
+        sch.plan = logged
     else:
-        plan = eng._plan
-
-        def logged():
-            steps = plan()
-            mixed.append(len({s.n_computed >= s.target for s, _ in steps}) == 2)   # (decode rows and chunks)
-            return steps
-        eng._plan = logged
+        sch.plan_cpu = logged
     try:
         a = eng.submit(Request(prompt_ids=short, sampling=SamplingParams(max_tokens=60, temperature=0.0,
                                                                          ignore_eos=True)))

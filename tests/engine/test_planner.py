@@ -152,7 +152,8 @@ def test_cli(q27, capsys):
 @pytest.mark.parametrize("coded", [False, True])
 def test_packed_layout_is_the_gpu_packers(coded, monkeypatch):
     """packed_bytes (kernels/packed_layout.py, torch-free, for the planner) is what pack_weight makes, with
-    the scales stored either way (HIVEJET_PACKED_CODES)."""
+    the scales stored either way (layout.CODED_SCALES: the engine's fp16 products, or the codes that
+    pack_weight(coded=True) keeps)."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES
@@ -189,7 +190,7 @@ def _packed_zero_q4_k(n: int, k: int):
 
 
 def test_wide_rows_setting_moves_the_tile_height(monkeypatch):
-    """HIVEJET_PACKED_WIDE_ROWS (layout.WIDE_ROWS): matrices of at least that many rows take 128-row tiles,
+    """layout.WIDE_ROWS: matrices of at least that many rows take 128-row tiles,
     in the packer and in the planner's byte count alike."""
     import kernels.packed_layout as layout
     n, k = 130, 256     # 192 rows in 64-row tiles, 256 in 128-row ones
@@ -200,25 +201,6 @@ def test_wide_rows_setting_moves_the_tile_height(monkeypatch):
     assert layout.default_tile_n(n) == 128 and p.tile_n == 128 and p.n_pad == 256
     assert packed_bytes("Q4_K", n, k) == p.nbytes > before
     assert layout.default_tile_n(63) == 64
-
-
-def test_narrow_tile_k_setting(monkeypatch):
-    """HIVEJET_PACKED_NARROW_TILE_K (layout.NARROW_TILE_K): 256-value tiles for matrices in 64-row tiles only,
-    in the packer and in the planner's byte count alike."""
-    import kernels.packed_layout as layout
-    monkeypatch.setattr(layout, "WIDE_ROWS", 128)
-    monkeypatch.setattr(layout, "NARROW_TILE_K", 256)
-    for n, tile in ((64, 256), (128, 128)):
-        p = _packed_zero_q4_k(n, 512)
-        assert p.tile_k == tile and packed_bytes("Q4_K", n, 512) == p.nbytes
-    # weights that keep their scale codes (256-value tiles): 128 costs a (d, dmin) per tile row more
-    monkeypatch.setattr(layout, "CODED_SCALES", True)
-    coded = packed_bytes("Q4_K", 64, 512)
-    monkeypatch.setattr(layout, "NARROW_TILE_K", 128)
-    for n, tile in ((64, 128), (128, 256)):
-        p = _packed_zero_q4_k(n, 512)
-        assert p.tile_k == tile and packed_bytes("Q4_K", n, 512) == p.nbytes
-    assert packed_bytes("Q4_K", 64, 512) == coded + 64 * 2 * 4
 
 
 def test_head_bytes_are_the_codecs():

@@ -472,10 +472,11 @@ def test_triton_path_in_the_interpreter(tiny, monkeypatch, arch, kt, vt):
         model.close()
 
 
-def _greedy_off_and_on(tiny, monkeypatch, arch, switch, kernel, n_new, **runner_kw):
-    """The runner's Triton path (the interpreter) decoding one prompt greedily with engine/runner/attention.py's
-    `switch` off, then on. Returns both runs' (tokens, logits), how often kernels/attention/kv_write.py's
-    `kernel` ran in each, and the model's attention layers."""
+def _greedy_off_and_on(tiny, monkeypatch, arch, off, kernel, n_new, **runner_kw):
+    """The runner's Triton path (the interpreter) decoding one prompt greedily with `off` (engine/runner/
+    attention.py's AttentionMixin method name -> its stand-in) in place, then as it is. Returns both runs'
+    (tokens, logits), how often kernels/attention/kv_write.py's `kernel` ran in each, and the model's attention
+    layers."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the interpreter is for machines without a GPU")
@@ -489,11 +490,13 @@ def _greedy_off_and_on(tiny, monkeypatch, arch, switch, kernel, n_new, **runner_
         p = prompt(20, 4, model.spec.vocab_size)
         outs, counts = [], []
         for on in (False, True):
-            monkeypatch.setattr(ra, switch, on)
-            calls.clear()
-            r = Runner(model, device="cpu", n_slots=2, max_ctx=48, triton=True, **runner_kw)
-            outs.append(runner_greedy(r, [p], n_new))
-            counts.append(len(calls))
+            with monkeypatch.context() as m:
+                for name, stand_in in ({} if on else off).items():
+                    m.setattr(ra.AttentionMixin, name, stand_in)
+                calls.clear()
+                r = Runner(model, device="cpu", n_slots=2, max_ctx=48, triton=True, **runner_kw)
+                outs.append(runner_greedy(r, [p], n_new))
+                counts.append(len(calls))
         n_attn = sum(1 for il in range(model.spec.n_layer) if not model.layers[il].get("recurrent"))
     finally:
         model.close()
@@ -502,14 +505,15 @@ def _greedy_off_and_on(tiny, monkeypatch, arch, switch, kernel, n_new, **runner_
 
 @pytest.mark.parametrize("arch,kt,vt", [("llama", "f16", "f16"), ("qwen35", "f16", "f32")])
 def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
-    """HIVEJET_KV_WRITE_KERNEL (engine/runner/attention.py): float caches' new K and V written by one Triton
-    kernel give the logits of the casts and index_copy_ it replaces, bit for bit (the runner's Triton path in
+    """Float caches' new K and V written by one Triton kernel (engine/runner/attention.py: _kernel_writes) give
+    the logits of the casts and index_copy_ that quantized caches take, bit for bit (the runner's Triton path in
     the interpreter, prompt chunks and decode rows)."""
     import engine.runner.attention as ra
-    monkeypatch.setattr(ra, "FUSED_HEADS", False)     # (decode rows would take norm_rope_write_kv instead)
-    outs, counts, _ = _greedy_off_and_on(tiny, monkeypatch, arch, "KV_WRITE_KERNEL", "write_kv_rows", 6,
-                                         cache_type_k=kt, cache_type_v=vt)
-    assert counts[0] == 0 and counts[1] > 0           # the kernel ran, and only when switched on
+    # (decode rows would take norm_rope_write_kv instead)
+    monkeypatch.setattr(ra.AttentionMixin, "_attend_prepared", lambda self, *a, **kw: None)
+    outs, counts, _ = _greedy_off_and_on(tiny, monkeypatch, arch, {"_kernel_writes": lambda self, device: False},
+                                         "write_kv_rows", 6, cache_type_k=kt, cache_type_v=vt)
+    assert counts[0] == 0 and counts[1] > 0           # the kernel ran, and only where it was not stood in for
     assert outs[0][0] == outs[1][0]
     for a, b in zip(outs[0][1][0], outs[1][1][0]):
         assert torch.equal(a, b)
@@ -517,13 +521,14 @@ def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
 
 @pytest.mark.parametrize("arch,kt", [("qwen3", "f16"), ("qwen35", "f32"), ("gemma3", "f16"), ("llama", "f16")])
 def test_fused_heads_in_decode_rows(tiny, monkeypatch, arch, kt):
-    """HIVEJET_FUSED_HEADS (engine/runner/attention.py): decode rows over a float cache norm and rope q and k
+    """Decode rows over a float cache (engine/runner/attention.py: _attend_prepared) norm and rope q and k
     and write K and V in one kernel (kernels/attention/kv_write.py: norm_rope_write_kv), qwen35's output gate
-    in the attention's merge kernel; prompt chunks keep the separate path. The same greedy tokens as without
-    it, the logits within float32 rounding (the CPU's separate path norms and ropes in torch; the interpreter
-    in the kernel's float32), the kernel run once per attention layer and decode step."""
-    outs, counts, n_attn = _greedy_off_and_on(tiny, monkeypatch, arch, "FUSED_HEADS", "norm_rope_write_kv", 5,
-                                              cache_type=kt)
+    in the attention's merge kernel; prompt chunks (and quantized caches) keep the separate path. The same
+    greedy tokens as that path, the logits within float32 rounding (the CPU's separate path norms and ropes in
+    torch; the interpreter in the kernel's float32), the kernel run once per attention layer and decode step."""
+    outs, counts, n_attn = _greedy_off_and_on(tiny, monkeypatch, arch,
+                                              {"_attend_prepared": lambda self, *a, **kw: None},
+                                              "norm_rope_write_kv", 5, cache_type=kt)
     assert counts == [0, 5 * n_attn]
     assert outs[0][0] == outs[1][0]
     for a, b in zip(outs[0][1][0], outs[1][1][0]):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.runner.runner as runner_mod
 from engine.kv.pool import PoolFullError
 from engine.kv.sequence import SequenceKV
 from engine.models import open_model
@@ -27,11 +26,6 @@ def _runner(model, ct="f16", n_slots=4, padded=True, **kw) -> Runner:
 
 def _states(r: Runner) -> list[torch.Tensor]:
     return [t.clone() for d in (r.conv_state, r.ssm_state) for t in d.values()]
-
-
-@pytest.fixture
-def pieces_on(monkeypatch):
-    monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", True)
 
 
 # (slot, length, start): a follow-up inside slot 0's first chunk, new prompts of 13, 32 and 1 tokens
@@ -54,7 +48,7 @@ def _run(r: Runner, together: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch,ct", [("qwen35", "f16"), ("qwen35", "turbo3"), ("llama", "q8_0"), ("gemma3", "f16")])
-def test_pieces_in_one_pass_equal_their_own_prefills(tiny, pieces_on, arch, ct, monkeypatch):
+def test_pieces_in_one_pass_equal_their_own_prefills(tiny, arch, ct, monkeypatch):
     """Together, apart (padded passes of one slot), and through the unpadded prefill: the same bits.
     turbo3: key preconditioning (segments of 8) per piece; gemma3: sliding-window layers."""
     monkeypatch.setattr(SequenceKV, "SEGMENT", 8)
@@ -78,7 +72,7 @@ def test_pieces_in_one_pass_equal_their_own_prefills(tiny, pieces_on, arch, ct, 
         model.close()
 
 
-def test_wider_pass_and_the_pieces_kernel(tiny, pieces_on, monkeypatch):
+def test_wider_pass_and_the_pieces_kernel(tiny, monkeypatch):
     """qwen35, pieces filling a 256-row pass, through the GPU's path for the recurrent layers: the windows
     gathered by the layout's device buffers and every piece's delta rule in one launch (kernels/gdn/rows.py,
     made to take CPU tensors: Triton's interpreter). Together and apart they give the same bits (the same
@@ -108,7 +102,7 @@ def test_wider_pass_and_the_pieces_kernel(tiny, pieces_on, monkeypatch):
         model.close()
 
 
-def test_piece_passes_grouping(tiny, pieces_on, monkeypatch):
+def test_piece_passes_grouping(tiny):
     model = open_model(tiny("llama"))
     try:
         r = _runner(model, n_slots=8)
@@ -124,14 +118,13 @@ def test_piece_passes_grouping(tiny, pieces_on, monkeypatch):
         assert r.pool.n_free == r.n_blocks and not any(r._blocks)
         r.prompt_pieces = 2
         assert r.piece_passes([1, 1, 1], CHUNK) == [[0, 1], [2]]
-        monkeypatch.setattr(runner_mod, "PROMPT_PIECES_ON", False)
-        assert _runner(model).prompt_pieces == 1
+        assert _runner(model, shared_prompt_passes=False).prompt_pieces == 1
         assert Runner(model, device="cpu", n_slots=2, max_ctx=64, padded_prefill=False).prompt_pieces == 1
     finally:
         model.close()
 
 
-def test_bad_pieces_and_a_full_pool_change_nothing(tiny, pieces_on):
+def test_bad_pieces_and_a_full_pool_change_nothing(tiny):
     model = open_model(tiny("qwen35"))
     try:
         r = Runner(model, device="cpu", n_slots=3, max_ctx=128, n_blocks=4, block_size=16, padded_prefill=True)
@@ -153,13 +146,10 @@ def test_bad_pieces_and_a_full_pool_change_nothing(tiny, pieces_on):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch,ct", [("qwen35", "f16"), ("llama", "q8_0"), ("qwen35", "turbo3")])
-def test_captured_passes_of_pieces_gpu(tiny, pieces_on, arch, ct, monkeypatch):
+def test_captured_passes_of_pieces_gpu(tiny, arch, ct):
     """On a GPU with graphs: the pieces' pass eagerly (first), then replayed, then each piece in its own
     pass: the same bits every time; the unpadded prefill's logits within the captured chunks' tolerance
     (test_runner_prefill.py) and its greedy tokens."""
-    import kernels.gdn.rows as rows
-    monkeypatch.setattr(rows, "ROWS_KERNEL_ON", True)
-    monkeypatch.setattr(runner_mod, "ROWS_KERNEL_ON", True)
     model = open_model(tiny(arch))
     try:
         r = Runner(model, device="cuda", n_slots=4, max_ctx=256, cache_type=ct)

@@ -268,7 +268,7 @@ def test_engine_evicts_parked_conversations_when_the_pool_fills(tiny):
         for name, p in (("a", a), ("b", b), ("c", c)):
             ans[name] = _run(eng, p)[0]
         t = eng.stats()["totals"]
-        assert t["parked_evicted"] == 1 and len(eng._parked) == 2
+        assert t["parked_evicted"] == 1 and len(eng.slots.parked) == 2
         fb = b + ans["b"] + [3, 4, 5]
         got_b = _run(eng, fb)
         assert got_b[1].usage.cached_tokens == len(b) + len(ans["b"]) - 1
@@ -309,7 +309,7 @@ def test_engine_preempts_the_newest_under_a_tiny_pool(tiny, arch):
         st = eng.stats()
         assert st["totals"]["preempted"] == len(generated) and st["totals"].get("pool_full_stops", 0) == 0
         assert st["totals"]["prompt_tokens"] == 80
-        assert st["kv_pool"]["used"] == 0 and sorted(eng._free_slots) == [0, 1, 2, 3]
+        assert st["kv_pool"]["used"] == 0 and sorted(eng.slots.free) == [0, 1, 2, 3]
     finally:
         eng.shutdown()
 

@@ -16,6 +16,7 @@ from engine.hostmem import physical_memory
 from engine.kv.sequence import SequenceKV
 from engine.models import open_model
 from engine.runner import Runner, state_checkpoint_bytes
+from engine.runner_fit import RunnerFit
 from engine.sampling import SamplingParams
 from engine.planner import HOST_CHECKPOINTS, MIN_DEVICE_CHECKPOINTS, host_checkpoint_count
 from engine.types import EngineError, FinishEvent, Request
@@ -209,7 +210,7 @@ def test_agents_share_a_system_prefix(tiny, short_segments, arch, kt):
         assert [c[1:] for c in calls] == [(64, 16), (80, 15)]
         t = warm.stats()["totals"]
         assert t["cached_tokens"] == t["shared_tokens"] == 64 and t["prompt_tokens"] == len(A) + len(B)
-        assert len(warm._parked) == 2                          # A still parked beside B
+        assert len(warm.slots.parked) == 2                          # A still parked beside B
         assert cold.stats()["totals"].get("cached_tokens", 0) == 0
         # A's follow-up still takes its parked slot over
         follow = A + answer + [4, 5, 6]
@@ -254,7 +255,7 @@ def test_short_prefix_is_not_shared(tiny):
         _run(eng, SYSTEM[:15] + [5] * 40)
         calls = _log_prefill(eng)
         assert _run(eng, SYSTEM[:15] + [6] * 40)[2].usage.cached_tokens == 0
-        assert calls[0][1] == 0 and len(eng._parked) == 2     # a fresh slot; the first conversation stays parked
+        assert calls[0][1] == 0 and len(eng.slots.parked) == 2     # a fresh slot; the first conversation stays parked
         _run(eng, SYSTEM[:16] + [7] * 40)
         assert _run(eng, SYSTEM[:16] + [8] * 40)[2].usage.cached_tokens == 16
     finally:
@@ -281,7 +282,7 @@ def test_cancel_mid_prefill_frees_the_slot(tiny):
         _, _, fin = _run(warm, long_b)
         warm.runner.prefill = orig
         assert fin.reason == "cancelled" and fin.usage.cached_tokens == 64 and calls == [64]
-        assert warm.stats()["running"] == 0 and sorted(warm._free_slots + list(warm._parked)) == [0, 1]
+        assert warm.stats()["running"] == 0 and sorted(warm.slots.free + list(warm.slots.parked)) == [0, 1]
         c = long_b[:90] + [9] * 10                           # continues the cancelled one's 80 positions
         got = _run(warm, c)
         assert got[:2] == _run(cold, c)[:2] and got[2].usage.cached_tokens == 80
@@ -366,12 +367,13 @@ def test_checkpoints_go_to_host_memory_when_few_fit_on_the_device(tiny):
         per_token = slot_bytes_per_token(eng.model)
         enough = -(-MIN_DEVICE_CHECKPOINTS * one // per_token * 50)   # tokens whose 2 % holds MIN of them
         cuda, cpu = torch.device("cuda"), torch.device("cpu")
-        assert eng._checkpoints_to_host(cuda, enough // 2, one, 0.02)
-        assert not eng._checkpoints_to_host(cuda, enough + PC, one, 0.02)
-        assert not eng._checkpoints_to_host(cpu, enough // 2, one, 0.02)
-        assert not eng._checkpoints_to_host(cuda, enough // 2, one, 0.0)     # (an explicit count)
-        eng.config = dataclasses.replace(eng.config, checkpoint_memory="device")
-        assert not eng._checkpoints_to_host(cuda, enough // 2, one, 0.02)
+        fit = RunnerFit(eng.config, eng.model, eng.speculator)
+        assert fit.checkpoints_to_host(cuda, enough // 2, one, 0.02)
+        assert not fit.checkpoints_to_host(cuda, enough + PC, one, 0.02)
+        assert not fit.checkpoints_to_host(cpu, enough // 2, one, 0.02)
+        assert not fit.checkpoints_to_host(cuda, enough // 2, one, 0.0)     # (an explicit count)
+        fit.config = dataclasses.replace(eng.config, checkpoint_memory="device")
+        assert not fit.checkpoints_to_host(cuda, enough // 2, one, 0.02)
     finally:
         eng.shutdown()
     with pytest.raises(EngineError, match="checkpoint_memory"):

@@ -228,7 +228,7 @@ class Recorded(DraftLength):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    import engine.spec.engine_spec as spec_mod
+    import engine.spec.speculator as spec_mod
     monkeypatch.setattr(spec_mod, "DraftLength", Recorded)
     Recorded.log = []
     return Recorded.log
@@ -238,7 +238,8 @@ def _watch(eng, spec):
     """Hooks on one engine: the sequences it attaches drafters to, and whether a step ended with
     drafter upkeep put off (MTP hidden rows / DFlash context rows deferred)."""
     seen = types.SimpleNamespace(seqs=[], deferred=0)
-    attach, after = eng._attach_drafters, (eng._dflash_step if spec == "dflash" else eng._adapt_draft_lengths)
+    sp = eng.speculator
+    attach, after = sp.attach, (sp.dflash_step if spec == "dflash" else sp.adapt_draft_lengths)
 
     def grab(s):
         seen.seqs.append(s)
@@ -248,8 +249,8 @@ def _watch(eng, spec):
         after(*a)
         for s in seen.seqs:   # (MTP: the deferral of the step before this one's catch-up)
             seen.deferred += getattr(s.dflash if spec == "dflash" else s.mtp, "deferred", None) is not None
-    eng._attach_drafters, eng._dflash_step, eng._adapt_draft_lengths = grab, \
-        (check if spec == "dflash" else eng._dflash_step), (check if spec == "mtp" else eng._adapt_draft_lengths)
+    sp.attach, sp.dflash_step, sp.adapt_draft_lengths = grab, \
+        (check if spec == "dflash" else sp.dflash_step), (check if spec == "mtp" else sp.adapt_draft_lengths)
     return seen
 
 
@@ -312,7 +313,7 @@ def test_cheap_right_drafts_keep_the_full_length(pair, recorded):
     for name, costs in (("cheap", FrozenCosts(0.01, 0.0001)), ("dear", FrozenCosts(0.0, 0.001))):
         recorded.clear()
         eng = _engine(pair, "ngram", spec_max_drafts=6)
-        eng._costs = costs
+        eng.speculator.costs = costs
         try:
             assert eng.submit(Request(prompt_ids=prompt, sampling=_greedy(20))).result()[1] == base
             seen[name] = ([(k, b) for what, k, b in recorded if what == "decide"], eng.stats()["totals"])

@@ -329,7 +329,7 @@ def test_gpu_path_shared_prefix_forks_the_dflash_context(pair, monkeypatch):
     """The GPU path (static slots on the CPU): a request that shares the first 32 tokens of a parked
     conversation gets a copy of that conversation's DFlash context rows (DFlashState.fork) and drafts exactly
     what it drafts when it computes its whole prompt itself; the tokens are the same too."""
-    import engine.spec.engine_spec as es
+    import engine.spec.speculator as es
     seen = []
     real = es.propose
 

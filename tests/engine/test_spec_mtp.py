@@ -177,7 +177,7 @@ def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
                 d = full[len(it.tokens):len(it.tokens) + len(it.state.drafts)]
                 it.state.drafts = [t if i != 2 else t + 1 for i, t in enumerate(d)]
 
-    import engine.spec.engine_spec as es
+    import engine.spec.speculator as es
     real_catch_up = es.catch_up
     if oracle:
         monkeypatch.setattr(es, "catch_up", oracle_catch_up)
@@ -207,10 +207,10 @@ def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
         assert 0.4 * totals["drafted_tokens"] < totals["accepted_tokens"] < totals["drafted_tokens"], totals
     assert totals["mtp_resumed"] >= 2, {k: v for k, v in totals.items() if "mtp" in k or "cached" in k or "shared" in k}
     st = eng.stats()["spec"]["mtp_pool"]
-    assert st["blocks"] >= eng.runner.pool.n_blocks and st["parked_states"] == len(eng._parked_mtp) > 0
-    pool = eng._mtp_pool
-    parked_blocks = sum(st.kv.n_blocks() for st in eng._parked_mtp.values())
+    assert st["blocks"] >= eng.runner.pool.n_blocks and st["parked_states"] == len(eng.speculator.parked_mtp) > 0
+    pool = eng.speculator.mtp_pool
+    parked_blocks = sum(st.kv.n_blocks() for st in eng.speculator.parked_mtp.values())
     assert pool.groups[0].n_used <= parked_blocks and parked_blocks > 0
-    for slot in list(eng._parked_mtp):
-        eng._drop_parked_drafters(slot)
+    for slot in list(eng.speculator.parked_mtp):
+        eng.speculator.drop_parked(slot)
     assert pool.groups[0].n_used == 0

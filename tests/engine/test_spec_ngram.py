@@ -121,7 +121,7 @@ def test_unknown_mode(tiny_llama):
         Engine(EngineConfig(model=str(tiny_llama), spec="medusa"))
 
 
-# --- the GPU path (engine/scheduler_gpu.py; on the CPU here through its static slots) -------------------------
+# --- the GPU path (engine/step_runner.py; on the CPU here through its static slots) -------------------------
 # drafts are extra decode rows of their sequence in the shared step; rejected rows are cut off
 
 @pytest.fixture(scope="module", params=["llama", "qwen35"])
@@ -152,7 +152,7 @@ def test_gpu_path_greedy_identical_with_drafts(tiny_llama_slots, kt, monkeypatch
                   for i in range(3)]
             out[spec] = [h.result()[1] for h in hs]
             out[spec + "_totals"] = eng.stats()["totals"]
-            assert eng.runner.pool.n_free + sum(eng.runner.held_alone(p) for p in eng._parked) == eng.runner.pool.n_blocks
+            assert eng.runner.pool.n_free + sum(eng.runner.held_alone(p) for p in eng.slots.parked) == eng.runner.pool.n_blocks
         finally:
             eng.shutdown()
     assert out["ngram"] == out["off"]

@@ -111,7 +111,7 @@ def test_images_beside_text(files, model):
     with engine(files, model, **SLOTS) as eng:
         alone_img = eng.submit(Request(**img)).result()[1]
         alone_text = eng.submit(Request(**text)).result()[1]
-        assert len(eng._parked) == 2
+        assert len(eng.slots.parked) == 2
         hs = [eng.submit(Request(**img)), eng.submit(Request(**text))]
         (_, a, fa), (_, b, _) = [h.result() for h in hs]
         assert (a, b) == (alone_img, alone_text)

@@ -18,8 +18,7 @@ def _logits(path):
 
 
 def _budget(monkeypatch, nbytes: int) -> DequantBudget:
-    monkeypatch.setenv("HIVEJET_CPU_WEIGHT_CACHE", str(nbytes))
-    b = DequantBudget()
+    b = DequantBudget(nbytes)
     monkeypatch.setattr(common, "DEQUANT_CACHE", b)
     return b
 

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def sm90_figures(script: str, *args: str) -> list[int]:
     """The integers on the last line the script prints (run with `args`, from the repository's root)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HIVEJET_NIBBLES_PTX")}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300,
                        cwd=REPO)
     if r.returncode == 3:
@@ -49,8 +49,7 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
     qt = QT[qtype]
     p = pack_weight(_random_weight(qt, tile_n, k), qt, tile_n, k, tile_n=tile_n, tile_k=tile_k)
     const = dict(kernel_constants(p), BLOCK_M=block_m, SWAP_AB=swap_ab, FAST_CVT=True, TMA=False, SPLIT=split,
-                 SUM_HERE=split > 1, HAS_ADD=False, PDL=pdl, PREFETCH=prefetch,
-                 EARLY_TRIGGER=False)
+                 SUM_HERE=split > 1, HAS_ADD=False, PDL=pdl, PREFETCH=prefetch)
     sig = {n: "constexpr" if n in const else _MM_POINTERS.get(n, "i32") for n in fn.arg_names}
     # what the launcher specializes: pointers and the row stride divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -224,7 +224,7 @@ def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
 #   Q4_0 1.000 (4.5/4.5)     Q4_1 1.000 (5/5)       Q5_0 1.000 (5.5/5.5)    Q5_1 1.000 (6/6)
 #   Q8_0 1.000 (8.5/8.5)     Q4_K 1.111 (5/4.5)     Q5_K 1.091 (6/5.5)      Q6_K 1.067 (7/6.5625)
 #   Q2_K 2.286 (6/2.625)     Q3_K 1.455 (5/3.4375)  IQ4_NL 1.889 (8.5/4.5)  IQ4_XS 2.000 (8.5/4.25)
-# coded (HIVEJET_PACKED_CODES=1): their 8-bit sub-block codes and one fp16 d (and dmin) per 256 values:
+# coded (pack_weight(coded=True)): their 8-bit sub-block codes and one fp16 d (and dmin) per 256 values:
 #   Q4_K 1.028 (4.625/4.5)   Q5_K 1.023 (5.625/5.5) Q6_K 1.000 (6.5625)
 #   Q2_K 1.952 (5.125/2.625) Q3_K 1.327 (4.5625/3.4375) IQ4_XS 1.956 (8.3125/4.25)
 # The 2-/3-bit and IQ4 types exceed 1.25x by construction: Q2_K/Q3_K keep q in the 4-bit plane, IQ4
@@ -315,30 +315,13 @@ def test_swapped_operands_and_tuned_configs(qtype):
         _check(packed_matmul(x, p, **cfg), x, p)
 
 
-def test_settings_by_tile_rows_from_the_environment(monkeypatch):
-    """HIVEJET_DECODE_WAVES, HIVEJET_SMALL_PROMPT_WAVES, HIVEJET_DECODE_MAXNREG: "rows:value,..." per tile
-    height, "" for none, the default when unset, and a clear error naming the variable otherwise."""
-    from kernels.quant.packed import DECODE_WAVES, SMALL_PROMPT_WAVES, _by_tile_rows
-    assert (DECODE_WAVES, SMALL_PROMPT_WAVES) == ({128: 8, 64: 8}, {128: 8, 64: 4})   # (no override here)
-    monkeypatch.delenv("HIVEJET_TEST_WAVES", raising=False)
-    assert _by_tile_rows("HIVEJET_TEST_WAVES", "128:8,64:4") == {128: 8, 64: 4}
-    monkeypatch.setenv("HIVEJET_TEST_WAVES", "64:6")
-    assert _by_tile_rows("HIVEJET_TEST_WAVES", "128:8") == {64: 6}
-    monkeypatch.setenv("HIVEJET_TEST_WAVES", "")
-    assert _by_tile_rows("HIVEJET_TEST_WAVES", "128:8") == {}
-    for bad in ("128=8", "128:8:1", "a:b"):
-        monkeypatch.setenv("HIVEJET_TEST_WAVES", bad)
-        with pytest.raises(ValueError, match="HIVEJET_TEST_WAVES"):
-            _by_tile_rows("HIVEJET_TEST_WAVES", "128:8")
-
-
-def test_wide_decode_rows_settings(monkeypatch):
+def test_wide_decode_rows_settings():
     """Decode settings by row count: 16-row blocks up to 16 rows, then one block of the rows' power of two
-    up to DECODE_BLOCK_M (more rows: several such blocks), the split and the rest kept, no register cap;
-    HIVEJET_DECODE_BLOCK_M=16 keeps 16-row blocks, HIVEJET_DECODE_WIDE_WARPS sets their warps; settings not made
-    for 16-row blocks, without the weight tile as the dot's first operand, or with TMA are left alone."""
-    from kernels.quant import packed
-    from kernels.quant.packed import wide_decode_rows
+    up to DECODE_BLOCK_M (more rows: several such blocks), the split, warps and the rest kept, no register cap;
+    settings not made for 16-row blocks, without the weight tile as the dot's first operand, or with TMA are
+    left alone."""
+    from kernels.quant.packed import DECODE_BLOCK_M, wide_decode_rows
+    assert DECODE_BLOCK_M == 64
     cfg = dict(block_m=16, num_warps=4, num_stages=3, swap_ab=True, split_k=5, maxnreg=128)
     assert wide_decode_rows(cfg, 1) is cfg and wide_decode_rows(cfg, 16) is cfg
     assert wide_decode_rows(cfg, 17) == dict(block_m=32, num_warps=4, num_stages=3, swap_ab=True, split_k=5)
@@ -346,17 +329,12 @@ def test_wide_decode_rows_settings(monkeypatch):
     assert wide_decode_rows(dict(cfg, block_m=64), 40)["block_m"] == 64
     for other in (dict(cfg, swap_ab=False), dict(cfg, tma=True)):
         assert wide_decode_rows(other, 64) is other
-    monkeypatch.setattr(packed, "DECODE_WIDE_WARPS", 8)          # (HIVEJET_DECODE_WIDE_WARPS: slower on the H200)
-    assert wide_decode_rows(cfg, 64)["num_warps"] == 8 and wide_decode_rows(cfg, 16) is cfg
-    monkeypatch.setattr(packed, "DECODE_BLOCK_M", 16)
-    assert wide_decode_rows(cfg, 64) is cfg
 
 
-def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
+def test_small_prompt_chunks_take_the_decode_settings_in_one_block():
     """A prompt chunk of at most SMALL_PROMPT_ROWS rows: the weight's decode settings with every row in
     one block of x (each weight tile dequantized once), without the decode rows' register cap, its split
-    from SMALL_PROMPT_WAVES; longer chunks keep the prefill settings; HIVEJET_SMALL_PROMPT_ROWS=0 turns
-    small chunks off."""
+    from SMALL_PROMPT_WAVES; longer chunks keep the prefill settings."""
     import kernels.quant.packed as packed
     from kernels.quant.packed import SMALL_PROMPT_ROWS, SMALL_PROMPT_WAVES, tuned_config
     assert SMALL_PROMPT_ROWS == 64
@@ -375,11 +353,9 @@ def test_small_prompt_chunks_take_the_decode_settings_in_one_block(monkeypatch):
     down = packed.PackedWeight(planes=(torch.empty(80, 0, dtype=torch.uint8),),
                                scale=torch.empty(80, 0, dtype=torch.float16), minv=None, n=5120, k=17408, group=32,
                                hi_bits=0, qtype=QT.Q4_K, tile_n=packed.default_tile_n(5120),
-                               tile_k=packed.default_tile_k(17408, False, 64))
+                               tile_k=packed.default_tile_k(17408, False))
     assert down.tile_n == 64 and down.n_pad == 5120
     assert (tuned_config(down, 0, 132)["split_k"], tuned_config(down, 64, 132)["split_k"]) == (17, 8)
-    monkeypatch.setattr(packed, "SMALL_PROMPT_ROWS", 0)
-    assert tuned_config(p, 64, 132)["block_m"] == 128
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -438,7 +414,7 @@ def test_tma_loads_give_the_same_result(qtype, coded, monkeypatch):
     assert not tuned_config(short, False, 4, tma=True).get("tma")
     assert pack_weight(_random_weight(qtype, n, k, seed=8), qtype, n, k, coded=coded).tile_k == \
         (256 if coded and qtype != QT.Q8_0 else 128)
-    # 256-value tiles of 64 rows with fp16 scales (HIVEJET_PACKED_NARROW_TILE_K): the tile in registers, as
+    # 256-value tiles of 64 rows with fp16 scales (pack_weight(tile_k=256) only): the tile in registers, as
     # 128-value ones, not TMA's settings
     narrow = pack_weight(_random_weight(qtype, 128, k, seed=8), qtype, 128, k, tile_n=64, tile_k=256, coded=coded)
     cfg = tuned_config(narrow, False, 4, tma=True)
@@ -750,8 +726,7 @@ def test_stacked_weights_give_each_parts_result():
 def test_gated_stack_on_gpu(op):
     """StackedWeights.gated on the GPU (a gate+up stack of the 27B's FFN shape): the partial sums added by
     the activation give the bits of the stacked matmul followed by the plain activation, for decode rows and
-    a small prompt chunk, and inside a CUDA graph; with HIVEJET_GATED_SUMS off it is that path."""
-    import engine.models.common as common
+    a small prompt chunk, and inside a CUDA graph."""
     from engine.models.common import PREFILL_ROWS, StackedWeights
     from kernels import fused
 
@@ -786,11 +761,6 @@ def test_gated_stack_on_gpu(op):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, act(*st.stacked_matmul(x), f16))
-    common.GATED_SUMS = False
-    try:
-        assert torch.equal(st.gated(x, op, f16), act(*st.stacked_matmul(x), f16))
-    finally:
-        common.GATED_SUMS = True
 
 
 @pytest.mark.gpu

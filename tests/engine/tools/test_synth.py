@@ -1,4 +1,4 @@
-"""engine/tools/synth.py: synthetic GGUF models (layout, values, determinism, CLI, optional llama.cpp check)."""
+"""engine/tools/synth.py (with synth_gguf.py, synth_quant.py): synthetic GGUF models (layout, values, determinism, CLI, optional llama.cpp check)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from engine.tools import synth
+from engine.tools import synth, synth_gguf, synth_quant
 from engine.gguf.reader import GGUFFile
 
 TINY_CASES = [("llama", False), ("gemma3", False), ("qwen2", False), ("qwen3", False),
@@ -241,8 +241,8 @@ def test_same_seed_same_bytes(tmp_path):
 
 def test_same_seed_same_bytes_direct_blocks():
     spec = synth.TensorSpec("blk.0.ffn_up.weight", QT.Q4_K, (2048, 4096), ("normal", 0.02))
-    one = np.concatenate([j() for j in synth._jobs(spec, 3)])
-    two = np.concatenate([j() for j in synth._jobs(spec, 3)])
+    one = np.concatenate([j() for j in synth_gguf._jobs(spec, 3)])
+    two = np.concatenate([j() for j in synth_gguf._jobs(spec, 3)])
     assert one.nbytes == spec.n_bytes and np.array_equal(one, two)
 
 
@@ -297,7 +297,7 @@ def test_k_quantizers_roundtrip(qt, fn, tol):
 def test_direct_blocks_have_intended_scale(qt):
     std = 0.013
     n_blocks = 4096 * 32 // GGML_QUANT_SIZES[qt][0]
-    b = synth._direct_blocks(qt, n_blocks, std, np.random.SFC64(1))
+    b = synth_quant.direct_blocks(qt, n_blocks, std, np.random.SFC64(1))
     y = gguf.quants.dequantize(b.reshape(n_blocks, -1), qt).reshape(-1)
     assert np.isfinite(y).all()
     assert abs(float(y.std()) / std - 1) < 0.05
