@@ -35,6 +35,7 @@ import torch
 
 from engine.kv.pool import KVPool, LayerGroup, LayerKV
 from kernels.attention.ref import causal_attention
+from kernels.cpu import paged_decode
 from kernels.kvcodec import cache_type_name
 from kernels.quant.ref import wide_einsum
 
@@ -339,6 +340,8 @@ class SequenceKV:
         """Store k, v [n, Hkv, D] at start..start+n, then causal attention of q [n, H, D] over all
         stored KV (sliding window if window > 0; `bidirectional` spans as in causal_attention).
         Returns [n, H, Dv] float32."""
+        if q.shape[0] == 1 and not q.is_cuda and paged_decode.supported(self.pool.codec_k, self.pool.codec_v):
+            return self._attend_row(layer, q, k, v, start, scale, window, window_from)
         t = self._write(layer, start, k, v, q, window_from)
         first, kp, vp = self._gather(layer, t, start + k.shape[0])
         ck, cv = self.pool.codec_k, self.pool.codec_v
@@ -349,6 +352,18 @@ class SequenceKV:
         out = causal_attention(qs, K, V, start, scale, window, k_start=first, bidirectional=bidirectional,
                                seg_bias=bias, seg_len=seg)
         return cv.from_stored(out, v.shape[-1])
+
+    def _attend_row(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                    window: int, window_from: int | None) -> torch.Tensor:
+        """attend() for one query row of a 16-bit float cache on the CPU: the numba kernel writes k, v into the
+        row's block and attends over the blocks in place (kernels/cpu/paged_decode.py: the bits of the gather and
+        causal_attention above, which unrotated cache types run without key preconditioning)."""
+        t = self._table(layer, k, v)
+        self._prepare(t, start, start + 1, window_from)
+        g = t.group
+        return paged_decode.decode_attention(q, k, v, g.k[layer], g.v[layer], t.tensor(),
+                                             t.first_kept * self.pool.block_size, start, scale, window,
+                                             self.pool.codec_k, self.pool.codec_v)
 
     def truncate(self, length: int) -> None:
         """Forget tokens from `length` on. KV entries simply get overwritten; recurrent states cannot

@@ -20,10 +20,11 @@ from engine.gguf.reader import GGUFError, GGUFFile
 from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-sequence cache, re-exported)
 from kernels import fused
 from kernels.attention import causal_attention
+from kernels.cpu import rows as cpu_rows
 from kernels.kvcodec import cache_type_name
 from kernels.quant import (activations_like_llamacpp, block_mins, check_supported, dequantize_rows, dequantized_tiles,
                            matmul_row_invariant, matmul_tiles, quantized_matmul_ref)
-from kernels.quant.intdot import INT_TYPES, IntWeight, int_matmul
+from kernels.quant.intdot import INT_TYPES, IntWeight, int_matmul, stack_int_weights
 
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 # While the GPU path runs prompt rows (engine/runner/runner.py's prefill): the chunk size, to which matmuls pad
@@ -254,9 +255,11 @@ class StackedWeights:
 
     def matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each part's x @ W.T, in the parts' order."""
+        if not x.is_cuda:
+            return self._cpu_matmul(x)
         if self._stacked_rows(x):
             return self.stacked_matmul(x, PREFILL_ROWS.get())
-        if not self.groups or not x.is_cuda:
+        if not self.groups:
             return [w.matmul(x) for w in self.parts]
         return self._prefill(x)
 
@@ -276,6 +279,39 @@ class StackedWeights:
         parts = matmul_tuned(x.reshape(-1, x.shape[-1]), stack, PREFILL_ROWS.get(), partials=True)
         y = fused.gated_sum_parts(parts, cols[0][1], cols[1][1], n, op, out_dtype)
         return y.view(*x.shape[:-1], n)
+
+    def _cpu_matmul(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The CPU's products: the integer-dot parts of one type stacked into one IntWeight, made once within
+        DEQUANT_CACHE's budget (kernels/quant/intdot.py: stack_int_weights; each part's columns are its own product,
+        the same bits, for one activation rounding and one kernel call instead of one per part); the rest alone."""
+        plan = self.__dict__.get("_cpu_plan")
+        if plan is None:
+            plan = self._cpu_plan = self._plan_cpu()
+        out: list = [None] * len(self.parts)
+        for stack, cols in plan:
+            y = int_matmul(x, stack)
+            for i, c in cols:
+                out[i] = y[:, c:c + self.parts[i].n_out]
+        for i, w in enumerate(self.parts):
+            if out[i] is None:
+                out[i] = w.matmul(x)
+        return out
+
+    def _plan_cpu(self) -> list[tuple[IntWeight, list[tuple[int, int]]]]:
+        by_key: dict[tuple, list[int]] = {}
+        if CPU_INT_DOTS:
+            for i, w in enumerate(self.parts):
+                if w.qtype in INT_TYPES and w.gpu is None:
+                    by_key.setdefault((w.qtype, w.n_in), []).append(i)
+        plan = []
+        for idx in by_key.values():
+            if len(idx) < 2:
+                continue
+            stack, cols = stack_int_weights([IntWeight(self.parts[i].raw, self.parts[i].qtype, self.parts[i].n_out,
+                                                       self.parts[i].n_in) for i in idx])
+            if DEQUANT_CACHE.take(stack.nbytes, self):
+                plan.append((stack, list(zip(idx, cols))))
+        return plan
 
     def _prefill(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Prompt rows: one cuBLAS product per part, their fp16 operand made once (the same bits as apart)."""
@@ -331,7 +367,9 @@ class WeightSet:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out_dtype: the result rounded to it (a matmul's `input_dtype`), else x's dtype."""
-    if not x.is_cuda or x.ndim not in (2, 3):
+    if not x.is_cuda:   # numba (kernels/cpu/rows.py: the reference's bits), or fused.ref_rms_norm without it
+        return cpu_rows.rms_norm(x, w, eps, out_dtype)
+    if x.ndim not in (2, 3):
         return fused.ref_rms_norm(x, w, eps, out_dtype)
     if x.ndim == 2:
         return fused.rms_norm(x, w, eps, out_dtype)
@@ -394,6 +432,10 @@ class HeadPrep:
     sin: torch.Tensor
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not q.is_cuda:   # one numba call each (kernels/cpu/rows.py: ref_qk_norm_rope's bits)
+            r = self.rope
+            return (cpu_rows.qk_norm_rope(q, self.q_norm, self.eps, self.cos, self.sin, r.dim, r.neox),
+                    cpu_rows.qk_norm_rope(k, self.k_norm, self.eps, self.cos, self.sin, r.dim, r.neox))
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         return self.rope.apply(q, self.cos, self.sin), self.rope.apply(k, self.cos, self.sin)

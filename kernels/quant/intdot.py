@@ -189,6 +189,28 @@ class IntWeight:
         return w.reshape(k // self.group, self.group, -1)
 
 
+def stack_int_weights(parts: list[IntWeight]) -> tuple[IntWeight, list[int]]:
+    """Matrices of one type and input size that multiply the same input, as one IntWeight whose outputs are the
+    parts' padded outputs one after another (tiles concatenated; every output column is computed alone, so a part's
+    columns of the stack's product are its own product, the same bits), and each part's first column in it. One
+    activation rounding and one kernel call for the whole stack."""
+    first = parts[0]
+    if any((w.qtype, w.n_in) != (first.qtype, first.n_in) for w in parts):
+        raise ValueError("stacked integer weights need one type and one input size")
+    st = object.__new__(IntWeight)
+    st.qtype, st.n_in, st.group, st.zero = first.qtype, first.n_in, first.group, first.zero
+    st.q8_k, st.q8_1, st.has_offset = first.q8_k, first.q8_1, first.has_offset
+    st.q = torch.cat([w.q for w in parts])
+    st.a = torch.cat([w.a for w in parts], dim=1)
+    st.c = torch.cat([w.c for w in parts], dim=1)
+    st.n_pad = st.n_out = sum(w.n_pad for w in parts)
+    cols, col = [], 0
+    for w in parts:
+        cols.append(col)
+        col += w.n_pad
+    return st, cols
+
+
 # ---------------------------------------------------------------------------------------------
 # activations: the integers and scales llama.cpp's CPU backend quantizes them to
 
@@ -279,7 +301,7 @@ def int_matmul(x: torch.Tensor, w: IntWeight, fast: bool | None = None) -> torch
         for t0 in range(0, n_tiles, step):
             t1 = min(t0 + step, n_tiles)
             lo, hi = t0 * TILE, t1 * TILE
-            p = block_dots_ref(xq, w.float_columns(t0, t1))
+            p = block_dots_ref(xq, intdot_numba.float_columns(w, t0, t1) if fast else w.float_columns(t0, t1))
             if fast:
                 intdot_numba.combine(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s, e, out[:, lo:hi])
             else:

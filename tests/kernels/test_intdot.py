@@ -131,3 +131,38 @@ def test_parallel_few_rows_give_the_same_bits(qtype, monkeypatch):
         assert _same(int_matmul(x, w), one)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_stacked_weights_give_each_parts_own_product(qtype):
+    """stack_int_weights: the parts' columns of the stack's product are each part's product to the bit (decode rows
+    and many rows, numba and torch), output counts that are not a multiple of the tile included."""
+    from kernels.quant.intdot import stack_int_weights
+    parts = []
+    for seed, n_out in enumerate((64, 70, 128)):
+        raw, n_in = _weight(qtype, n_out, 2, 10 + seed)
+        parts.append(IntWeight(raw, qtype, n_out, n_in))
+    stack, cols = stack_int_weights(parts)
+    assert cols == [0, 64, 192] and stack.n_pad == 320
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 3, 40):
+        x = torch.randn(m, parts[0].n_in, generator=g)
+        for fast in ({False, True} if __import__("kernels.quant.intdot_numba", fromlist=["x"]).available() else {False}):
+            y = int_matmul(x, stack, fast)
+            for w, c in zip(parts, cols):
+                assert torch.equal(y[:, c:c + w.n_out], int_matmul(x, w, fast))
+    raw, n_in = _weight(qtype, 64, 1, 20)
+    with pytest.raises(ValueError):
+        stack_int_weights([parts[0], IntWeight(raw, qtype, 64, n_in)])
+
+
+@numba_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_numba_float_columns_are_the_references(qtype):
+    """The many-row path's float32 integers per column tile (intdot_numba.float_columns) are IntWeight.float_columns'
+    values, for any tile range."""
+    from kernels.quant import intdot_numba
+    raw, n_in = _weight(qtype, 200, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 8, 4)
+    w = IntWeight(raw, qtype, 200, n_in)
+    for t0, t1 in ((0, 4), (1, 3), (3, 4)):
+        assert torch.equal(intdot_numba.float_columns(w, t0, t1), w.float_columns(t0, t1))

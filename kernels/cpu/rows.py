@@ -1,0 +1,160 @@
+"""The CPU path's elementwise ops of a layer compiled with numba: RMSNorm (rows or heads), SwiGLU gating, and
+per-head norm + rotary embedding, each computing the float64 (or, for rope, float32) operations of its torch
+reference in kernels/fused.py in the same order, rounded once to float32 (`_round`: docs/ACCURACY.md).
+
+Same signatures as the references (`ref_rms_norm`, `ref_silu_mul`, `ref_qk_norm_rope`); each
+function here takes the numba kernel when numba imports and the input is a float32 CPU tensor, else the
+reference. The elementwise float64 ops (products, quotients, square roots, exp, tanh) are IEEE operations in the
+reference's order; the sums run in index order, where torch's vectorized float64 reductions (and its SLEEF exp /
+tanh) may differ from them in the last bit of a float64: ~1e-16 relative, which the one rounding to float32 turns
+into a different float32 about once in 10^8 values (tests/kernels/cpu/test_rows.py checks the float32 bits). No
+fastmath: nothing is reassociated or fused into an FMA. On the torch side a decode row's norm was ~10 small torch
+ops (~50 us); here it is one call (~5-10 us with its tensor conversions).
+
+GeGLU (gemma3) stays torch's: its 0.5 x (1 + tanh(u)) cancels for negative x, where torch's vectorized tanh and
+libm's differ by more than float32 hides (11 of 10752 products differed).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels import fused
+from kernels.cpu.jit import LazyKernels
+
+
+def _compile() -> dict:
+    import math
+
+    from numba import njit
+
+    @njit(nogil=True, cache=True)
+    def rms_norm_rows(x, w, has_w, eps, out):
+        # x float32 [N, E] -> out float32 [N, E]: float64(x) * (1 / sqrt(sum(x^2) / E + eps)) * w, rounded once
+        n, e = x.shape
+        for r in range(n):
+            ss = 0.0
+            for i in range(e):
+                v = np.float64(x[r, i])
+                ss += v * v
+            inv = 1.0 / math.sqrt(ss / e + eps)
+            if has_w:
+                for i in range(e):
+                    out[r, i] = np.float32((np.float64(x[r, i]) * inv) * np.float64(w[i]))
+            else:
+                for i in range(e):
+                    out[r, i] = np.float32(np.float64(x[r, i]) * inv)
+
+    @njit(nogil=True, cache=True)
+    def silu_rows(gate, up, out):
+        # gate, up float32 [N, F]: silu(g) * u = (g / (1 + exp(-g))) * u in float64 (torch's silu), rounded once
+        n, f = gate.shape
+        for r in range(n):
+            for i in range(f):
+                g = np.float64(gate[r, i])
+                out[r, i] = np.float32((g / (1.0 + math.exp(-g))) * np.float64(up[r, i]))
+
+    @njit(nogil=True, cache=True)
+    def norm_rope_rows(x, w, norm, has_w, eps, cos, sin, rope_dim, neox, out):
+        # x float32 [N, H, D]: optional RMSNorm per head (as rms_norm_rows, rounded to float32), then rotary over the
+        # first rope_dim dims in float32 (a*c - b*s, a*s + b*c); the rest pass through
+        n, h, d = x.shape
+        half = rope_dim // 2
+        y = np.empty(d, np.float32)
+        for r in range(n):
+            for hh in range(h):
+                xr = x[r, hh]
+                if norm:
+                    ss = 0.0
+                    for i in range(d):
+                        v = np.float64(xr[i])
+                        ss += v * v
+                    inv = 1.0 / math.sqrt(ss / d + eps)
+                    for i in range(d):
+                        t = np.float64(xr[i]) * inv
+                        y[i] = np.float32(t * np.float64(w[i]) if has_w else t)
+                else:
+                    for i in range(d):
+                        y[i] = xr[i]
+                o = out[r, hh]
+                for p in range(half):
+                    c = cos[r, p]
+                    s = sin[r, p]
+                    if neox:
+                        i0, i1 = p, p + half
+                    else:
+                        i0, i1 = 2 * p, 2 * p + 1
+                    a = y[i0]
+                    b = y[i1]
+                    o[i0] = a * c - b * s
+                    o[i1] = a * s + b * c
+                for i in range(rope_dim, d):
+                    o[i] = y[i]
+
+    return {"rms_norm": rms_norm_rows, "silu": silu_rows, "norm_rope": norm_rope_rows}
+
+
+def _warm(k: dict) -> None:
+    x = np.ones((1, 4), np.float32)
+    k["rms_norm"](x, x[0], True, 1e-6, np.empty_like(x))
+    k["silu"](x, x, np.empty_like(x))
+    x3 = np.ones((1, 1, 4), np.float32)
+    k["norm_rope"](x3, x[0], True, True, 1e-6, x[:, :2].copy(), x[:, :2].copy(), 4, False, np.empty_like(x3))
+
+
+_KERNELS = LazyKernels(_compile, _warm)
+_NO_W = np.zeros(1, np.float32)
+
+
+def available() -> bool:
+    """Whether numba imports here (else the functions below run their torch references)."""
+    return _KERNELS.get() is not None
+
+
+def _f32_cpu(*ts) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+def _w(w: torch.Tensor | None):
+    return _NO_W if w is None else w.contiguous().numpy()
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fused.ref_rms_norm: x * rsqrt(mean(x^2) + eps) * w over the last dim, any leading dims."""
+    k = _KERNELS.get()
+    if k is None or out_dtype not in (None, torch.float32) or not _f32_cpu(x) or x.ndim < 1 or x.numel() == 0 \
+            or (w is not None and not _f32_cpu(w)):
+        return fused.ref_rms_norm(x, w, eps, out_dtype)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = np.empty(x2.shape, np.float32)
+    k["rms_norm"](x2.numpy(), _w(w), w is not None, float(eps), out)
+    return torch.from_numpy(out).view(x.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fused.ref_silu_mul: silu(gate) * up in float64, rounded once."""
+    k = _KERNELS.get()
+    if k is None or out_dtype not in (None, torch.float32) or not _f32_cpu(gate, up) or gate.shape != up.shape \
+            or gate.ndim < 1 or gate.numel() == 0:
+        return fused.ref_silu_mul(gate, up, out_dtype)
+    g2 = gate.reshape(-1, gate.shape[-1]).contiguous()
+    u2 = up.reshape(-1, up.shape[-1]).contiguous()
+    out = np.empty(g2.shape, np.float32)
+    k["silu"](g2.numpy(), u2.numpy(), out)
+    return torch.from_numpy(out).view(gate.shape)
+
+
+def qk_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 rope_dim: int, neox: bool) -> torch.Tensor:
+    """fused.ref_qk_norm_rope: x [N, H, D] RMS-normed per head with w (skipped when w is None), then rotated over its
+    first rope_dim dims with cos / sin [N, rope_dim / 2]."""
+    k = _KERNELS.get()
+    if k is None or x.ndim != 3 or not _f32_cpu(x, cos, sin) or (w is not None and not _f32_cpu(w)) \
+            or rope_dim % 2 or rope_dim > x.shape[-1] or tuple(cos.shape) != (x.shape[0], rope_dim // 2) \
+            or sin.shape != cos.shape or x.numel() == 0:
+        return fused.ref_qk_norm_rope(x, w, eps, cos, sin, rope_dim, neox)
+    out = np.empty(x.shape, np.float32)
+    k["norm_rope"](x.contiguous().numpy(), _w(w), w is not None, w is not None, float(eps), cos.contiguous().numpy(),
+                   sin.contiguous().numpy(), int(rope_dim), bool(neox), out)
+    return torch.from_numpy(out)
