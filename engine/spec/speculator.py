@@ -68,6 +68,9 @@ class Speculator:
         self.costs = StepCosts()      # engine/spec/adaptive.py: measured step / drafting times
         self.draft_s = 0.0            # avoidable drafting seconds of the current step
         self.mtp_pool = None          # GPU path: the MTP block's KV pool on the device
+        # `hivejet bench spec --accept` (engine/spec/controlled.py: ControlledAcceptance): the drafters'
+        # tokens replaced so that they are accepted at given rates; None everywhere else
+        self.control = None
         self.parked_mtp: dict[int, object] = {}      # parked slot -> the MTP state of its conversation
         self.parked_dflash: dict[int, object] = {}   # parked slot -> its DFlash context
 
@@ -224,7 +227,14 @@ class Speculator:
 
     def take_drafts(self, s: Sequence, room: int) -> tuple[list[int], torch.Tensor | None, str]:
         """This step's drafts for s (at most `room`): (tokens, their drafter distributions or None for
-        one-hot drafts, the drafter's name)."""
+        one-hot drafts, the drafter's name); replaced by `control`'s when it is set."""
+        d, q, src = self.propose(s, room)
+        if self.control is not None and d:
+            d, q = self.control.replace(s.tokens, d), None
+        return d, q, src
+
+    def propose(self, s: Sequence, room: int) -> tuple[list[int], torch.Tensor | None, str]:
+        """take_drafts: what the sequence's drafter proposes."""
         if room <= 0:
             return [], None, ""
         if self.ngram_first(s):

@@ -102,6 +102,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept", default=None, metavar="RATES",
                    help="spec: per-position acceptance rates, e.g. 0.92,0.80,0.65: the drafter's tokens replaced so "
                         "that they are accepted at these rates, for --agents agents (engine/tools/bench_spec_accept.py)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="spec --accept: draft lengths from acceptance alone (EngineConfig.spec_adaptive=False)")
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16],
                    help="agents, spec --accept: concurrent agents per run")
     p.add_argument("--context", type=int, default=23000, help="agents: tokens of each long conversation")
@@ -124,30 +126,35 @@ def _cpu_device(device: str) -> bool:
     return device == "cpu"
 
 
+def _run_plot(args) -> int:
+    """`hivejet bench plot RESULT.json [RESULT.json ...] OUT.png`."""
+    if len(args.paths) < 2:
+        print("usage: hivejet bench plot RESULT.json [RESULT.json ...] OUT.png", file=sys.stderr)
+        return 2
+    loaded = []
+    for path in args.paths[:-1]:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    if all("results" in r for r in loaded):   # agents: the servers of every file in one chart
+        from engine.tools.bench_agents import plot_agents
+        merged = {name: res for r in loaded for name, res in r["results"].items()}
+        try:
+            plot_agents(merged, args.paths[-1], f"hivejet bench agents, {loaded[0].get('model', '')}")
+        except ValueError as e:
+            print(f"bench plot: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if len(loaded) != 1 or "rows" not in loaded[0]:
+        print("bench plot: give one decode result, or agents results", file=sys.stderr)
+        return 2
+    from engine.tools.bench_decode import plot_rows
+    plot_rows(loaded[0], args.paths[-1])
+    return 0
+
+
 def run_bench(args) -> int:
     if args.scenario == "plot":
-        if len(args.paths) < 2:
-            print("usage: hivejet bench plot RESULT.json [RESULT.json ...] OUT.png", file=sys.stderr)
-            return 2
-        loaded = []
-        for path in args.paths[:-1]:
-            with open(path) as f:
-                loaded.append(json.load(f))
-        if all("results" in r for r in loaded):   # agents: the servers of every file in one chart
-            from engine.tools.bench_agents import plot_agents
-            merged = {name: res for r in loaded for name, res in r["results"].items()}
-            try:
-                plot_agents(merged, args.paths[-1], f"hivejet bench agents, {loaded[0].get('model', '')}")
-            except ValueError as e:
-                print(f"bench plot: {e}", file=sys.stderr)
-                return 2
-            return 0
-        if len(loaded) != 1 or "rows" not in loaded[0]:
-            print("bench plot: give one decode result, or agents results", file=sys.stderr)
-            return 2
-        from engine.tools.bench_decode import plot_rows
-        plot_rows(loaded[0], args.paths[-1])
-        return 0
+        return _run_plot(args)
     if args.scenario == "agents":
         if not args.model:
             print("hivejet bench agents needs -m MODEL.gguf", file=sys.stderr)
@@ -170,7 +177,7 @@ def run_bench(args) -> int:
             print("hivejet bench spec --accept needs -m MODEL.gguf and --agents of at least 1", file=sys.stderr)
             return 2
         res = bench_accept(args.model, rates, agents=tuple(args.agents), n_gen=args.n_gen, device=args.device,
-                           drafter=args.spec_drafter)
+                           drafter=args.spec_drafter, adaptive=not args.no_adaptive)
     elif args.scenario == "spec":
         from engine.tools.bench_spec import run
         res = run(args)

@@ -11,8 +11,9 @@ prompts first (greedy). For each number of agents:
   controlled     drafts at the given acceptance: tokens per step, tok/s, speed-up against off, and whether
                  the output equals off's (verification stays exact whatever the drafts are);
   uncontrolled   the drafter's own drafts (random weights: almost none accepted): its cost against off.
-Draft lengths are the engine's own (adaptive, at most one per rate: spec_max_drafts = len(rates)), as a
-user's requests get them. Prompts are random token ids (speed does not depend on them).
+Draft lengths are the engine's own, at most one per rate (spec_max_drafts = len(rates)): adaptive as a user's
+requests get them (the drafter backs off where its measured cost does not pay), or with --no-adaptive from
+acceptance alone (EngineConfig.spec_adaptive=False). Prompts are random token ids (speed does not depend on them).
 """
 from __future__ import annotations
 
@@ -45,17 +46,18 @@ def _run(eng, prompts: list[list[int]], n_gen: int) -> dict:
 
 
 def _engine(model: str, device: str, spec: str, drafter: str | None, max_seqs: int, ctx: int, k: int,
-            prompt_len: int):
+            prompt_len: int, adaptive: bool = True):
     from engine.engine import Engine, EngineConfig
     eng = Engine(EngineConfig(model=model, device=device, spec=spec, spec_drafter=drafter, spec_max_drafts=max(1, k),
-                              max_seqs=max_seqs, ctx_size=ctx, resident_tokens=0))
+                              max_seqs=max_seqs, ctx_size=ctx, resident_tokens=0, spec_adaptive=adaptive))
     # (kernels compiled for this engine's shapes, first drafts made: not timed)
     _run(eng, [[5 + i % 50 for i in range(prompt_len)] for _ in range(2)], 16)
     return eng
 
 
 def bench_accept(model: str, rates: list[float], agents=(1, 4, 8, 16), n_gen: int = 128, device: str = "auto",
-                 drafter: str | None = None, prompt_len: int = 32, seed: int = 0, log=print) -> dict:
+                 drafter: str | None = None, prompt_len: int = 32, seed: int = 0, adaptive: bool = True,
+                 log=print) -> dict:
     """The three runs (module docstring) for each number of agents; returns the results (no token lists)."""
     spec = "dflash" if drafter else "mtp"
     ctx = prompt_len + n_gen + 64
@@ -68,18 +70,19 @@ def bench_accept(model: str, rates: list[float], agents=(1, 4, 8, 16), n_gen: in
         dev = eng.stats()["device"]
     finally:
         eng.shutdown()
-    res = dict(model=model, device=dev, drafter=spec, rates=list(rates), n_gen=n_gen, prompt_len=prompt_len,
+    res = dict(model=model, device=dev, drafter=spec, rates=list(rates), adaptive=adaptive, n_gen=n_gen,
+               prompt_len=prompt_len,
                acceptance="controlled: each draft replaced by the target's own next token with the given "
                           "probability per position, else by a token the target rejects; the drafter runs in full",
                runs=[])
     log(header(res))
-    eng = _engine(model, device, spec, drafter, max(agents), ctx, len(rates), prompt_len)
+    eng = _engine(model, device, spec, drafter, max(agents), ctx, len(rates), prompt_len, adaptive)
     try:
         for n in agents:
             truth = [p + o for p, o in zip(prompts[n], off[n]["outs"])]
-            eng.draft_control = control = ControlledAcceptance(rates, truth, vocab, seed=seed + n)
+            eng.speculator.control = control = ControlledAcceptance(rates, truth, vocab, seed=seed + n)
             ctl = _run(eng, prompts[n], n_gen)
-            eng.draft_control = None
+            eng.speculator.control = None
             raw = _run(eng, prompts[n], n_gen)
             row = dict(agents=n, off=_public(off[n]), controlled=_public(ctl), uncontrolled=_public(raw),
                        same_as_off=ctl["outs"] == off[n]["outs"] and raw["outs"] == off[n]["outs"],
@@ -106,5 +109,6 @@ def format_row(r: dict) -> str:
 
 def header(res: dict) -> str:
     return (f"hivejet bench spec --accept {','.join(f'{r:g}' for r in res['rates'])}: {res['drafter']} drafts on "
-            f"{res['device']}, {res['n_gen']} tokens per agent after {res['prompt_len']}-token prompts\n"
+            f"{res['device']}, {res['n_gen']} tokens per agent after {res['prompt_len']}-token prompts, "
+            f"{'adaptive' if res['adaptive'] else 'acceptance-driven'} draft lengths\n"
             f"acceptance was {res['acceptance']}")

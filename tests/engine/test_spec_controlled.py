@@ -75,7 +75,7 @@ def test_engine_accepts_what_the_rates_say(mtp_model, static_slots):
     eng = Engine(EngineConfig(**cfg, spec="mtp", spec_max_drafts=3, spec_adaptive=False))
     try:
         for rates, share in [([1.0, 1.0, 0.0], None), ([0.0], 0.0)]:
-            eng.draft_control = control = ControlledAcceptance(rates, truth, eng.spec.vocab_size)
+            eng.speculator.control = control = ControlledAcceptance(rates, truth, eng.spec.vocab_size)
             before = dict(eng.stats()["totals"])
             out = [h.result()[1] for h in [eng.submit(Request(prompt_ids=p, sampling=greedy)) for p in PROMPTS]]
             tot = {k: v - before.get(k, 0) for k, v in eng.stats()["totals"].items()}

@@ -20,7 +20,9 @@ def mtp_model(tmp_path_factory):
 
 def test_bench_accept_reports_each_agent_count(mtp_model):
     lines = []
-    res = bench_accept(mtp_model, [1.0, 0.0], agents=(1, 3), n_gen=12, device="cpu", prompt_len=16, log=lines.append)
+    # (draft lengths from acceptance alone: the adaptive ones depend on this machine's measured step costs)
+    res = bench_accept(mtp_model, [1.0, 0.0], agents=(1, 3), n_gen=12, device="cpu", prompt_len=16, adaptive=False,
+                       log=lines.append)
     assert [r["agents"] for r in res["runs"]] == [1, 3]
     assert "controlled" in res["acceptance"] and "acceptance was controlled" in lines[0]
     for r in res["runs"]:
@@ -36,11 +38,12 @@ def test_bench_accept_reports_each_agent_count(mtp_model):
 
 def test_cli_spec_accept(mtp_model, tmp_path, capsys):
     out = tmp_path / "acc.json"
-    assert main(["bench", "spec", "--accept", "0.5", "-m", mtp_model, "--device", "cpu", "--agents", "2", "-n", "8",
+    assert main(["bench", "spec", "--accept", "0.5", "-m", mtp_model, "--device", "cpu", "--agents", "2", "-n", "8", "--no-adaptive",
                  "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "acceptance was controlled" in printed and " 2 agents:" in printed
-    assert json.loads(out.read_text())["rates"] == [0.5]
+    saved = json.loads(out.read_text())
+    assert saved["rates"] == [0.5] and saved["adaptive"] is False
     assert main(["bench", "spec", "--accept", "0.9,x", "-m", mtp_model]) == 2
     assert "'x' is not a number" in capsys.readouterr().err
     assert main(["bench", "spec", "--accept", "0.9"]) == 2
