@@ -629,11 +629,9 @@ def qk_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """On the CPU: kernels/cpu/rows.py's numba kernel (the reference's bits), or the reference without numba."""
-    if use_triton(gate):
-        return triton_silu_mul(gate, up, out_dtype)
-    from kernels.cpu import rows
-    return rows.silu_mul(gate, up, out_dtype)
+    """(The CPU path's numba kernel with the reference's bits is kernels/cpu/rows.py's silu_mul, which
+    engine/models/common.py calls on the CPU.)"""
+    return (triton_silu_mul if use_triton(gate) else ref_silu_mul)(gate, up, out_dtype)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

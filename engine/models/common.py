@@ -272,7 +272,7 @@ class StackedWeights:
         one_stack = not self.single and [i for i, _ in self.groups[0][1]] == [0, 1] \
             and self.parts[0].n_out == self.parts[1].n_out
         if not (one_stack and self._stacked_rows(x)):
-            act = fused.silu_mul if op == "silu" else fused.gelu_tanh_mul
+            act = silu_mul if op == "silu" else fused.gelu_tanh_mul
             return act(*self.matmul(x), out_dtype)
         from kernels.quant.packed import matmul_tuned
         (stack, cols), n = self.groups[0], self.parts[0].n_out
@@ -377,7 +377,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, out_dtype: tor
     return y if out_dtype is None else y.to(out_dtype)
 
 
-silu_mul = fused.silu_mul
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * up: on the CPU kernels/cpu/rows.py's numba kernel (the reference's bits, or fused.ref_silu_mul
+    without numba), on the GPU fused's Triton kernel."""
+    if not gate.is_cuda:
+        return cpu_rows.silu_mul(gate, up, out_dtype)
+    return fused.silu_mul(gate, up, out_dtype)
+
+
 gelu_tanh_mul = fused.gelu_tanh_mul
 sigmoid_mul = fused.sigmoid_gate_mul   # a * sigmoid(gate), gate reshaped to a's shape
 

@@ -31,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kernels.quant import intdot_numba
-from kernels.quant.intdot_numba import TILE   # output rows per tile of the repacked integers
+from kernels.quant.intdot_tile import TILE   # output rows per tile of the repacked integers
 from kernels.quant.ref import (_as_qtype, _expand_bits, _f16, _fields, _iq4_values, _k_scale_min, check_supported,
                                weight_rows)
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kernels.quant.intdot_numba import TILE as tile
+from kernels.quant.intdot_tile import TILE as tile
 
 
 @njit(nogil=True, cache=True)

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import torch
 
-TILE = 64   # output rows per tile of kernels/quant/intdot.py's repacked integers (one work item; a compile-time width)
+from kernels.quant.intdot_tile import TILE   # output rows per tile of the repacked integers
 
 _LOCK = threading.Lock()
 _KERNELS: dict | None = None

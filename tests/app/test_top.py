@@ -339,10 +339,10 @@ def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path, monkeypatch):
         while client.get_json("/slots")["slots"] and time.monotonic() - t0 < 30:   # (an earlier run's, dropping)
             time.sleep(0.05)
 
-        def fire():
+        def fire():   # once the agents have their folders (they keep them until they stop): mid-run
             t0 = time.monotonic()
-            while not client.get_json("/slots")["slots"] and time.monotonic() - t0 < 60:
-                time.sleep(0.05)
+            while not list(tmp_path.glob("hivejet-agent*")) and time.monotonic() - t0 < 60:
+                time.sleep(0.01)
             os.kill(os.getpid(), signum)
         threading.Thread(target=fire, daemon=True).start()
         buf = io.StringIO()
