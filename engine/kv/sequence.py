@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from engine.kv.pool import KVPool, LayerGroup, LayerKV
-from kernels.attention.ref import causal_attention
+from kernels.cpu.causal import causal_attention   # numba where it applies, else the torch reference (the same bits)
 from kernels.cpu import paged_decode
 from kernels.kvcodec import cache_type_name
 from kernels.quant.ref import wide_einsum

@@ -41,3 +41,33 @@ class LazyKernels:
         if self._warm is not None:
             self._warm(kernels)
         self._kernels = kernels
+
+
+_RUN = threading.Lock()   # numba's workqueue threading layer takes one parallel launch at a time, process-wide
+_SET_THREADS = [0]
+
+
+class parallel_launch:
+    """`with parallel_launch(numba):` around a call of a parallel numba kernel: one such launch at a time in the
+    process (the workqueue layer is not safe for concurrent launches), with numba's thread count following torch's
+    (set_num_threads; asked of numba only when torch's changes)."""
+
+    def __init__(self, numba):
+        self.numba = numba
+
+    def __enter__(self):
+        _RUN.acquire()
+        n = torch_threads()
+        if _SET_THREADS[0] != n:
+            self.numba.set_num_threads(max(1, min(n, self.numba.config.NUMBA_NUM_THREADS)))
+            _SET_THREADS[0] = n
+        return self
+
+    def __exit__(self, *exc):
+        _RUN.release()
+        return False
+
+
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()

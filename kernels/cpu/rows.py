@@ -20,13 +20,15 @@ import numpy as np
 import torch
 
 from kernels import fused
-from kernels.cpu.jit import LazyKernels
+from kernels.cpu.jit import LazyKernels, parallel_launch
 
 
 def _compile() -> dict:
     import math
 
-    from numba import njit
+    import numba
+    from numba import njit, prange
+    numba.config.THREADING_LAYER = "workqueue"   # as kernels/quant/intdot_numba.py: beside torch's OpenMP
 
     @njit(nogil=True, cache=True)
     def rms_norm_rows(x, w, has_w, eps, out):
@@ -53,6 +55,16 @@ def _compile() -> dict:
             for i in range(f):
                 g = np.float64(gate[r, i])
                 out[r, i] = np.float32((g / (1.0 + math.exp(-g))) * np.float64(up[r, i]))
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def silu_rows_parallel(gate, up, out):
+        # silu_rows over blocks of 16 rows spread over numba's threads (prompt rows)
+        n, f = gate.shape
+        for blk in prange((n + 15) // 16):
+            for r in range(blk * 16, min(n, blk * 16 + 16)):
+                for i in range(f):
+                    g = np.float64(gate[r, i])
+                    out[r, i] = np.float32((g / (1.0 + math.exp(-g))) * np.float64(up[r, i]))
 
     @njit(nogil=True, cache=True)
     def norm_rope_rows(x, w, norm, has_w, eps, cos, sin, rope_dim, neox, out):
@@ -91,18 +103,21 @@ def _compile() -> dict:
                 for i in range(rope_dim, d):
                     o[i] = y[i]
 
-    return {"rms_norm": rms_norm_rows, "silu": silu_rows, "norm_rope": norm_rope_rows}
+    return {"rms_norm": rms_norm_rows, "silu": silu_rows, "silu_parallel": silu_rows_parallel,
+            "norm_rope": norm_rope_rows, "numba": numba}
 
 
 def _warm(k: dict) -> None:
     x = np.ones((1, 4), np.float32)
     k["rms_norm"](x, x[0], True, 1e-6, np.empty_like(x))
     k["silu"](x, x, np.empty_like(x))
+    k["silu_parallel"](x, x, np.empty_like(x))
     x3 = np.ones((1, 1, 4), np.float32)
     k["norm_rope"](x3, x[0], True, True, 1e-6, x[:, :2].copy(), x[:, :2].copy(), 4, False, np.empty_like(x3))
 
 
 _KERNELS = LazyKernels(_compile, _warm)
+PARALLEL_ROWS = 32   # SwiGLU of at least this many rows (prompt rows) runs on every thread; fewer on the calling one
 _NO_W = np.zeros(1, np.float32)
 
 
@@ -141,7 +156,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None
     g2 = gate.reshape(-1, gate.shape[-1]).contiguous()
     u2 = up.reshape(-1, up.shape[-1]).contiguous()
     out = np.empty(g2.shape, np.float32)
-    k["silu"](g2.numpy(), u2.numpy(), out)
+    if g2.shape[0] >= PARALLEL_ROWS and torch.get_num_threads() > 1:
+        with parallel_launch(k["numba"]):
+            k["silu_parallel"](g2.numpy(), u2.numpy(), out)
+    else:
+        k["silu"](g2.numpy(), u2.numpy(), out)
     return torch.from_numpy(out).view(gate.shape)
 
 

@@ -22,8 +22,8 @@ which implementation ran: by construction, not by luck (docs/decisions/cpu-matmu
 This file holds the torch side: the weights repacked once (`IntWeight`: integers int8, the output rows in
 tiles of TILE, a and c float32), the activations as integers (`int_activations`), and the two steps in
 torch (`block_dots_ref`: the integer dots as a float32 batched matmul, exact since every partial sum is an
-integer below 2^24; `combine_ref`). kernels/quant/intdot_numba.py compiles the same two steps (and a fused
-form for a few rows) with numba; `int_matmul` picks them.
+integer below 2^24; `combine_ref`). kernels/quant/intdot_numba.py compiles the same two steps with numba, fused into
+one kernel for a few rows (decode) and one for many rows (prompts); `int_matmul` picks them.
 """
 from __future__ import annotations
 
@@ -291,19 +291,16 @@ def int_matmul(x: torch.Tensor, w: IntWeight, fast: bool | None = None) -> torch
     if fast is None:
         fast = intdot_numba.available()
     M = x.shape[0]
-    if fast and M <= FEW_ROWS:
-        out = intdot_numba.few_rows_matmul(w, x)
+    if fast:
+        out = intdot_numba.few_rows_matmul(w, x) if M <= FEW_ROWS else intdot_numba.many_rows_matmul(w, x)
     else:
-        xq, dx, s, e = int_activations(x, w.qtype, w.group, fast)
+        xq, dx, s, e = int_activations(x, w.qtype, w.group)
         out = torch.empty(M, w.n_pad, dtype=torch.float32)
         n_tiles = w.q.shape[0]
         step = _column_tiles(w, M)
         for t0 in range(0, n_tiles, step):
             t1 = min(t0 + step, n_tiles)
             lo, hi = t0 * TILE, t1 * TILE
-            p = block_dots_ref(xq, intdot_numba.float_columns(w, t0, t1) if fast else w.float_columns(t0, t1))
-            if fast:
-                intdot_numba.combine(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s, e, out[:, lo:hi])
-            else:
-                out[:, lo:hi] = combine_ref(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s, e)
+            p = block_dots_ref(xq, w.float_columns(t0, t1))
+            out[:, lo:hi] = combine_ref(p, w.a[:, lo:hi], w.c[:, lo:hi], dx, s, e)
     return out[:, :w.n_out] if w.n_pad != w.n_out else out

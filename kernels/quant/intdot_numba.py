@@ -1,10 +1,12 @@
 """kernels/quant/intdot.py's integer matmul compiled with numba: the same integers, the same float64 combine in
 the same order, so the same bits as its torch reference (tests/kernels/test_intdot.py).
 
-`few_rows` (decode steps, up to FEW_ROWS rows): one pass over the repacked int8 weights per row, a tile of
-output rows per work item (prange), the group's integer dot vectorized across the tile's outputs, then the
-float64 combine of intdot.py. `combine` (many rows): the float64 combine of block dots that torch's batched
-matmul made (MKL's sgemm is far faster at many rows than anything numba vectorizes).
+`few_rows` (decode steps, up to FEW_ROWS rows): one pass over the repacked weights per row, a tile of output rows
+per work item (prange), the group's integer dot vectorized across the tile's outputs, then the float64 combine of
+intdot.py. `many_rows` (prompt rows): a tile's integers unpacked once into int8 and multiplied with every row,
+eight input columns a step (the partial sums stay in vector registers), each group's dot combined at once: no
+block-dot tensor goes through memory, which made torch's batched matmul + a combine pass memory-bound
+(docs/decisions/cpu-matmul.md).
 No fastmath: the float ops keep their order and are never fused (LLVM contracts a * b + c into an FMA
 only when allowed to). Compiled once per machine into numba's cache (cache=True: next to this file, or
 in the user's cache folder where that is read-only); numba missing: `available()` is False and torch runs
@@ -17,16 +19,22 @@ import threading
 import numpy as np
 import torch
 
+from kernels.cpu.jit import parallel_launch
 from kernels.quant.intdot_tile import TILE   # output rows per tile of the repacked integers
 
 _LOCK = threading.Lock()
 _KERNELS: dict | None = None
 _FAILED = False
-_RUN = threading.Lock()   # the workqueue layer takes one parallel launch at a time
 # a few-row product of at least this many multiply-adds spreads its tiles over numba's threads; smaller ones run on
 # the calling thread (the demo model's decode step: the 49152 x 576 output matrix in parallel, its layers' ~0.9M-MAC
 # matrices each on one thread)
 PARALLEL_MACS = 4 << 20
+# rows of a many-row product per work item (with one tile of outputs): their activations (up to 64 x n_in bytes) and
+# the tile's float32 integers stay in the core's cache, and a 512-row prompt chunk makes 8 items per tile, which
+# spread evenly over the threads
+MANY_ROWS_CHUNK = 64
+# at least this many rows round their activations on every thread (a decode step's few rows stay on the calling thread)
+PARALLEL_ROWS = 32
 
 
 def _compile() -> dict:
@@ -37,8 +45,8 @@ def _compile() -> dict:
     from kernels.quant import intdot_kernels as m
     return {"few_rows": m.few_rows_tiles, "few_rows_nibbles": m.few_rows_nibbles_tiles,
             "few_rows_parallel": m.few_rows_parallel, "few_rows_nibbles_parallel": m.few_rows_nibbles_parallel,
-            "combine": m.combine_kernel, "float_columns": m.float_columns_kernel, "q8_0": m.q8_0_kernel,
-            "q8_k": m.q8_k_kernel, "numba": numba}
+            "many_rows": m.many_rows_parallel, "q8_0": m.q8_0_kernel, "q8_k": m.q8_k_kernel,
+            "q8_0_parallel": m.q8_0_parallel, "q8_k_parallel": m.q8_k_parallel, "numba": numba}
 
 
 def _kernels() -> dict | None:
@@ -58,18 +66,6 @@ def available() -> bool:
     return _kernels() is not None
 
 
-_SET_THREADS = [0]
-
-
-def _threads(k: dict) -> None:
-    """numba's threads follow torch's (set_num_threads), asked of numba only when torch's change."""
-    n = torch.get_num_threads()
-    if _SET_THREADS[0] != n:
-        numba = k["numba"]
-        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-        _SET_THREADS[0] = n
-
-
 def activations(x: torch.Tensor, q8_k: bool, q8_1: bool, group: int, xq: torch.Tensor, dx: torch.Tensor,
                 s: torch.Tensor, e: torch.Tensor) -> None:
     """intdot.int_activations' integers, scales, sums and Q8_1 sum errors (the same bits) into xq int8 [M, K],
@@ -79,7 +75,13 @@ def activations(x: torch.Tensor, q8_k: bool, q8_1: bool, group: int, xq: torch.T
 
 
 def _activations(k: dict, xn, q8_k: bool, q8_1: bool, group: int, xq, dx, s, e) -> None:
-    if q8_k:
+    if xn.shape[0] >= PARALLEL_ROWS and torch.get_num_threads() > 1:   # prompt rows: 16-row blocks over the threads
+        with parallel_launch(k["numba"]):
+            if q8_k:
+                k["q8_k_parallel"](xn, group, xq, dx, s, e)
+            else:
+                k["q8_0_parallel"](xn, q8_1, xq, dx, s, e)
+    elif q8_k:
         k["q8_k"](xn, group, xq, dx, s, e)
     else:
         k["q8_0"](xn, q8_1, xq, dx, s, e)
@@ -108,8 +110,7 @@ def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
         else:
             k["few_rows_nibbles"](q, w.zero, a, c, xq, dx, s, e, out, 0, q.shape[0])
         return torch.from_numpy(out)
-    with _RUN:
-        _threads(k)
+    with parallel_launch(k["numba"]):
         if w.zero is None:
             k["few_rows_parallel"](q, a, c, xq, dx, s, e, out)
         else:
@@ -117,28 +118,22 @@ def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def float_columns(w, t0: int, t1: int) -> torch.Tensor:
-    """intdot.IntWeight.float_columns(t0, t1) (the same values) in one pass over the repacked integers, its tiles
-    spread over numba's threads."""
+def many_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, n_in] -> float32 [M, n_pad]: intdot.int_matmul's result for many rows (the same bits): the
+    activations' integers, then every tile's integers unpacked once into int8 and multiplied with every row, the group
+    dots combined in float64 in the kernel (no block-dot tensor in memory), tiles and chunks of MANY_ROWS_CHUNK rows
+    over numba's threads."""
     k = _kernels()
-    out = np.empty((w.n_in // w.group, w.group, (t1 - t0) * TILE), np.float32)
-    q = w.__dict__.get("_q_np")
-    if q is None:
-        q = w._q_np = w.q.numpy()
-    with _RUN:
-        _threads(k)
-        k["float_columns"](q, w.zero is not None, int(w.zero or 0), t0, t1, w.group, out)
+    m = x.shape[0]
+    groups = w.n_in // w.group
+    xq = np.empty((m, w.n_in), np.int8)
+    dx, s, e = np.empty((3, m, groups), np.float64)
+    _activations(k, x.contiguous().numpy(), w.q8_k, w.q8_1, w.group, xq, dx, s, e)
+    out = np.empty((m, w.n_pad), np.float32)
+    arrays = w.__dict__.get("_numba_arrays")
+    if arrays is None:
+        arrays = w._numba_arrays = (w.q.numpy(), w.a.numpy(), w.c.numpy())
+    q, a, c = arrays
+    with parallel_launch(k["numba"]):
+        k["many_rows"](q, w.zero is not None, int(w.zero or 0), a, c, xq, dx, s, e, out, MANY_ROWS_CHUNK)
     return torch.from_numpy(out)
-
-
-def combine(p: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, s: torch.Tensor, e: torch.Tensor,
-            out: torch.Tensor) -> None:
-    """out[:] = intdot.combine_ref(p, a, c, dx, s, e) (the same bits); out may be a column slice."""
-    k = _kernels()
-    o = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.float32)
-    with _RUN:
-        _threads(k)
-        k["combine"](p.numpy(), np.ascontiguousarray(a.numpy()), np.ascontiguousarray(c.numpy()),
-                     dx.contiguous().numpy(), s.contiguous().numpy(), e.contiguous().numpy(), o.numpy())
-    if o is not out:
-        out.copy_(o)

@@ -75,7 +75,7 @@ def test_activation_integers_times_scales_are_llamacpp_rounding():
 @numba_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_numba_matmul_gives_the_reference_bits_whatever_the_batch(qtype):
-    """Decode rows (the fused numba kernel), many rows (torch's bmm + the numba combine) and torch alone: the same
+    """Decode rows (the few-row numba kernel), many rows (the many-row numba kernel) and torch alone: the same
     bits, and each row's result the same alone as in a batch of 9 (the runner's batches)."""
     raw, n_in = _weight(qtype, 130, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 8, 2)
     w = IntWeight(raw, qtype, 130, n_in)
@@ -103,16 +103,36 @@ def test_integer_matmul_is_the_rounded_activations_times_the_weights(qtype):
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6 * float(want.abs().max()))
 
 
-@numba_kernels
-def test_many_rows_in_column_chunks(monkeypatch):
-    """A many-row product cut into column chunks (its block dots over P_BYTES) gives the same bits."""
+def test_reference_in_column_chunks(monkeypatch):
+    """The torch reference's many-row product cut into column chunks (its block dots over P_BYTES) gives the same
+    bits."""
     import kernels.quant.intdot as intdot
     raw, n_in = _weight(QT.Q4_1, 300, 4, 4)
     w = IntWeight(raw, QT.Q4_1, 300, n_in)
     x = _activations(20, n_in)
-    whole = int_matmul(x, w)
+    whole = int_matmul(x, w, fast=False)
     monkeypatch.setattr(intdot, "P_BYTES", 1)   # one tile per chunk
-    assert _same(int_matmul(x, w), whole)
+    assert _same(int_matmul(x, w, fast=False), whole)
+
+
+@numba_kernels
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_many_rows_whatever_the_threads_and_row_chunks(qtype):
+    """The many-row kernel splits its rows into chunks by the thread count and the tile count: every split gives the
+    reference's bits, and a row's result is the same in any batch."""
+    raw, n_in = _weight(qtype, 70, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 8, 6)
+    w = IntWeight(raw, qtype, 70, n_in)
+    x = _activations(100, n_in)
+    ref = int_matmul(x, w, fast=False)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (5, 17, 64, 100):
+                assert _same(int_matmul(x[:m], w, fast=True), ref[:m])
+            assert _same(int_matmul(x[40:57], w, fast=True), ref[40:57])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @numba_kernels
@@ -154,15 +174,3 @@ def test_stacked_weights_give_each_parts_own_product(qtype):
     raw, n_in = _weight(qtype, 64, 1, 20)
     with pytest.raises(ValueError):
         stack_int_weights([parts[0], IntWeight(raw, qtype, 64, n_in)])
-
-
-@numba_kernels
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_numba_float_columns_are_the_references(qtype):
-    """The many-row path's float32 integers per column tile (intdot_numba.float_columns) are IntWeight.float_columns'
-    values, for any tile range."""
-    from kernels.quant import intdot_numba
-    raw, n_in = _weight(qtype, 200, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 8, 4)
-    w = IntWeight(raw, qtype, 200, n_in)
-    for t0, t1 in ((0, 4), (1, 3), (3, 4)):
-        assert torch.equal(intdot_numba.float_columns(w, t0, t1), w.float_columns(t0, t1))

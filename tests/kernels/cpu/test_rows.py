@@ -37,7 +37,7 @@ def test_rms_norm_takes_strided_input_and_falls_back_for_other_dtypes():
 
 
 @needs_numba
-@pytest.mark.parametrize("n", [1, 3, 64])
+@pytest.mark.parametrize("n", [1, 3, 64, 100])   # 64 and 100 rows: blocks of 16 rows over the threads
 def test_silu_mul_gives_the_references_bits(n):
     gate, up = _randn(n, 1536, scale=4.0, seed=5), _randn(n, 1536, seed=6)
     assert torch.equal(rows.silu_mul(gate, up), fused.ref_silu_mul(gate, up))
