@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from kernels.cpu.jit import parallel_launch
-from kernels.quant.intdot_tile import TILE   # output rows per tile of the repacked integers
 
 _LOCK = threading.Lock()
 _KERNELS: dict | None = None
