@@ -3,7 +3,7 @@
 Every `import` in app/, engine/ and kernels/ counts, those inside functions too (a lazy import is still a
 dependency). Imports under `if TYPE_CHECKING:` (annotations only, never run) are left out of the run-time graph,
 which must have no circle at all, and kept in a second graph whose circles show the parts that still reach back
-into each other's attributes (the runner's mixins): those may only shrink. `from pkg import sub`
+into each other's types (the runner and the objects it composes): those may only shrink. `from pkg import sub`
 where `sub` is a module counts as an edge to that module, not to the package. The runtime modules never import engine/tools/ (benchmarks, synthetic models,
 quality tools), which the `hivejet` command and the tests use.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"kernels": 0, "engine": 1, "app": 2}
 
-# Circles through annotations that the engine restructure has not taken apart yet: the runner with its attention /
-# key-preconditioning mixins, whose methods annotate the runner's batch and the batch the runner. Each must still be
+# Circles through annotations that the engine restructure has not taken apart yet: the runner with its attention,
+# key preconditioning and prompt graphs, whose methods annotate the runner's batch and the batch the runner. Each must still be
 # exactly a circle here; once one is gone, delete it.
 KNOWN_ANNOTATION_CIRCLES = [
     {"engine.runner.runner", "engine.runner.attention", "engine.runner.batch", "engine.runner.keyprep",

@@ -80,7 +80,7 @@ def fill_kv(runner, lo: int, hi: int, seed: int = 0, pool: int = 4096) -> None:
         kp = runner.kprep.get(il)
         if kp is not None:    # segments without a center yet get the pool's mean
             c = k.mean(0)
-            have, n_seg = int(kp.ncent[0]), -(-hi // runner.segment)
+            have, n_seg = int(kp.ncent[0]), -(-hi // runner.keys.segment)
             if n_seg > have:
                 kp.centers[0, have:n_seg] = c
                 kp.ncent[0] = n_seg

@@ -1,4 +1,5 @@
-"""Attention on the GPU path: how the Runner's rows attend over the paged KV pool (engine/runner/runner.py).
+"""Attention on the runner's path: how the Runner's rows attend over the paged KV pool (engine/runner/runner.py),
+the Runner's `attention` (a SlotAttention).
 Decode rows: the paged Triton kernel (kernels/attention/paged.py) for every cache type, or its torch
 reference. Prompt chunks: FlashAttention over the slot's gathered K/V for float caches, over K/V decoded in
 pieces for compressed ones (CUDA), else the paged prefill kernel / its reference. The rows' new K/V are
@@ -21,8 +22,26 @@ if TYPE_CHECKING:
 DECODED_PIECE = 8192   # keys decoded at a time for a prompt chunk's attention over a compressed cache
 
 
-class AttentionMixin:
-    """Runner methods: one attention layer for a SlotBatch (decode rows or one slot's prompt chunk)."""
+class SlotAttention:
+    """One attention layer for a SlotBatch (decode rows or one slot's prompt chunk) over the runner's paged pool.
+    k, v: the runner's pool per attention layer (the same dicts); block_table: its device table [slots + 1,
+    max_blocks]; keys: its KeyPreconditioner (engine/runner/keyprep.py); read_rows(cache, codec, d, slot, pos): a
+    slot's stored rows decoded (Runner._read_rows). triton: the Triton kernels (else their torch references);
+    prefill_dot: the Triton prefill attention's dot precision; decoded_prefill: prompt chunks over compressed caches
+    as decoded pieces through FlashAttention (_prefill_decoded); n_split, decode_dot: the decode kernel's split-K
+    programs per row and its dot precision, fixed for the runner's life (a row's reduction order must not depend on
+    the others)."""
+
+    def __init__(self, spec, k: dict, v: dict, codec_k, codec_v, block_table: torch.Tensor, block_size: int, keys,
+                 read_rows, *, triton: bool, prefill_dot: str, decoded_prefill: bool, n_split: int, decode_dot: str):
+        self.spec, self.k, self.v = spec, k, v
+        self.codec_k, self.codec_v = codec_k, codec_v
+        self.block_table, self.block_size = block_table, block_size
+        self.keys, self.kprep, self.segment = keys, keys.layers, keys.segment
+        self._read_rows = read_rows
+        self.triton, self._impl = triton, "triton" if triton else "auto"
+        self.prefill_dot, self.decoded_prefill = prefill_dot, decoded_prefill
+        self.n_split, self._decode_dot = n_split, decode_dot
 
     def _kernel_writes(self, device: torch.device) -> bool:
         """Whether new K/V rows go into the pool by write_kv_rows (or norm_rope_write_kv): the Triton path
@@ -33,7 +52,7 @@ class AttentionMixin:
         types = ("f16", "f32", "bf16") if device.type == "cuda" else ("f16", "f32")
         return self.triton and self.codec_k.name in types and self.codec_v.name in types
 
-    def _attend(self, b: SlotBatch, il, q, k, v, scale, window):
+    def attend(self, b: SlotBatch, il, q, k, v, scale, window):
         s = self.spec
         kc, vc = self.k[il], self.v[il]
         ck, cv = self.codec_k, self.codec_v
@@ -57,7 +76,7 @@ class AttentionMixin:
             vc.view(-1, s.n_head_kv, vc.shape[-1]).index_copy_(0, flat, cv.encode(v, self._impl))
         return self._attend_stored(b, il, q, q_orig, bias, seg_len, scale, window, kp)
 
-    def _attend_prepared(self, b: SlotBatch, il, q, k, v, prep: HeadPrep, scale, window, gate=None, out_dtype=None):
+    def attend_prepared(self, b: SlotBatch, il, q, k, v, prep: HeadPrep, scale, window, gate=None, out_dtype=None):
         """Decode rows whose q and k still need `prep` (their norms and rope): over a float cache without
         key preconditioning, one kernel does prep, writes K and V into the pool and hands back the queries
         (kernels/attention/kv_write.py: norm_rope_write_kv), then they attend (times sigmoid(gate) in

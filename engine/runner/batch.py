@@ -116,7 +116,7 @@ class SlotBatch:
         return self._pool["lengths"]
 
     def attend(self, il, q, k, v, scale, window):
-        return self.runner._attend(self, il, q, k, v, scale, window)
+        return self.runner.attention.attend(self, il, q, k, v, scale, window)
 
     def attend_prepared(self, il, q, k, v, prep, scale, window, gate=None, out_dtype=None):
         """DecoderModel.attend_heads' GPU shortcut: decode rows over a float cache do the norms and rope
@@ -124,7 +124,7 @@ class SlotBatch:
         attention's merge kernel. None where that does not apply (the model preps and attends as usual)."""
         if not self.decode:
             return None
-        return self.runner._attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype)
+        return self.runner.attention.attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype)
 
     def state_slots(self) -> torch.Tensor:
         """The decode rows' recurrent-state slots, padding rows -1 (no state update; once per step)."""

@@ -224,7 +224,7 @@ class PrefillGraph:
         if not self.out.is_cuda:   # (the CPU: padding rows share 16-row matmul blocks with real rows, so they
             self.out.zero_()      # hold the same zeros in every pass, whatever ran before)
         for b, lo, hi in self._real:
-            self.out[lo:hi].copy_(self.runner._attend(b, il, q[lo:hi], k[lo:hi], v[lo:hi], scale, window))
+            self.out[lo:hi].copy_(self.runner.attention.attend(b, il, q[lo:hi], k[lo:hi], v[lo:hi], scale, window))
 
     def _buffers(self, il, q, k, v) -> tuple:
         """Layer il's static q, k, v: views of buffers all attention layers share (they run one after

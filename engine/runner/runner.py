@@ -48,7 +48,7 @@ from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import PoolFullError
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
-from engine.runner.attention import AttentionMixin
+from engine.runner.attention import SlotAttention
 from engine.runner.batch import DecodeGraph, PrefixMatch, PromptInputs, SlotBatch, capture_guard
 from engine.runner.checkpoints import StateCheckpoints
 from engine.runner.sizes import (attn_layers, preconditions_keys, slot_bytes_per_token, slot_fixed_bytes,  # noqa: F401
@@ -112,7 +112,7 @@ def prefix_digests(tokens, chunk: int, upto: int) -> list[bytes]:
     return out
 
 
-class Runner(AttentionMixin):
+class Runner:
     """cache_type sets K and V; cache_type_k / cache_type_v set each (f16 when neither is given).
     prefill_dot: the input precision of the Triton prefill attention's dot products on CUDA ("tf32":
     tensor cores, 10-bit mantissa, what the f16 cache's fused attention uses too; "ieee": full fp32,
@@ -152,11 +152,6 @@ class Runner(AttentionMixin):
         self.max_ctx = self.max_blocks * block_size
         self.scratch = n_slots  # the padding rows' slot
         self.scratch_block = self.n_blocks   # its private block, after the pool's
-        self.prefill_dot = prefill_dot
-        # prompt chunks over compressed caches: decoded pieces through FlashAttention (_prefill_decoded)
-        # where torch has it for these head sizes, else the paged Triton kernel
-        self.decoded_prefill = (s.head_dim == s.head_dim_v and flash_supported(self.device, s.head_dim)
-                                and flash_lse_works(self.device))
         self.triton = self.device.type == "cuda" if triton is None else triton
         self._impl = "triton" if self.triton else "auto"
         dev = self.device
@@ -179,7 +174,6 @@ class Runner(AttentionMixin):
         self.keys = KeyPreconditioner(model, list(self.k), total_slots, self.max_ctx, block_size,
                                       self.codec_k.rotated, self.triton, self._read_keys, dev)
         self.kprep = self.keys.layers            # (attention layer -> KeyPrep; empty without preconditioning)
-        self.segment, self.n_seg = self.keys.segment, self.keys.n_seg
         # per slot (and the scratch slot, 0), what its decode rows add to their positions for RoPE
         self.rope_delta = torch.zeros(total_slots, dtype=torch.long, device=dev) if rope_offsets else None
         # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
@@ -191,16 +185,7 @@ class Runner(AttentionMixin):
                 self.conv_state[il] = torch.zeros(n_slots, K - 1, C, dtype=torch.float32, device=dev)
                 self.ssm_state[il] = torch.zeros(n_slots, model.n_v_heads, model.d_state, model.d_state,
                                                  dtype=torch.float32, device=dev)
-        # split-K of decode attention: fixed per runner (a row's reduction order must not depend on
-        # others), about 512 keys per program at full context so one long sequence fills the GPU
-        # split-K programs per decode row and KV head at most (a row uses one per min_keys keys up to
-        # this many; fixed for the runner's life, as it decides how each row's keys are split)
-        cfg = decode_config(self.codec_k, self.codec_v,
-                            device_family(self.device) if self.device.type == "cuda" else None)
-        self.n_split = n_split or max(1, min(cfg["max_split"], -(-self.max_ctx // cfg["min_keys"])))
-        # an f32 cache asks for full precision; tensor cores otherwise (the interpreter computes in fp32)
-        f32 = "f32" in (self.codec_k.name, self.codec_v.name)
-        self._decode_dot = cfg["dot"] if self.device.type == "cuda" and not f32 else "ieee"
+        self.attention = self._slot_attention(prefill_dot, n_split)
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
         self._graphs: dict[tuple, DecodeGraph] = {}    # (rows bucket, waves, centers) -> decode graph
         self.hidden: torch.Tensor | None = None        # the last step's output-normed hidden rows (decode, prefill)
@@ -229,6 +214,25 @@ class Runner(AttentionMixin):
         self._replay_bufs: dict[int, tuple] = {}         # drafting steps' delta-rule inputs (_keep_replay_inputs)
         self._graph_waves: dict[tuple, torch.Tensor] = {}
         self._graph_replay: dict[tuple, dict] = {}
+
+    def _slot_attention(self, prefill_dot: str, n_split: int | None) -> SlotAttention:
+        """The attention over this runner's pool, its kernels' settings fixed for the runner's life."""
+        s, dev = self.spec, self.device
+        # split-K of decode attention: fixed per runner (a row's reduction order must not depend on
+        # others), about 512 keys per program at full context so one long sequence fills the GPU
+        # split-K programs per decode row and KV head at most (a row uses one per min_keys keys up to
+        # this many; fixed for the runner's life, as it decides how each row's keys are split)
+        cfg = decode_config(self.codec_k, self.codec_v, device_family(dev) if dev.type == "cuda" else None)
+        n_split = n_split or max(1, min(cfg["max_split"], -(-self.max_ctx // cfg["min_keys"])))
+        # an f32 cache asks for full precision; tensor cores otherwise (the interpreter computes in fp32)
+        f32 = "f32" in (self.codec_k.name, self.codec_v.name)
+        # prompt chunks over compressed caches: decoded pieces through FlashAttention (_prefill_decoded)
+        # where torch has it for these head sizes, else the paged Triton kernel
+        decoded = s.head_dim == s.head_dim_v and flash_supported(dev, s.head_dim) and flash_lse_works(dev)
+        return SlotAttention(s, self.k, self.v, self.codec_k, self.codec_v, self.block_table, self.block_size,
+                             self.keys, self._read_rows, triton=self.triton, prefill_dot=prefill_dot,
+                             decoded_prefill=decoded, n_split=n_split,
+                             decode_dot=cfg["dot"] if dev.type == "cuda" and not f32 else "ieee")
 
     # ----- memory -----
     def kv_bytes(self) -> int:

@@ -311,7 +311,7 @@ DECODED_CASES = [("qwen35", "turbo3_tcq", "turbo4"), ("llama", "q8_0", "q8_0"), 
 
 @pytest.mark.parametrize("arch,kt,vt", DECODED_CASES, ids=[f"{a}-{k}-{v}" for a, k, v in DECODED_CASES])
 def test_decoded_prefill_matches_paged_attention(tiny, short_segments, monkeypatch, arch, kt, vt):
-    """Prompt chunks over a compressed cache the way CUDA runs them (Runner._prefill_decoded: the slot's
+    """Prompt chunks over a compressed cache the way CUDA runs them (SlotAttention._prefill_decoded: the slot's
     K/V decoded a piece of keys at a time, keys un-preconditioned, attention with log-sum-exp per piece,
     the pieces merged; here the torch math stands in for FlashAttention) give the paged attention's
     logits: pieces of 16 keys, so a 45-token prompt in chunks of 16 merges up to three pieces; the
@@ -325,7 +325,7 @@ def test_decoded_prefill_matches_paged_attention(tiny, short_segments, monkeypat
         got = []
         for decoded in (False, True):
             runner = Runner(model, device="cpu", n_slots=2, max_ctx=96, cache_type_k=kt, cache_type_v=vt)
-            runner.decoded_prefill = decoded
+            runner.attention.decoded_prefill = decoded
             got.append(runner.prefill(0, p, chunk=16, all_logits=True).float())
         err = (got[0] - got[1]).abs().max() / got[0].abs().max()
         assert err < 2e-3, float(err)
@@ -474,7 +474,7 @@ def test_triton_path_in_the_interpreter(tiny, monkeypatch, arch, kt, vt):
 
 def _greedy_off_and_on(tiny, monkeypatch, arch, off, kernel, n_new, **runner_kw):
     """The runner's Triton path (the interpreter) decoding one prompt greedily with `off` (engine/runner/
-    attention.py's AttentionMixin method name -> its stand-in) in place, then as it is. Returns both runs'
+    attention.py's SlotAttention method name -> its stand-in) in place, then as it is. Returns both runs'
     (tokens, logits), how often kernels/attention/kv_write.py's `kernel` ran in each, and the model's attention
     layers."""
     pytest.importorskip("triton")
@@ -492,7 +492,7 @@ def _greedy_off_and_on(tiny, monkeypatch, arch, off, kernel, n_new, **runner_kw)
         for on in (False, True):
             with monkeypatch.context() as m:
                 for name, stand_in in ({} if on else off).items():
-                    m.setattr(ra.AttentionMixin, name, stand_in)
+                    m.setattr(ra.SlotAttention, name, stand_in)
                 calls.clear()
                 r = Runner(model, device="cpu", n_slots=2, max_ctx=48, triton=True, **runner_kw)
                 outs.append(runner_greedy(r, [p], n_new))
@@ -510,7 +510,7 @@ def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
     the interpreter, prompt chunks and decode rows)."""
     import engine.runner.attention as ra
     # (decode rows would take norm_rope_write_kv instead)
-    monkeypatch.setattr(ra.AttentionMixin, "_attend_prepared", lambda self, *a, **kw: None)
+    monkeypatch.setattr(ra.SlotAttention, "attend_prepared", lambda self, *a, **kw: None)
     outs, counts, _ = _greedy_off_and_on(tiny, monkeypatch, arch, {"_kernel_writes": lambda self, device: False},
                                          "write_kv_rows", 6, cache_type_k=kt, cache_type_v=vt)
     assert counts[0] == 0 and counts[1] > 0           # the kernel ran, and only where it was not stood in for
@@ -521,13 +521,13 @@ def test_kv_write_kernel_changes_no_bit(tiny, monkeypatch, arch, kt, vt):
 
 @pytest.mark.parametrize("arch,kt", [("qwen3", "f16"), ("qwen35", "f32"), ("gemma3", "f16"), ("llama", "f16")])
 def test_fused_heads_in_decode_rows(tiny, monkeypatch, arch, kt):
-    """Decode rows over a float cache (engine/runner/attention.py: _attend_prepared) norm and rope q and k
+    """Decode rows over a float cache (engine/runner/attention.py: SlotAttention.attend_prepared) norm and rope q and k
     and write K and V in one kernel (kernels/attention/kv_write.py: norm_rope_write_kv), qwen35's output gate
     in the attention's merge kernel; prompt chunks (and quantized caches) keep the separate path. The same
     greedy tokens as that path, the logits within float32 rounding (the CPU's separate path norms and ropes in
     torch; the interpreter in the kernel's float32), the kernel run once per attention layer and decode step."""
     outs, counts, n_attn = _greedy_off_and_on(tiny, monkeypatch, arch,
-                                              {"_attend_prepared": lambda self, *a, **kw: None},
+                                              {"attend_prepared": lambda self, *a, **kw: None},
                                               "norm_rope_write_kv", 5, cache_type=kt)
     assert counts == [0, 5 * n_attn]
     assert outs[0][0] == outs[1][0]
