@@ -7,7 +7,7 @@ as the GPU path (engine/runner/runner.py) allocates it.
 Every number comes from the GGUF header (nothing is loaded):
 
 * **weights**: what `DecoderModel.to_device` puts on the GPU, from the file's tensor index: quantized
-  matrices repacked into kernels/quant/packed.py's layout (Q4_K 5 bits/value, Q6_K 7, ...; 4.625 and
+  matrices repacked into kernels/quant/packing.py's layout (Q4_K 5 bits/value, Q6_K 7, ...; 4.625 and
   6.5625 with the scale codes kept, pack_weight(coded=True): exactly its planes + scales, `packed_bytes`),
   float matrices as they are, vectors as float32
   (qwen35's conv kernels also once more as float32). All tensors count, including the token embedding

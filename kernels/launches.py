@@ -86,7 +86,7 @@ def _layout(qname: str, tile_n: int, tile_k: int, coded: bool) -> SimpleNamespac
     from gguf import GGMLQuantizationType as QT
 
     from kernels.packed_layout import PACKED_LAYOUT, scale_kind
-    from kernels.quant.packed import _PACKERS, SUPER_BLOCK
+    from kernels.quant.packing import _PACKERS, SUPER_BLOCK
     group, hi_bits, _ = PACKED_LAYOUT[qname]
     kind = scale_kind(qname, coded)
     if tile_k % group or (kind.startswith("codes") and SUPER_BLOCK % tile_k):

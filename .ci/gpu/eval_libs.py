@@ -18,8 +18,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels.quant.packed import (  # noqa: E402
-    dequant_packed, matmul_tuned, nibble_values, packed_matmul, prefill_matmul, row_major, tuned_config,
+    dequant_packed, matmul_tuned, packed_matmul, prefill_matmul, tuned_config,
 )
+from kernels.quant.packing import nibble_values, row_major  # noqa: E402
 
 SHAPES = [(17408, 5120), (5120, 17408)]
 ROWS = [1, 2, 4, 8, 16, 32, 64]
@@ -35,7 +36,7 @@ def q4k_weight(n, k):
     raw = torch.randint(0, 256, (n * k // 256 * 144,), dtype=torch.uint8, device="cuda").view(-1, 144)
     half = torch.tensor(0.001, dtype=torch.float16, device="cuda").view(torch.int16)
     raw.view(torch.int16)[:, :2] = half
-    from kernels.quant.packed import pack_weight
+    from kernels.quant.packing import pack_weight
     return pack_weight(raw.reshape(-1), QT.Q4_K, n, k)
 
 

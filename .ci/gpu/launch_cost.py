@@ -19,7 +19,8 @@ sys.path.insert(0, ".ci/gpu")
 from matmul_shapes import decode_configs  # noqa: E402
 from sweep_scales import clones, graph_time  # noqa: E402
 
-from kernels.quant.packed import packed_matmul, stack_rows  # noqa: E402
+from kernels.quant.packed import packed_matmul  # noqa: E402
+from kernels.quant.packing import stack_rows
 
 
 def main():

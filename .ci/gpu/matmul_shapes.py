@@ -23,7 +23,8 @@ from sweep_scales import clones, graph_time  # noqa: E402
 from engine.models import open_model  # noqa: E402
 from engine.models.common import StackedWeights, Weight  # noqa: E402
 from engine.runner import Runner  # noqa: E402
-from kernels.quant.packed import PackedWeight, _has_tma, _sm_count, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packed import _has_tma, _sm_count, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packing import PackedWeight
 
 
 def decode_matrices(model) -> dict:

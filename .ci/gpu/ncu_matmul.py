@@ -16,7 +16,8 @@ sys.path.insert(0, "tests/kernels")
 from test_packed import _random_weight  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
-from kernels.quant.packed import _has_tma, _sm_count, pack_weight, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packed import _has_tma, _sm_count, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packing import pack_weight
 
 
 def main():

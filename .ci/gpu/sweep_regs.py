@@ -24,7 +24,8 @@ from sweep_tile_k import ALL_SHAPES  # noqa: E402
 from test_packed import _random_weight  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
-from kernels.quant.packed import _has_tma, _sm_count, _split_for, pack_weight, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packed import _has_tma, _sm_count, _split_for, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packing import pack_weight
 
 # register caps worth trying per tile rows, as (programs of 128 threads an SM then holds, the most registers
 # per thread that allows; registers are given out 8 per thread at a time). Uncapped, Q4_K holds 3 programs

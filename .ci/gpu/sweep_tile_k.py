@@ -29,7 +29,8 @@ sys.path.insert(0, ".ci/gpu")
 from sweep_scales import clones, time_case  # noqa: E402
 from test_packed import _random_weight  # noqa: E402
 
-from kernels.quant.packed import _has_tma, _sm_count, pack_weight, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packed import _has_tma, _sm_count, packed_matmul, tuned_config  # noqa: E402
+from kernels.quant.packing import pack_weight
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408)]

@@ -14,7 +14,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from triton.testing import do_bench
 
-from kernels.quant.packed import _sm_count, _split_for, pack_weight, packed_matmul, tuned_config
+from kernels.quant.packed import _sm_count, _split_for, packed_matmul, tuned_config
+from kernels.quant.packing import pack_weight
 
 BUDGET = float(sys.argv[1]) if len(sys.argv) > 1 else 200
 SIZES = {QT.Q4_K: (144, 256), QT.Q6_K: (210, 256)}

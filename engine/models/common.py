@@ -111,13 +111,13 @@ class Weight:
 
     def to_device(self, device: torch.device) -> None:
         """Put this tensor on `device` once: vectors as float32, matrices repacked for the GPU
-        kernels (kernels/quant/packed.py) or, for float types, as they are."""
+        kernels (kernels/quant/packing.py) or, for float types, as they are."""
         if self.dense is not None:
             self.dense = self.dense.to(device)
             return
         if device.type == "cpu" or self.gpu is not None:
             return
-        from kernels.quant.packed import pack_weight
+        from kernels.quant.packing import pack_weight
         raw = self.raw.to(device)
         if self.qtype in _FLOAT_TYPES:
             dt = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}[self.qtype]
@@ -200,7 +200,7 @@ class Weight:
 class StackedWeights:
     """Matrices that multiply the same input (an FFN's gate and up, attention's Q, K and V, ...). On the
     GPU the packed ones that share a tile layout are stacked once at load time, each part then a view
-    of the stack (kernels/quant/packed.py: stack_rows; no extra memory), and decode rows multiply the
+    of the stack (kernels/quant/packing.py: stack_rows; no extra memory), and decode rows multiply the
     stack in one kernel instead of one per matrix: fewer launches and split-K sums per step, longer
     programs. Prompt rows (cuBLAS on an fp16 copy: the largest copy stays one matrix's, as the memory
     planner counts it) and the CPU keep one product per matrix. A stack's outputs are views of one
@@ -220,7 +220,7 @@ class StackedWeights:
 
     def stack_packed(self) -> None:
         """Stack the parts whose `gpu` is a PackedWeight, by tile layout (to_device's second half)."""
-        from kernels.quant.packed import PackedWeight, stack_key, stack_rows
+        from kernels.quant.packing import PackedWeight, stack_key, stack_rows
         by_key: dict[tuple, list[int]] = {}
         for i, w in enumerate(self.parts):
             if isinstance(w.gpu, PackedWeight):
@@ -315,7 +315,8 @@ class StackedWeights:
 
     def _prefill(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Prompt rows: one cuBLAS product per part, their fp16 operand made once (the same bits as apart)."""
-        from kernels.quant.packed import PREFILL_CUBLAS, PackedWeight, prefill_matmul, prefill_rows
+        from kernels.quant.packed import PREFILL_CUBLAS, prefill_matmul, prefill_rows
+        from kernels.quant.packing import PackedWeight
         if not PREFILL_CUBLAS:
             return [w.matmul(x) for w in self.parts]
         pad = PREFILL_ROWS.get()

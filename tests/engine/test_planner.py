@@ -159,7 +159,7 @@ def test_packed_layout_is_the_gpu_packers(coded, monkeypatch):
     from gguf import GGML_QUANT_SIZES
 
     import kernels.packed_layout as layout
-    from kernels.quant.packed import _PACKERS, pack_weight
+    from kernels.quant.packing import _PACKERS, pack_weight
     monkeypatch.setattr(layout, "CODED_SCALES", coded)
     assert {qt.name for qt in _PACKERS} == set(PACKED_LAYOUT)
     for n, k in ((8, 512), (16400, 256), (8, 768)):   # rows padded to a tile of 64, and of 128 for wide
@@ -184,7 +184,7 @@ def _packed_zero_q4_k(n: int, k: int):
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as QT
 
-    from kernels.quant.packed import pack_weight
+    from kernels.quant.packing import pack_weight
     raw = torch.from_numpy(np.zeros(n * k // 256 * GGML_QUANT_SIZES[QT.Q4_K][1], dtype=np.uint8))
     return pack_weight(raw, QT.Q4_K, n, k)
 
@@ -218,7 +218,7 @@ def test_device_weight_bytes_are_what_the_model_puts_on_the_gpu(tmp_path, arch, 
     import torch
 
     from engine.models import open_model
-    from kernels.quant.packed import pack_weight
+    from kernels.quant.packing import pack_weight
     path = tmp_path / f"{arch}.gguf"
     write_synthetic(path, arch, "tiny", weight_type=wt)
     m = open_model(path)

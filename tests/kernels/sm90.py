@@ -44,7 +44,8 @@ def compile_decode_matmul(qtype: str, tile_n: int, tile_k: int = 128, k: int = 5
 
     from gguf import GGMLQuantizationType as QT
     from kernels.quant.packed import _packed_mm_kernel as fn
-    from kernels.quant.packed import kernel_constants, pack_weight
+    from kernels.quant.packed import kernel_constants
+    from kernels.quant.packing import pack_weight
     from tests.kernels.test_packed import _random_weight
     qt = QT[qtype]
     p = pack_weight(_random_weight(qt, tile_n, k), qt, tile_n, k, tile_n=tile_n, tile_k=tile_k)

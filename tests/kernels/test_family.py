@@ -39,7 +39,8 @@ def test_every_kernel_table_has_every_family():
 def test_tma_only_for_the_sm90_family():
     from gguf import GGMLQuantizationType as QT
 
-    from kernels.quant.packed import pack_weight, tuned_config
+    from kernels.quant.packed import tuned_config
+    from kernels.quant.packing import pack_weight
     from tests.kernels.test_packed import _random_weight
     # a 256-value tile with its codes kept: the layout that takes TMA on sm_90
     p = pack_weight(_random_weight(QT.Q4_K, 128, 512), QT.Q4_K, 128, 512, tile_n=128, tile_k=256, coded=True)

@@ -14,8 +14,10 @@ from gguf import GGMLQuantizationType as QT
 triton = pytest.importorskip("triton")
 
 from kernels.quant.packed import (  # noqa: E402
-    PACKED_TYPES, dequant_packed, dequant_packed_ref, group_scales, nibble_values, pack_weight, packed_matmul,
-    packed_rows, packed_rows_triton, prefill_matmul, row_major,
+    dequant_packed, packed_matmul, packed_rows, packed_rows_triton, prefill_matmul,
+)
+from kernels.quant.packing import (  # noqa: E402
+    PACKED_TYPES, PackedWeight, dequant_packed_ref, group_scales, nibble_values, pack_weight, row_major,
 )
 from kernels.quant.ref import SUPPORTED_TYPES, dequantize  # noqa: E402
 from tests.kernels.sm90 import sm90_figures  # noqa: E402
@@ -110,7 +112,7 @@ def test_4bit_plane_is_in_fragment_order():
             t, r, c, par = b // (4 * runs), b % (4 * runs) // 4, b % 4 // 2, b % 2
             v = tk * tile + 32 * r + 16 * c + 2 * t + par
             assert row[byte] & 15 == vals[5, v] and row[byte] >> 4 == vals[5, v + 8]
-        from kernels.quant.packed import _deinterleave_nibbles, _interleave_nibbles
+        from kernels.quant.packing import _deinterleave_nibbles, _interleave_nibbles
         assert torch.equal(_deinterleave_nibbles(_interleave_nibbles(q, tk), tk), q)
         assert not torch.equal(_interleave_nibbles(q, tk), q[:, 0::2] | (q[:, 1::2] << 4))
 
@@ -120,7 +122,7 @@ def test_2bit_high_plane_is_in_fragment_order():
     2f+1 (f = c + 2h) the high bits of value 32r + 16c + 8h + 2t + p: thread t's 8 values per run, the
     same ones as its word of the 4-bit plane, its bytes of the tile row side by side; a weight packs and
     dequantizes as gguf does (test_packed_dequant_matches_gguf) either way."""
-    from kernels.quant.packed import _deinterleave_crumbs, _interleave_crumbs, high_values
+    from kernels.quant.packing import _deinterleave_crumbs, _interleave_crumbs, high_values
     n, k = 64, 256
     raw = _random_weight(QT.Q6_K, n, k, seed=3)
     p = pack_weight(raw, QT.Q6_K, n, k, tile_k=128)
@@ -204,12 +206,12 @@ def test_128_row_decode_matmul_fits_four_programs_per_sm():
 def test_packing_in_chunks_and_unaligned_bytes(monkeypatch):
     """Packing row bands in several steps (the last one a partial tile band) from bytes at an odd offset
     gives the same tensors as one step; the tiles' padding rows are zero."""
-    import kernels.quant.packed as packed_mod
+    import kernels.quant.packing as packing
     n, k = 37, 512
     raw = _random_weight(QT.Q6_K, n, k, seed=3)
     whole = pack_weight(raw, QT.Q6_K, n, k, tile_n=16, tile_k=128, coded=True)
     assert whole.n_pad == 48 and not whole.scale[2, :, 5:].any()
-    monkeypatch.setattr(packed_mod, "_CHUNK_VALUES", 16 * k)  # 16 rows per step, last step 5 rows
+    monkeypatch.setattr(packing, "_CHUNK_VALUES", 16 * k)  # 16 rows per step, last step 5 rows
     buf = torch.empty(raw.numel() + 1, dtype=torch.uint8)
     buf[1:] = raw
     chunked = pack_weight(buf[1:], QT.Q6_K, n, k, tile_n=16, tile_k=128, coded=True)  # odd storage offset
@@ -336,6 +338,7 @@ def test_small_prompt_chunks_take_the_decode_settings_in_one_block():
     one block of x (each weight tile dequantized once), without the decode rows' register cap, its split
     from SMALL_PROMPT_WAVES; longer chunks keep the prefill settings."""
     import kernels.quant.packed as packed
+    from kernels.packed_layout import default_tile_k, default_tile_n
     from kernels.quant.packed import SMALL_PROMPT_ROWS, SMALL_PROMPT_WAVES, tuned_config
     assert SMALL_PROMPT_ROWS == 64
     for qtype, tile_n in ((QT.Q4_K, 128), (QT.Q6_K, 64)):
@@ -350,10 +353,10 @@ def test_small_prompt_chunks_take_the_decode_settings_in_one_block():
     assert packed.weight_class(p) == "hi"
     # 5120 output rows in 64-row tiles, K = 17408: 80 bands; decode's 8 programs per SM -> split 17 of the
     # 136 K tiles, the small chunks' 4 -> 8 (tuned_config reads only the shape: a stand-in without values)
-    down = packed.PackedWeight(planes=(torch.empty(80, 0, dtype=torch.uint8),),
+    down = PackedWeight(planes=(torch.empty(80, 0, dtype=torch.uint8),),
                                scale=torch.empty(80, 0, dtype=torch.float16), minv=None, n=5120, k=17408, group=32,
-                               hi_bits=0, qtype=QT.Q4_K, tile_n=packed.default_tile_n(5120),
-                               tile_k=packed.default_tile_k(17408, False))
+                               hi_bits=0, qtype=QT.Q4_K, tile_n=default_tile_n(5120),
+                               tile_k=default_tile_k(17408, False))
     assert down.tile_n == 64 and down.n_pad == 5120
     assert (tuned_config(down, 0, 132)["split_k"], tuned_config(down, 64, 132)["split_k"]) == (17, 8)
 
@@ -674,7 +677,7 @@ def test_stacked_weights_give_each_parts_result():
     (another layout) stays on its own. Different GGUF types of one layout stack too (Q8_0 and IQ4_NL: an
     int8 plane with an fp16 scale per 32 values); Q4_K and Q4_0 (codes or fp16 scales) do not."""
     from engine.models.common import StackedWeights
-    from kernels.quant.packed import stack_rows
+    from kernels.quant.packing import stack_rows
 
     class Part:      # what StackedWeights needs of a Weight
         def __init__(self, qtype, n, seed):

@@ -30,7 +30,8 @@ try:
     from kernels.gdn.recurrent import _conv_kernel, _delta_kernel
     from kernels.attention.paged import _combine_kernel, _decode_kernel
     from kernels.attention.kv_write import _norm_rope_write_kernel, _write_kv_kernel
-    from kernels.quant.packed import _rows_kernel, _sum_parts_kernel, kernel_constants, pack_weight
+    from kernels.quant.packed import _rows_kernel, _sum_parts_kernel, kernel_constants
+    from kernels.quant.packing import pack_weight
     from tests.kernels.test_packed import _random_weight
     from gguf import GGMLQuantizationType as QT
 except ImportError as e:
@@ -132,7 +133,7 @@ def gate_up_27b():
     """The 27B's gate+up stack, Q4_K 34816 x 5120, packed on the GPU (made once for the module's GPU tests)."""
     from gguf import GGMLQuantizationType as QT
 
-    from kernels.quant.packed import pack_weight
+    from kernels.quant.packing import pack_weight
     from tests.kernels.test_packed import _random_weight
     n, k = 34816, 5120
     return pack_weight(_random_weight(QT.Q4_K, n, k).cuda(), QT.Q4_K, n, k)
@@ -167,6 +168,7 @@ def test_packed_matmul_launches_the_prefetch_only_in_16_row_blocks(monkeypatch):
     """packed_matmul's launch, with PDL as on a GPU: PREFETCH (tiles asked of L2 before the wait) is
     PREFETCH_TILES in 16-row blocks and 0 in 64-row ones (the blocks that gave another result nearly every run)."""
     import kernels.quant.packed as packed
+    from kernels.quant.packing import pack_weight
     from gguf import GGMLQuantizationType as QT
     from tests.kernels.test_packed import _random_weight
     launches = []
@@ -177,7 +179,7 @@ def test_packed_matmul_launches_the_prefetch_only_in_16_row_blocks(monkeypatch):
     monkeypatch.setattr(packed, "_packed_mm_kernel", Recorder())
     monkeypatch.setattr(packed, "pdl_args", lambda t, matmul=False: dict(PDL=1, launch_pdl=True))
     monkeypatch.setattr(packed, "PREFETCH_TILES", 1)
-    p = packed.pack_weight(_random_weight(QT.Q4_K, 128, 512), QT.Q4_K, 128, 512)
+    p = pack_weight(_random_weight(QT.Q4_K, 128, 512), QT.Q4_K, 128, 512)
     for block_m in (16, 64):
         packed.packed_matmul(torch.randn(8, 512), p, block_m=block_m, split_k=1)
     assert [kw["PREFETCH"] for kw in launches] == [1, 0]
