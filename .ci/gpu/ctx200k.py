@@ -72,7 +72,7 @@ def fill_kv(runner, lo: int, hi: int, seed: int = 0, pool: int = 4096) -> None:
     hkv, d = s.n_head_kv, s.head_dim
     runner.reserve(0, hi)                                     # the pool's blocks for positions < hi
     runner.sync_tables()
-    rows = runner._rows(0, torch.arange(lo, hi, device=dev))  # where slot 0's positions live in the pool
+    rows = runner.tables.rows(0, torch.arange(lo, hi, device=dev))  # where slot 0's positions live in the pool
     for il in runner.k:
         k = torch.randn(pool, hkv, d, device=dev, generator=g) + torch.randn(1, hkv, d, device=dev, generator=g)
         k[..., 3] += 4.0

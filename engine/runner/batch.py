@@ -100,7 +100,7 @@ class SlotBatch:
     def rows(self) -> torch.Tensor:
         """Each row's place in the pool's caches (the same for every layer: computed once per step)."""
         if "rows" not in self._pool:
-            self._pool["rows"] = self.runner._rows(self.slots.long(), self.positions.long())
+            self._pool["rows"] = self.runner.tables.rows(self.slots.long(), self.positions.long())
         return self._pool["rows"]
 
     def tables(self) -> torch.Tensor:
@@ -134,4 +134,4 @@ class SlotBatch:
         return self._pool["state_slots"]
 
     def delta_net(self, il, model, L, qkv, alpha_x, beta_x):
-        return self.runner._delta_net(self, il, model, L, qkv, alpha_x, beta_x)
+        return self.runner.recurrent.delta_net(self, il, L, qkv, alpha_x, beta_x)

@@ -44,20 +44,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kv.blocks import BlockAllocator
-from engine.kv.pool import PoolFullError
+from engine.kv.tables import SlotTables
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.prefix import common_prefix
 from engine.runner.attention import SlotAttention
 from engine.runner.batch import DecodeGraph, PrefixMatch, PromptInputs, SlotBatch, capture_guard
 from engine.runner.checkpoints import StateCheckpoints
+from engine.runner.recurrent import RecurrentSlots
 from engine.runner.sizes import (attn_layers, preconditions_keys, slot_bytes_per_token, slot_fixed_bytes,  # noqa: F401
                                  slot_prep_bytes, state_checkpoint_bytes)
 from engine.runner.keyprep import KeyPreconditioner
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.family import device_family
-from kernels.gdn import gdn_decode, gdn_gates
 from kernels.kvcodec import cache_type_name, get_codec
 from kernels.quant import packed
 
@@ -151,7 +150,6 @@ class Runner:
         self.max_blocks = min(max_blocks, self.n_blocks)     # one slot may use the whole pool, not more
         self.max_ctx = self.max_blocks * block_size
         self.scratch = n_slots  # the padding rows' slot
-        self.scratch_block = self.n_blocks   # its private block, after the pool's
         self.triton = self.device.type == "cuda" if triton is None else triton
         self._impl = "triton" if self.triton else "auto"
         dev = self.device
@@ -162,29 +160,18 @@ class Runner:
             shape = (self.n_blocks + 1, block_size, s.n_head_kv)
             self.k[il] = torch.zeros(shape + (self.codec_k.row_bytes(s.head_dim),), dtype=torch.uint8, device=dev)
             self.v[il] = torch.zeros(shape + (self.codec_v.row_bytes(s.head_dim_v),), dtype=torch.uint8, device=dev)
-        # block tables: the host's lists are the truth; the device rows follow before each step (a
-        # table entry a slot does not hold points at the scratch block, so a stray write is harmless)
-        self.pool = BlockAllocator(self.n_blocks)
-        self._blocks: list[list[int]] = [[] for _ in range(n_slots)]
-        self._dirty: dict[int, int] = {}        # slot -> first table entry the device has not seen
-        self._dev_len = [0] * n_slots           # entries the device row holds that are not scratch
-        self.block_table = torch.full((total_slots, self.max_blocks), self.scratch_block, dtype=torch.int32,
-                                      device=dev)
+        # block tables (engine/kv/tables.py): the host's lists are the truth; the device rows follow before each step
+        self.tables = SlotTables(n_slots, self.n_blocks, self.max_blocks, block_size, dev, self._copy_block)
+        self.block_table = self.tables.table     # (the device table the graphs and kernels read)
         # key preconditioning of rotated K types (engine/runner/keyprep.py)
         self.keys = KeyPreconditioner(model, list(self.k), total_slots, self.max_ctx, block_size,
                                       self.codec_k.rotated, self.triton, self._read_keys, dev)
         self.kprep = self.keys.layers            # (attention layer -> KeyPrep; empty without preconditioning)
         # per slot (and the scratch slot, 0), what its decode rows add to their positions for RoPE
         self.rope_delta = torch.zeros(total_slots, dtype=torch.long, device=dev) if rope_offsets else None
-        # qwen35 recurrent states, per recurrent layer (none for the scratch slot: padding rows leave
-        # recurrent states untouched, kernels/gdn)
-        self.conv_state, self.ssm_state = {}, {}
-        for il in range(s.n_layer):
-            if s.is_recurrent(il):
-                K, C = s.ssm_d_conv, model.conv_dim
-                self.conv_state[il] = torch.zeros(n_slots, K - 1, C, dtype=torch.float32, device=dev)
-                self.ssm_state[il] = torch.zeros(n_slots, model.n_v_heads, model.d_state, model.d_state,
-                                                 dtype=torch.float32, device=dev)
+        # qwen35's recurrent states per slot and a drafting step's rollback (engine/runner/recurrent.py)
+        self.recurrent = RecurrentSlots(model, n_slots, dev, BUCKETS[-1])
+        self.conv_state, self.ssm_state = self.recurrent.conv, self.recurrent.ssm
         self.attention = self._slot_attention(prefill_dot, n_split)
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
         self._graphs: dict[tuple, DecodeGraph] = {}    # (rows bucket, waves, centers) -> decode graph
@@ -208,10 +195,6 @@ class Runner:
         self._grid: list[tuple[int, list]] = [(0, [b""]) for _ in range(n_slots)]
         self._live = [0] * n_slots
         self.checkpoints = StateCheckpoints(self.conv_state, self.ssm_state, dev)   # (enable_checkpoints)
-        # a decode step with drafts (several rows of a slot): states before it and the delta-rule inputs
-        self._snapshots: dict[int, tuple] = {}
-        self._replay_inputs: dict[int, tuple] = {}
-        self._replay_bufs: dict[int, tuple] = {}         # drafting steps' delta-rule inputs (_keep_replay_inputs)
         self._graph_waves: dict[tuple, torch.Tensor] = {}
         self._graph_replay: dict[tuple, dict] = {}
 
@@ -240,7 +223,7 @@ class Runner:
 
     def state_bytes(self) -> int:
         """Recurrent states and key preconditioning buffers (all slots and the scratch slot)."""
-        ts = list(self.conv_state.values()) + list(self.ssm_state.values())
+        ts = self.recurrent.tensors()
         ts += self.keys.tensors()
         return sum(t.numel() * t.element_size() for t in ts)
 
@@ -257,46 +240,39 @@ class Runner:
         """Start slot over at position 0: give its blocks back and forget its recurrent state and key
         preconditioning."""
         self.release(slot)
-        for t in list(self.conv_state.values()) + list(self.ssm_state.values()):
-            t[slot].zero_()
+        self.recurrent.reset(slot)
         self.keys.reset(slot)
         self._live[slot] = 0
 
-    # ----- the shared block pool -----
-    # Blocks are taken on the host before a step writes positions that need them (prefill, decode) and
-    # the changed table entries reach the device with a small copy queued before the step, so nothing in
-    # a step waits for the host. A caller that must not fail mid-step (the engine) asks blocks_needed()
-    # first and makes room; running out anyway raises PoolFullError before anything is written.
+    # ----- the shared block pool (engine/kv/tables.py) -----
+    @property
+    def pool(self):
+        """The pool's allocator (free blocks, reference counts)."""
+        return self.tables.pool
 
     def held(self, slot: int) -> int:
         """Blocks slot references (shared ones included)."""
-        return len(self._blocks[slot])
+        return self.tables.held(slot)
 
     def held_alone(self, slot: int) -> int:
         """Blocks only slot references: what releasing it frees."""
-        return sum(1 for b in self._blocks[slot] if not self.pool.shared(b))
+        return self.tables.held_alone(slot)
 
     def blocks_needed(self, slot: int, start: int, end: int) -> int:
         """New blocks a write of positions [start, end) into slot takes: blocks up to `end` it does not hold
         yet (from position 0 when start is 0: the slot starts over) and copies of shared blocks it writes."""
         if start == 0:
             return -(-end // self.block_size)
-        return self._need(slot, start, end)
-
-    def _need(self, slot: int, start: int, end: int) -> int:
-        bs, have = self.block_size, self._blocks[slot]
-        top = -(-end // bs)
-        cow = sum(1 for i in range(start // bs, min(top, len(have))) if self.pool.shared(have[i]))
-        return max(0, top - len(have)) + cow
+        return self.tables.needed(slot, start, end)
 
     def close(self) -> None:
         """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
         buffers) and hand it back to the driver, and host checkpoints' pinned memory to the OS; the runner
         is unusable after this."""
         for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_waves, self._graph_replay,
-                  self._replay_bufs, self._replay_inputs, self._snapshots, self.k, self.v, self.kprep,
-                  self.conv_state, self.ssm_state):
+                  self.k, self.v, self.kprep):
             d.clear()
+        self.recurrent.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.checkpoints.close()
@@ -311,14 +287,7 @@ class Runner:
 
     def truncate(self, slot: int, n: int) -> None:
         """Keep only the blocks slot's first n positions need (a follow-up that diverges at n)."""
-        have = self._blocks[slot]
-        keep = -(-n // self.block_size)
-        if keep >= len(have):
-            return
-        for b in have[keep:]:
-            self.pool.decref(b)
-        del have[keep:]
-        self._mark(slot, keep)
+        self.tables.truncate(slot, n)
 
     def reserve(self, slot: int, end: int, start: int | None = None) -> None:
         """Make slot hold private blocks for writing positions [start, end) (start: end - 1 if not given)
@@ -327,56 +296,17 @@ class Runner:
         self._check_slot(slot)
         if end > self.max_ctx:
             raise ValueError(f"{end} tokens do not fit the runner's context of {self.max_ctx}")
-        start = max(0, end - 1) if start is None else start
-        self._check_free(self._need(slot, start, end))
-        have, bs = self._blocks[slot], self.block_size
-        for i in range(start // bs, min(-(-end // bs), len(have))):
-            if self.pool.shared(have[i]):
-                self._copy_on_write(slot, i)
-        while len(have) < -(-end // bs):
-            have.append(self.pool.alloc())
-            self._mark(slot, len(have) - 1)
-
-    def _check_free(self, need: int) -> None:
-        if need > self.pool.n_free:
-            raise PoolFullError(f"KV pool full: {need} blocks of {self.block_size} tokens needed, "
-                                f"{self.pool.n_free} of {self.n_blocks} free")
-
-    def _copy_on_write(self, slot: int, i: int) -> None:
-        """Slot's i-th block is shared and about to be written: give slot a copy of its own."""
-        old, new = self._blocks[slot][i], self.pool.alloc()
-        self._copy_block(old, new)
-        self.pool.decref(old)
-        self._blocks[slot][i] = new
-        self._mark(slot, i)
-
-    def _mark(self, slot: int, i: int) -> None:
-        self._dirty[slot] = min(i, self._dirty.get(slot, i))
+        self.tables.reserve(slot, max(0, end - 1) if start is None else start, end)
 
     def sync_tables(self) -> None:
         """Copy the table entries that changed on the host to the device (queued on the stream before the
-        step that reads them; a pageable source is staged at once, so no host sync). prefill and decode do
-        it; a caller that replays a graph itself calls it after reserve()."""
-        for slot, lo in self._dirty.items():
-            have = self._blocks[slot]
-            hi = max(len(have), self._dev_len[slot])
-            if hi > lo:
-                row = (have + [self.scratch_block] * (hi - len(have)))[lo:hi]
-                self.block_table[slot, lo:hi].copy_(torch.tensor(row, dtype=torch.int32), non_blocking=True)
-            self._dev_len[slot] = len(have)
-        self._dirty.clear()
+        step that reads them). prefill and decode do it; a caller that replays a graph itself calls it after
+        reserve()."""
+        self.tables.sync()
 
     def pool_stats(self) -> dict:
         """The pool's blocks: in use, free, referenced by more than one slot; and its size in tokens."""
-        p = self.pool
-        return dict(blocks=self.n_blocks, block_size=self.block_size, used=p.n_used, free=p.n_free,
-                    shared=p.n_shared, tokens=self.n_blocks * self.block_size)
-
-    def _rows(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Each (slot, position)'s row in a cache viewed as [blocks * block_size, Hkv, row_bytes], through
-        the device block table (device ops only: fine inside a CUDA graph)."""
-        bs = self.block_size
-        return self.block_table[slots, pos // bs].long() * bs + pos % bs
+        return self.tables.stats()
 
     def _read_keys(self, kc, slots, pos: torch.Tensor) -> torch.Tensor:
         """The stored keys at (slot, position) pairs, decoded as stored: [..., Hkv, D]."""
@@ -386,7 +316,7 @@ class Runner:
         """The values stored at (slot, position) pairs of one layer's cache, decoded: [..., Hkv, d] in the
         original domain (slots: an int or a tensor broadcastable with pos)."""
         hkv, rb = cache.shape[2], cache.shape[3]
-        return codec.decode(cache.view(-1, hkv, rb)[self._rows(slots, pos)], d, self._impl)
+        return codec.decode(cache.view(-1, hkv, rb)[self.tables.rows(slots, pos)], d, self._impl)
 
     # ----- prefix sharing between slots -----
     # A slot's first positions can be given to another slot (copy_prefix) so that the other computes only the
@@ -509,7 +439,9 @@ class Runner:
         if n > self.held(src) * self.block_size:
             raise ValueError(f"slot {src} holds {self.held(src) * self.block_size} positions, not {n}")
         if src != dst:
-            self._share_blocks(src, dst, n)
+            self.tables.check_free(1 if n % self.block_size else 0)
+            self.release(dst)
+            self.tables.share(src, dst, n)
         else:
             self.truncate(dst, n)
         self.keys.copy_prefix(src, dst, n)
@@ -517,20 +449,6 @@ class Runner:
         self._grid[dst] = (c, digests[:min(n // c, len(digests) - 1) + 1]) if c else (0, [b""])
         if src != dst or self._live[src] != n:
             self._live[dst] = -1           # the states are not yet those after n positions
-
-    def _share_blocks(self, src: int, dst: int, n: int) -> None:
-        """dst drops its blocks and references src's first n // block_size; a partial block is copied."""
-        full, part = divmod(n, self.block_size)
-        self._check_free(1 if part else 0)
-        self.release(dst)
-        shared = self._blocks[src][:full]
-        for b in shared:
-            self.pool.incref(b)
-        self._blocks[dst].extend(shared)
-        if part:
-            self._blocks[dst].append(self.pool.alloc())
-            self._copy_block(self._blocks[src][full], self._blocks[dst][full])
-        self._mark(dst, 0)
 
     def _copy_block(self, a: int, b: int) -> None:
         for cache in list(self.k.values()) + list(self.v.values()):
@@ -547,50 +465,10 @@ class Runner:
         self.checkpoints.new_chain(dst)   # what dst saves next does not supersede the shared prefix's checkpoint
         if isinstance(match.state, int):
             if match.state != dst:
-                for il in self.conv_state:
-                    self.conv_state[il][dst].copy_(self.conv_state[il][match.state])
-                    self.ssm_state[il][dst].copy_(self.ssm_state[il][match.state])
+                self.recurrent.copy_slot(match.state, dst)
         else:
             self.checkpoints.restore(match.state, dst)
         self._live[dst] = match.n
-
-    # ----- the pieces the model calls back into -----
-    def _delta_net(self, b: SlotBatch, il, model, L, qkv, alpha_x, beta_x):
-        """qwen35's Gated DeltaNet rows of one layer from the raw projections qkv, alpha_x, beta_x (the
-        decode kernel makes the gates itself; other paths make them with torch first)."""
-        cs, S = self.conv_state[il], self.ssm_state[il]
-        gate = (L["dt"].dense, L["a"].dense)
-        if b.decode and b.waves is None:
-            return gdn_decode(qkv, L["conv"], cs, S, b.state_slots(), alpha_x, beta_x, model.n_k_heads,
-                              model.d_state, self.spec.rms_eps, gate=gate)
-        g, beta = gdn_gates(alpha_x, beta_x, *gate)
-        if b.decode:
-            # several rows of one slot (drafts): wave w updates every slot's w-th row (the other rows run
-            # with slot -1: no state update, output unused), so each row's update starts from its slot's
-            # state after the rows before it, as in successive one-row steps. Every wave has all the rows:
-            # fixed shapes, so such steps are CUDA graphs too. The inputs are kept for cut_back's replay.
-            self._keep_replay_inputs(il, qkv, g, beta, L["conv"])
-            o = None
-            for w in range(b.waves.shape[0]):
-                ow = gdn_decode(qkv, L["conv"], cs, S, b.waves[w], g, beta, model.n_k_heads, model.d_state,
-                                self.spec.rms_eps)
-                act = (b.waves[w] >= 0).view((-1,) + (1,) * (ow.dim() - 1))
-                o = ow if o is None else torch.where(act, ow, o)
-            return o
-        # a padded pass: padding rows decay 1 and update nothing
-        if b.valid is not None:
-            g, beta = g * b.valid[:, None], beta * b.valid[:, None]
-        if b.pieces is not None:
-            # one or several slots' pieces, each through its own window and state (engine/runner/prefill.py)
-            return model.delta_net_pieces(L, qkv, g, beta, cs, S, b.pieces)
-        # a prompt chunk of one slot, its state read and written through a device index (so a captured
-        # chunk serves every slot; a slot starting at 0 was reset to zeros)
-        idx = b.slots[:1]
-        state = (cs.index_select(0, idx)[0], S.index_select(0, idx)[0])
-        o, (c_new, S_new) = model.delta_net_rows(L, qkv, g, beta, state, keep=b.keep)
-        cs.index_copy_(0, idx, c_new[None])
-        S.index_copy_(0, idx, S_new[None])
-        return o
 
     # ----- steps -----
     def _hidden(self, tokens: torch.Tensor, b: SlotBatch) -> torch.Tensor:
@@ -631,43 +509,6 @@ class Runner:
         after images: decode rows, and the padded prompt pass's text rows); None without rope offsets."""
         return None if self.rope_delta is None else positions + self.rope_delta.index_select(0, slots)
 
-    def _draft_waves(self, slots: list[int], positions: list[int]) -> list[list[int]] | None:
-        """Recurrent models, a step with several rows of one slot (a token and its drafts, at consecutive
-        positions): per wave (every slot's first row, then every second row, ..) each row's slot when the
-        row is in that wave, else -1; and a snapshot of those slots' recurrent states before the step, from
-        which `cut_back` replays the rows it keeps. None when every slot has one row (the usual step)."""
-        self._snapshots.clear()
-        self._replay_inputs.clear()
-        if len(set(slots)) == len(slots):
-            return None
-        waves, by_slot = [], {}
-        for r, sl in enumerate(slots):
-            rows = by_slot.setdefault(sl, [])
-            if len(rows) == len(waves):
-                waves.append([-1] * len(slots))
-            if 0 <= sl < self.n_slots:      # (padding rows: in no wave)
-                waves[len(rows)][r] = sl
-            rows.append(r)
-        for sl, rows in by_slot.items():
-            if len(rows) > 1 and 0 <= sl < self.n_slots:
-                self._snapshots[sl] = (positions[rows[0]], rows,
-                                       {il: t[sl].clone() for il, t in self.conv_state.items()},
-                                       {il: t[sl].clone() for il, t in self.ssm_state.items()})
-        return waves
-
-    def _keep_replay_inputs(self, il: int, qkv, g, beta, conv_w) -> None:
-        """A drafting step's Gated DeltaNet inputs of layer il, copied into buffers the runner owns (so
-        they outlive a graph replay's next use of its memory) for cut_back."""
-        buf = self._replay_bufs.get(il)
-        if buf is None or buf[0].shape[0] < qkv.shape[0]:
-            n = max(BUCKETS[-1], qkv.shape[0])
-            buf = self._replay_bufs[il] = tuple(torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype,
-                                                            device=t.device) for t in (qkv, g, beta))
-        n = qkv.shape[0]
-        for dst, src in zip(buf, (qkv, g, beta)):
-            dst[:n].copy_(src)
-        self._replay_inputs[il] = buf + (conv_w,)
-
     def draft_room(self, pos: int) -> int:
         """How many draft rows may follow a slot's row at `pos` in one decode step and still give the logits
         of one-row steps. With key preconditioning, the rows must stay inside one segment that already has
@@ -682,25 +523,10 @@ class Runner:
         positions (the rows verification accepted). Its KV blocks after them go back to the pool; a
         recurrent model's states are restored from the snapshot taken before the step and the kept rows'
         updates replayed from the inputs the step recorded (the same kernel on the same inputs: the states
-        successive one-row steps would have left)."""
+        successive one-row steps would have left: engine/runner/recurrent.py)."""
         self.truncate(slot, n)
-        snap = self._snapshots.pop(slot, None)
-        if snap is None:
-            return
-        p0, rows, conv, ssm = snap
-        keep = n - p0
-        if keep >= len(rows):
-            return
-        for il in self.conv_state:
-            self.conv_state[il][slot].copy_(conv[il])
-            self.ssm_state[il][slot].copy_(ssm[il])
-        sl = torch.tensor([slot], dtype=torch.long, device=self.device)
-        m = self.model
-        for r in rows[:keep]:
-            for il, (qkv, g, beta, conv_w) in self._replay_inputs.items():
-                gdn_decode(qkv[r:r + 1], conv_w, self.conv_state[il], self.ssm_state[il], sl, g[r:r + 1],
-                           beta[r:r + 1], m.n_k_heads, m.d_state, self.spec.rms_eps)
-        self._live[slot] = n
+        if self.recurrent.replay(slot, n):
+            self._live[slot] = n
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False,
@@ -729,7 +555,7 @@ class Runner:
                 chunk = max(chunk, n)
         if start + n > self.max_ctx:
             raise ValueError(f"{start + n} tokens do not fit the runner's context of {self.max_ctx}")
-        self._check_free(self.blocks_needed(slot, start, start + n) - (self.held_alone(slot) if start == 0 else 0))
+        self.tables.check_free(self.blocks_needed(slot, start, start + n) - (self.held_alone(slot) if start == 0 else 0))
         if start == 0:
             self.reset(slot)
         outs, normed, feats = [], [], []
@@ -888,7 +714,7 @@ class Runner:
             if not 0 < len(t) or st + len(t) > self.max_ctx:
                 raise ValueError(f"a piece of {len(t)} tokens at {st} for the runner's context of {self.max_ctx}")
             need += self.blocks_needed(sl, st, st + len(t)) - (self.held_alone(sl) if st == 0 else 0)
-        self._check_free(need)
+        self.tables.check_free(need)
         out: list = [None] * len(pieces)
         for g in self.piece_passes([len(t) for _, t, _ in pieces], chunk):
             part = [pieces[i] for i in g]
@@ -934,7 +760,7 @@ class Runner:
         small = packed.SMALL_PROMPT_ROWS
         passes = [small << i for i in range(1, 8) if self.prompt_pieces > 1 and 0 < small < chunk
                   and small << i <= min(PIECE_PASS_ROWS, chunk) and small << i not in self._pass_graphs]
-        free = [s for s in range(self.n_slots) if not self._blocks[s]]
+        free = [s for s in range(self.n_slots) if not self.tables.blocks[s]]
         if not self.padded_prefill or not (sizes or passes) or not free or chunk > self.max_ctx \
                 or self.blocks_needed(free[0], 0, chunk) > self.pool.n_free:
             return
@@ -974,7 +800,7 @@ class Runner:
         self._reserve_rows(slots, positions)
         self.sync_tables()
         self._decode_rows(slots, positions)
-        waves = self._draft_waves(slots, positions) if self.conv_state else None
+        waves = self.recurrent.draft_waves(slots, positions) if self.recurrent else None
         centers = self._needs_centers(slots, positions)
         if not self.graphs_enabled or n > BUCKETS[-1]:
             dev = self.device
@@ -990,7 +816,7 @@ class Runner:
         self.fill(B, slots, tokens, positions, waves, centers)
         g.graph.replay()
         if waves is not None:
-            self._replay_inputs.update(self._graph_replay[key])
+            self.recurrent.replay_inputs.update(self._graph_replay[key])
         self.hidden = g.hidden[:n]
         self.features = g.features[:n] if g.features is not None else None
         return g.logits[:n]
@@ -1010,7 +836,7 @@ class Runner:
                 raise ValueError(f"position {p} is outside the runner's context of {self.max_ctx}")
             lo_hi = span.setdefault(s, [p, p])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], p), max(lo_hi[1], p)
-        self._check_free(sum(self._need(s, lo, hi + 1) for s, (lo, hi) in span.items()))
+        self.tables.check_free(sum(self.tables.needed(s, lo, hi + 1) for s, (lo, hi) in span.items()))
         for s, (lo, hi) in span.items():
             self.reserve(s, hi + 1, lo)
 
@@ -1065,12 +891,12 @@ class Runner:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        self._replay_inputs.clear()
+        self.recurrent.replay_inputs.clear()
         with capture_guard(), torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
             out = self._decode_eager(tok, pos, sl, wv, centers)
         if W:
             self._graph_waves[key] = wv
-            self._graph_replay[key] = dict(self._replay_inputs)   # (the runner's buffers, filled by replays)
+            self._graph_replay[key] = dict(self.recurrent.replay_inputs)   # (its buffers, filled by replays)
         g = self._graphs[key] = DecodeGraph(graph, tok, pos, sl, out, self._step_hidden, self._step_features)
         return g
 

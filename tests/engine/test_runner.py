@@ -197,7 +197,7 @@ def test_draft_rows_roll_back_recurrent_states(tiny, triton):
         assert torch.equal(a.decode([0], [3], [11])[0], b2.decode([0], [3], [11])[0])
         a.decode([0, 0], [4, 2], [12, 13])
         a.cut_back(0, 14)                                  # every row kept: the states stay as the step left them
-        assert not a._snapshots
+        assert not a.recurrent.snapshots
     finally:
         model.close()
 

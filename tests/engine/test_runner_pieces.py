@@ -115,7 +115,7 @@ def test_piece_passes_grouping(tiny):
         assert set(r._prefill_graphs) == {64, CHUNK} and set(r._pass_graphs) == {128}
         r.capture_prefill(256)
         assert set(r._prefill_graphs) == {64, CHUNK, 256} and set(r._pass_graphs) == {128, 256}
-        assert r.pool.n_free == r.n_blocks and not any(r._blocks)
+        assert r.pool.n_free == r.n_blocks and not any(r.tables.blocks)
         r.prompt_pieces = 2
         assert r.piece_passes([1, 1, 1], CHUNK) == [[0, 1], [2]]
         assert _runner(model, shared_prompt_passes=False).prompt_pieces == 1

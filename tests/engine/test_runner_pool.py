@@ -74,13 +74,13 @@ def test_one_sequence_uses_most_of_the_pool(tiny):
         assert all(torch.equal(a, b) for a, b in zip(got, _greedy(big, 0, long_p, 10)))
         assert [r.held(s) for s in range(3)] == [16, 2, 2] and r.pool.n_free == 0
         assert r.pool_stats() == dict(blocks=20, block_size=16, used=20, free=0, shared=0, tokens=320)
-        before = (_kv(r), list(r._blocks[0]), r.pool.n_free)
+        before = (_kv(r), list(r.tables.blocks[0]), r.pool.n_free)
         with pytest.raises(PoolFullError):
             r.decode([0], [5], [256])                  # position 256 needs a 17th block
         with pytest.raises(PoolFullError):
             r.prefill(1, _ids(30, 4), start=20)
         assert all(torch.equal(a, b) for a, b in zip(before[0], _kv(r)))
-        assert (list(r._blocks[0]), r.pool.n_free) == before[1:]
+        assert (list(r.tables.blocks[0]), r.pool.n_free) == before[1:]
         r.release(1)                                   # a finished short one makes room for the long one
         r.decode([0], [5], [256])
         assert r.held(0) == 17 and r.pool.n_free == 1
@@ -104,8 +104,8 @@ def test_shared_prefix_is_referenced_not_copied(tiny, arch, kt):
         m = r.find_prefix(b, {0: a}, PC)
         assert (m.src, m.n) == (0, 64)
         r.share_prefix(m, 1)
-        assert r._blocks[1] == r._blocks[0][:4] and r.pool.n_used == used
-        assert all(r.pool.refs[x] == 2 for x in r._blocks[1]) and r.pool_stats()["shared"] == 4
+        assert r.tables.blocks[1] == r.tables.blocks[0][:4] and r.pool.n_used == used
+        assert all(r.pool.refs[x] == 2 for x in r.tables.blocks[1]) and r.pool_stats()["shared"] == 4
         warm = [r.prefill(1, b[64:], start=64, chunk=PC)[-1].clone()]
         pos = len(b)
         for _ in range(4):
@@ -113,18 +113,18 @@ def test_shared_prefix_is_referenced_not_copied(tiny, arch, kt):
             pos += 1
         cold = _greedy(Runner(model, device="cpu", n_slots=1, max_ctx=256, cache_type=kt), 0, b, 4)
         assert all(torch.equal(x, y) for x, y in zip(warm, cold))
-        assert r._blocks[1][:4] == r._blocks[0][:4]    # still shared: neither wrote into them
+        assert r.tables.blocks[1][:4] == r.tables.blocks[0][:4]    # still shared: neither wrote into them
         # slot 0 rewrites from position 40 (inside shared block 2): copy-on-write for blocks 2 and 3
-        ids1 = list(r._blocks[1])
+        ids1 = list(r.tables.blocks[1])
         kv1 = [t[ids1].clone() for t in list(r.k.values()) + list(r.v.values())]
         r.prefill(0, _ids(30, 8), start=40, chunk=PC)
-        assert r._blocks[1] == ids1 and r._blocks[0][:2] == ids1[:2] and not set(r._blocks[0][2:]) & set(ids1)
+        assert r.tables.blocks[1] == ids1 and r.tables.blocks[0][:2] == ids1[:2] and not set(r.tables.blocks[0][2:]) & set(ids1)
         assert all(torch.equal(t[ids1], k) for t, k in zip(list(r.k.values()) + list(r.v.values()), kv1))
         assert r.pool_stats()["shared"] == 2
         r.copy_prefix(1, 2, 40)                        # not block aligned: 2 blocks referenced, the third copied
         caches = list(r.k.values()) + list(r.v.values())
-        assert r._blocks[2][:2] == ids1[:2] and r._blocks[2][2] not in ids1
-        assert all(torch.equal(t[r._blocks[2][2]], t[ids1[2]]) for t in caches)
+        assert r.tables.blocks[2][:2] == ids1[:2] and r.tables.blocks[2][2] not in ids1
+        assert all(torch.equal(t[r.tables.blocks[2][2]], t[ids1[2]]) for t in caches)
         for s in range(3):
             r.release(s)
         assert r.pool.n_used == 0
@@ -145,10 +145,10 @@ def test_padding_rows_write_only_the_scratch_block(tiny):
         before = _kv(r)
         sc = r.scratch
         r._decode_eager(torch.tensor([4, 0, 0, 0]), torch.tensor([20, 0, 0, 0]), torch.tensor([0, sc, sc, sc]))
-        written = r._blocks[0][20 // 16]
+        written = r.tables.blocks[0][20 // 16]
         for old, new in zip(before, _kv(r)):
             diff = (old != new).flatten(1).any(1).nonzero().flatten().tolist()
-            assert set(diff) <= {written, r.scratch_block} and r.scratch_block in diff
+            assert set(diff) <= {written, r.tables.scratch_block} and r.tables.scratch_block in diff
             assert not (old[written] != new[written]).flatten(1).any(1)[torch.arange(16) != 4].any()
     finally:
         model.close()
@@ -163,13 +163,13 @@ def test_graph_padding_rows_write_only_the_scratch_block_gpu(tiny):
         r = Runner(model, device="cuda", n_slots=4, max_ctx=128, n_blocks=16)
         for s in range(4):
             r.prefill(s, _ids(20, s))
-        held = {b for s in range(3) for b in r._blocks[s][1:2]}
+        held = {b for s in range(3) for b in r.tables.blocks[s][1:2]}
         before = _kv(r)
         r.decode([0, 1, 2], [4, 5, 6], [20, 20, 20])
         torch.cuda.synchronize()
         for old, new in zip(before, _kv(r)):
             diff = set((old != new).flatten(1).any(1).nonzero().flatten().tolist())
-            assert diff <= held | {r.scratch_block} and not diff & set(r._blocks[3])
+            assert diff <= held | {r.tables.scratch_block} and not diff & set(r.tables.blocks[3])
     finally:
         model.close()
 
