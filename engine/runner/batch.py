@@ -48,15 +48,6 @@ def capture_guard():
 
 
 @dataclass
-class PrefixMatch:
-    """What Runner.find_prefix found: copy slot `src`'s first n positions; recurrent models take their
-    states after n positions from `state`, a slot whose states are at n (int) or a checkpoint key."""
-    src: int
-    n: int
-    state: object = None
-
-
-@dataclass
 class PromptInputs:
     """What a prompt chunk with images gives the model besides its token ids (engine/vision/prompt.py's
     VisionPrompt.chunk_inputs, for the rows of one prefill call): RoPE positions [n] or [n, 3] (M-RoPE; None:

@@ -38,7 +38,6 @@ checkpoint (enable_checkpoints); the result is bit for bit a cold run's (tests/e
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -46,10 +45,10 @@ import torch
 
 from engine.kv.tables import SlotTables
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
-from engine.prefix import common_prefix
 from engine.runner.attention import SlotAttention
-from engine.runner.batch import DecodeGraph, PrefixMatch, PromptInputs, SlotBatch, capture_guard
+from engine.runner.batch import DecodeGraph, PromptInputs, SlotBatch, capture_guard
 from engine.runner.checkpoints import StateCheckpoints
+from engine.runner.prefixes import PrefixMatch, SlotPrefixes
 from engine.runner.recurrent import RecurrentSlots
 from engine.runner.sizes import (attn_layers, preconditions_keys, slot_bytes_per_token, slot_fixed_bytes,  # noqa: F401
                                  slot_prep_bytes, state_checkpoint_bytes)
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
     from engine.runner.prefill import PrefillGraph
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-HOST_CHECKPOINT_STRIDE = 4   # host-memory checkpoints: every 4th prompt chunk end (and each prompt's last: _grid_step)
 # Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
 # agents read the weights once, not once each). On by default: each piece gets the bits its prompt gets alone,
 # and 16 agents make 1420 tok/s instead of 1191 (H200, 27B, docs/decisions/shared-prompt-passes.md): always, unless
@@ -95,20 +93,6 @@ def prompt_pieces_per_pass(n_slots: int, padded_prefill: bool, shared: bool = Tr
 def _wave_bucket(waves: list | None) -> int:
     """The decode graph's wave count for a step's waves: 0 without drafts, else a power of two."""
     return 0 if waves is None else 1 << (len(waves) - 1).bit_length()
-
-
-def _digest(prev: bytes, tokens) -> bytes:
-    """The hash of a prefix, chained chunk by chunk: the previous prefix's digest and the next chunk's ids."""
-    ids = torch.as_tensor(tokens, dtype=torch.long).numpy().tobytes()
-    return hashlib.blake2b(prev + ids, digest_size=16).digest()
-
-
-def prefix_digests(tokens, chunk: int, upto: int) -> list[bytes]:
-    """Digests of tokens[:i * chunk] for i = 0 .. upto // chunk: the keys state checkpoints are saved under."""
-    out = [b""]
-    for lo in range(0, upto // chunk * chunk, chunk):
-        out.append(_digest(out[-1], tokens[lo:lo + chunk]))
-    return out
 
 
 class Runner:
@@ -189,12 +173,10 @@ class Runner:
         self.prompt_pieces = prompt_pieces_per_pass(n_slots, self.padded_prefill, shared_prompt_passes)
         self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces
         self.shared_passes = 0                               # passes that held several slots' pieces
-        # prefix sharing (find_prefix / copy_prefix): per slot the grid its exact prefix was prefilled on
-        # and the digests of that prefix at each multiple of it (exact_length), and the position its
-        # recurrent states are at (-1: not known); recurrent-state checkpoints (enable_checkpoints)
-        self._grid: list[tuple[int, list]] = [(0, [b""]) for _ in range(n_slots)]
-        self._live = [0] * n_slots
-        self.checkpoints = StateCheckpoints(self.conv_state, self.ssm_state, dev)   # (enable_checkpoints)
+        # recurrent-state checkpoints (enable_checkpoints) and which prefixes other slots can take
+        # (engine/runner/prefixes.py: find_prefix / copy_prefix)
+        self.checkpoints = StateCheckpoints(self.conv_state, self.ssm_state, dev)
+        self.prefixes = SlotPrefixes(n_slots, self.checkpoints, bool(self.recurrent), block_size)
         self._graph_waves: dict[tuple, torch.Tensor] = {}
         self._graph_replay: dict[tuple, dict] = {}
 
@@ -242,7 +224,7 @@ class Runner:
         self.release(slot)
         self.recurrent.reset(slot)
         self.keys.reset(slot)
-        self._live[slot] = 0
+        self.prefixes.start_over(slot)
 
     # ----- the shared block pool (engine/kv/tables.py) -----
     @property
@@ -280,8 +262,7 @@ class Runner:
     def release(self, slot: int) -> None:
         """Give back all of slot's blocks (a dropped or evicted conversation, or a restart)."""
         self.truncate(slot, 0)
-        self._grid[slot] = (0, [b""])
-        self._live[slot] = -1
+        self.prefixes.forget(slot)
         if self.rope_delta is not None:
             self.rope_delta[slot] = 0
 
@@ -318,49 +299,11 @@ class Runner:
         hkv, rb = cache.shape[2], cache.shape[3]
         return codec.decode(cache.view(-1, hkv, rb)[self.tables.rows(slots, pos)], d, self._impl)
 
-    # ----- prefix sharing between slots -----
-    # A slot's first positions can be given to another slot (copy_prefix) so that the other computes only the
-    # rest of its prompt. The result is the one a cold prefill gives, bit for bit, when the copied prefix was
-    # itself prefilled by the same full chunks from position 0 (exact_length) and ends on that grid: then the
-    # rest is cut into the chunks a cold run cuts, the copied rows are the bytes it would have written, and so
-    # are the key preconditioning (the smoothing weights come from the first chunk; a segment's center from
-    # the chunk that first reaches it, which ends within the prefix) and, from a checkpoint, the recurrent
-    # states. Rows a slot decoded, or prefilled off that grid, are not offered.
-
+    # ----- prefix sharing between slots (engine/runner/prefixes.py) -----
     def exact_length(self, slot: int, chunk: int | None = None) -> int:
-        """How many of slot's first positions were prefilled by full chunks of `chunk` tokens on multiples of
-        it from position 0 (or copied from such a slot), not rewritten since: what a cold prefill in those
-        chunks writes there, key preconditioning included."""
-        c, digests = self._grid[slot]
-        return c * (len(digests) - 1) if c and chunk in (None, c) else 0
-
-    def _rewrite(self, slot: int, pos: int) -> None:
-        """Rows from pos on are written again: the slot's exact prefix ends at the last grid point before."""
-        c, digests = self._grid[slot]
-        if c and pos < c * (len(digests) - 1):
-            del digests[pos // c + 1:]
-
-    def _grid_step(self, slot: int, lo: int, hi: int, tokens: torch.Tensor, chunk: int, live: int,
-                   prompt_end: int = 0) -> None:
-        """After a prefill chunk [lo, hi) (live: where the states were before it): a full chunk on the grid
-        that continues the exact prefix extends it, and (recurrent models, enable_checkpoints) the states
-        there are kept as a checkpoint; in host memory, only every HOST_CHECKPOINT_STRIDE-th chunk end
-        and those a prompt ending at `prompt_end` is resumed at when it is sent again (the last before its
-        last token) or followed up (its last) (a copy over PCIe costs ~3 % of a chunk's time)."""
-        c, digests = (chunk, [b""]) if lo == 0 else self._grid[slot]
-        if lo == 0:
-            self.checkpoints.new_chain(slot)
-        self._live[slot] = hi
-        if c != chunk or lo != c * (len(digests) - 1) or hi - lo != chunk or (self.conv_state and live != lo):
-            self._grid[slot] = (c, digests)
-            return
-        # digests are the checkpoints' keys: only computed when there are checkpoints (host tokens only)
-        hashing = self.checkpoints.max > 0 and digests[-1] is not None and tokens.device.type == "cpu"
-        digests.append(_digest(digests[-1], tokens) if hashing else None)
-        self._grid[slot] = (c, digests)
-        if hashing and (not self.checkpoints.on_host or hi // chunk % HOST_CHECKPOINT_STRIDE == 0
-                        or not prompt_end or hi >= (prompt_end - 1) // chunk * chunk):
-            self.checkpoints.save(slot, (digests[-1], hi, chunk), self._on_chain)
+        """How many of slot's first positions a cold prefill in chunks of `chunk` would write the same way
+        (SlotPrefixes.exact_length)."""
+        return self.prefixes.exact_length(slot, chunk)
 
     def enable_checkpoints(self, count: int, host: bool = False) -> None:
         """Keep up to `count` snapshots of recurrent states (qwen35; nothing for other models), taken after
@@ -388,39 +331,10 @@ class Runner:
         """The lengths the checkpoints were taken at, least recently used first."""
         return self.checkpoints.lengths()
 
-    def _on_chain(self, slot: int, prev: tuple, key: tuple) -> bool:
-        """Whether checkpoint `prev` is an earlier point of the prefix slot's checkpoint `key` ends (the
-        digest of slot's exact prefix at prev's length is prev's: host checkpoints skip chunk ends)."""
-        c, digests = self._grid[slot]
-        i = prev[1] // c if c else -1
-        return prev[2] == key[2] == c and prev[1] < key[1] and 0 <= i < len(digests) and digests[i] == prev[0]
-
     def find_prefix(self, prompt: list[int], donors: dict[int, list[int]], chunk: int) -> PrefixMatch | None:
         """The longest prefix of `prompt` another slot can give (copy_prefix) with the result a cold run in
-        chunks of `chunk` gives; donors: slot -> the tokens whose KV it holds (running or parked). The
-        length is a multiple of `chunk`, within the donor's exact prefix, leaves at least the prompt's last
-        token to compute and is at least one block. Recurrent models also need the states at that length: a
-        donor whose states are there, else a checkpoint. None when nothing qualifies."""
-        top = (len(prompt) - 1) // chunk * chunk
-        lim = {}
-        for slot, toks in donors.items():
-            e = min(top, self.exact_length(slot, chunk), len(toks))
-            m = common_prefix(toks[:e], prompt) // chunk * chunk
-            if m >= self.block_size:
-                lim[slot] = m
-        if not lim:
-            return None
-        src = max(lim, key=lim.get)
-        if not self.conv_state:
-            return PrefixMatch(src, lim[src])
-        keys = prefix_digests(prompt, chunk, lim[src]) if len(self.checkpoints) else []
-        for n in range(lim[src], self.block_size - 1, -chunk):
-            live = [d for d, m in lim.items() if m >= n and self._live[d] == n]
-            if live:
-                return PrefixMatch(live[0], n, live[0])
-            if keys and (keys[n // chunk], n, chunk) in self.checkpoints:
-                return PrefixMatch(src, n, (keys[n // chunk], n, chunk))
-        return None
+        chunks of `chunk` gives (SlotPrefixes.find); donors: slot -> the tokens whose KV it holds."""
+        return self.prefixes.find(prompt, donors, chunk)
 
     @torch.inference_mode()
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
@@ -445,10 +359,7 @@ class Runner:
         else:
             self.truncate(dst, n)
         self.keys.copy_prefix(src, dst, n)
-        c, digests = self._grid[src]
-        self._grid[dst] = (c, digests[:min(n // c, len(digests) - 1) + 1]) if c else (0, [b""])
-        if src != dst or self._live[src] != n:
-            self._live[dst] = -1           # the states are not yet those after n positions
+        self.prefixes.copy(src, dst, n)
 
     def _copy_block(self, a: int, b: int) -> None:
         for cache in list(self.k.values()) + list(self.v.values()):
@@ -468,7 +379,7 @@ class Runner:
                 self.recurrent.copy_slot(match.state, dst)
         else:
             self.checkpoints.restore(match.state, dst)
-        self._live[dst] = match.n
+        self.prefixes.live[dst] = match.n
 
     # ----- steps -----
     def _hidden(self, tokens: torch.Tensor, b: SlotBatch) -> torch.Tensor:
@@ -526,7 +437,7 @@ class Runner:
         successive one-row steps would have left: engine/runner/recurrent.py)."""
         self.truncate(slot, n)
         if self.recurrent.replay(slot, n):
-            self._live[slot] = n
+            self.prefixes.live[slot] = n
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens, start: int = 0, chunk: int = 512, all_logits: bool = False,
@@ -542,7 +453,7 @@ class Runner:
         text prompts do, through the padded pass's graphs, with the slot's rope delta; either way the prefix
         grid hashes inputs.keys instead of the token ids (image placeholders do not say what the rows hold),
         or without keys the slot leaves the grid. prompt_end: where this slot's prompt ends (0: unknown), so that host
-        checkpoints skip the chunk ends a re-sent prompt cannot use (_grid_step)."""
+        checkpoints skip the chunk ends a re-sent prompt cannot use (SlotPrefixes.grid_step)."""
         self._check_slot(slot)
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         n = len(tokens)
@@ -588,12 +499,12 @@ class Runner:
             finally:
                 PREFILL_ROWS.reset(flag)
             if inputs is None:
-                self._grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live, prompt_end)
+                self.prefixes.grid_step(slot, start + lo, start + hi, tokens[lo:hi], chunk, live, prompt_end)
             elif inputs.keys is not None:
-                self._grid_step(slot, start + lo, start + hi, torch.as_tensor(inputs.keys[lo:hi]), chunk, live,
+                self.prefixes.grid_step(slot, start + lo, start + hi, torch.as_tensor(inputs.keys[lo:hi]), chunk, live,
                                 prompt_end)
             else:
-                self._off_grid(slot, start + hi)
+                self.prefixes.off_grid(slot, start + hi)
             if hi == n and not all_logits:
                 # the last row only, with the decode rows' matmul: the prefill matmul would first make an
                 # fp16 copy of the whole output matrix (2.5 GB for a 248K vocabulary)
@@ -641,21 +552,11 @@ class Runner:
         if self.rope_delta is not None:
             self.rope_delta[slot] = inputs.rope_delta
 
-    def _off_grid(self, slot: int, hi: int) -> None:
-        """After rows prefilled with images and no keys: the slot offers no prefix to other slots (image
-        placeholder ids do not say what its rows hold) and saves no checkpoints; its states are at hi."""
-        self._grid[slot] = (0, [b""])
-        self.checkpoints.new_chain(slot)
-        self._live[slot] = hi
-
     def _begin_piece(self, slot: int, lo: int, hi: int) -> int:
         """Before a slot's prompt rows [lo, hi) run: their blocks taken, the exact prefix cut at lo, the
-        states' position unknown until the rows are in (_grid_step). Returns where the states were."""
+        states' position unknown until the rows are in (SlotPrefixes.grid_step). Returns where the states were."""
         self.reserve(slot, hi, lo)
-        live = self._live[slot]
-        self._rewrite(slot, lo)
-        self._live[slot] = -1                  # (not known should the pass fail)
-        return live
+        return self.prefixes.begin_rows(slot, lo)
 
     def _prefill_graph(self, chunk: int) -> PrefillGraph:
         """The padded chunk of `chunk` rows (small ones hold several slots' pieces when prompt_pieces is on)."""
@@ -743,7 +644,7 @@ class Runner:
         finally:
             PREFILL_ROWS.reset(flag)
         for sl, t, st in pieces:
-            self._grid_step(sl, st, st + len(t), t, chunk, lives[sl])
+            self.prefixes.grid_step(sl, st, st + len(t), t, chunk, lives[sl])
         self.shared_passes += 1
         last = torch.cat([x[-1:] for x in xs])
         if not last.is_cuda:   # (the CPU's matmul: a row's result depends on its place in a 16-row block)
@@ -845,8 +746,7 @@ class Runner:
         states move one position on."""
         for slot, p in zip(slots, positions):
             if 0 <= slot < self.n_slots:
-                self._rewrite(slot, p)
-                self._live[slot] = p + 1 if self._live[slot] == p else -1
+                self.prefixes.decode_row(slot, p)
 
     def fill(self, B: int, slots, tokens, positions, waves: list[list[int]] | None = None,
              centers: bool = False) -> None:
