@@ -2,10 +2,11 @@
 loads them on the next run; imported only where numba is installed)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from numba import njit, prange
+
+from kernels.cpu.softmax_numba import scaled_softmax
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -46,19 +47,7 @@ def query_row(qr, kt, vh, lo, hi, scale, sc, acc):
         for j in range(n):
             s[j] += qd * kd[j]
         d += 1
-    mx = -math.inf
-    for j in range(n):
-        s[j] *= scale
-        if s[j] > mx:
-            mx = s[j]
-    tot = 0.0
-    for j in range(n):
-        e = math.exp(s[j] - mx)
-        s[j] = e
-        tot += e
-    inv = 1.0 / tot
-    for j in range(n):
-        s[j] = s[j] * inv
+    scaled_softmax(s, n, scale)
     acc[:] = 0.0
     vb = vh[lo:hi]
     j = 0

@@ -2,10 +2,11 @@
 loads them on the next run; imported only where numba is installed)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from numba import njit
+
+from kernels.cpu.softmax_numba import scaled_softmax
 
 
 @njit(nogil=True, cache=True)
@@ -137,20 +138,10 @@ def decode_attend(q, kbits, vbits, kc, vc, table, first, start, scale, window, k
                 kd = kt[d]
                 for j in range(n):
                     sc[j] += qd * kd[j]
-            m = -math.inf
-            for j in range(n):
-                sc[j] *= scale
-                if sc[j] > m:
-                    m = sc[j]
-            tot = 0.0
-            for j in range(n):
-                e = math.exp(sc[j] - m)
-                sc[j] = e
-                tot += e
-            inv = 1.0 / tot
+            scaled_softmax(sc, n, scale)
             acc[:] = 0.0
             for j in range(n):
-                pj = sc[j] * inv
+                pj = sc[j]
                 vj = vt[j]
                 for d in range(dv):
                     acc[d] += pj * vj[d]

@@ -86,20 +86,26 @@ def _activations(k: dict, xn, q8_k: bool, q8_1: bool, group: int, xq, dx, s, e) 
         k["q8_0"](xn, q8_1, xq, dx, s, e)
 
 
-def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
-    """x float32 [M, n_in] -> float32 [M, n_pad]: intdot.int_matmul's result for a few rows (its activations and the
-    fused kernel, the same bits), with as little Python around the two kernel calls as a decode step can have."""
-    k = _kernels()
+def _operands(k: dict, w, x: torch.Tensor) -> tuple:
+    """What both matmul kernels take: the weight's numpy views (made once), x's activation integers, scales, sums and
+    Q8_1 sum errors, and the output buffer float32 [M, n_pad]."""
     arrays = w.__dict__.get("_numba_arrays")
-    if arrays is None:   # the weight's numpy views, made once
+    if arrays is None:
         arrays = w._numba_arrays = (w.q.numpy(), w.a.numpy(), w.c.numpy())
     m = x.shape[0]
     groups = w.n_in // w.group
     xq = np.empty((m, w.n_in), np.int8)
     dx, s, e = np.empty((3, m, groups), np.float64)
     _activations(k, x.contiguous().numpy(), w.q8_k, w.q8_1, w.group, xq, dx, s, e)
-    out = np.empty((m, w.n_pad), np.float32)
-    q, a, c = arrays
+    return arrays + (xq, dx, s, e, np.empty((m, w.n_pad), np.float32))
+
+
+def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, n_in] -> float32 [M, n_pad]: intdot.int_matmul's result for a few rows (its activations and the
+    fused kernel, the same bits), with as little Python around the two kernel calls as a decode step can have."""
+    k = _kernels()
+    q, a, c, xq, dx, s, e, out = _operands(k, w, x)
+    m = x.shape[0]
     if m * w.n_in * w.n_pad < PARALLEL_MACS or torch.get_num_threads() == 1:
         # on this thread: a parallel launch hands the tiles to numba's pool and waits for it, ~10-50 us on an idle
         # machine, a scheduler time slice on a busy one (a 210-matmul decode step: 0.7 s on the shared 2-core
@@ -119,20 +125,11 @@ def few_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
 
 def many_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
     """x float32 [M, n_in] -> float32 [M, n_pad]: intdot.int_matmul's result for many rows (the same bits): the
-    activations' integers, then every tile's integers unpacked once into int8 and multiplied with every row, the group
+    activations' integers, then every tile's integers as float32 once and multiplied with every row, the group
     dots combined in float64 in the kernel (no block-dot tensor in memory), tiles and chunks of MANY_ROWS_CHUNK rows
     over numba's threads."""
     k = _kernels()
-    m = x.shape[0]
-    groups = w.n_in // w.group
-    xq = np.empty((m, w.n_in), np.int8)
-    dx, s, e = np.empty((3, m, groups), np.float64)
-    _activations(k, x.contiguous().numpy(), w.q8_k, w.q8_1, w.group, xq, dx, s, e)
-    out = np.empty((m, w.n_pad), np.float32)
-    arrays = w.__dict__.get("_numba_arrays")
-    if arrays is None:
-        arrays = w._numba_arrays = (w.q.numpy(), w.a.numpy(), w.c.numpy())
-    q, a, c = arrays
+    q, a, c, xq, dx, s, e, out = _operands(k, w, x)
     with parallel_launch(k["numba"]):
         k["many_rows"](q, w.zero is not None, int(w.zero or 0), a, c, xq, dx, s, e, out, MANY_ROWS_CHUNK)
     return torch.from_numpy(out)
