@@ -138,12 +138,7 @@ class Runner:
         self._impl = "triton" if self.triton else "auto"
         dev = self.device
         total_slots = n_slots + 1
-        # attention layers' K/V, per layer: the pool's blocks, then the scratch slot's one block
-        self.k, self.v = {}, {}
-        for il in attn_layers(s):
-            shape = (self.n_blocks + 1, block_size, s.n_head_kv)
-            self.k[il] = torch.zeros(shape + (self.codec_k.row_bytes(s.head_dim),), dtype=torch.uint8, device=dev)
-            self.v[il] = torch.zeros(shape + (self.codec_v.row_bytes(s.head_dim_v),), dtype=torch.uint8, device=dev)
+        self.k, self.v = self._kv_pool()
         # block tables (engine/kv/tables.py): the host's lists are the truth; the device rows follow before each step
         self.tables = SlotTables(n_slots, self.n_blocks, self.max_blocks, block_size, dev, self._copy_block)
         self.block_table = self.tables.table     # (the device table the graphs and kernels read)
@@ -157,28 +152,42 @@ class Runner:
         self.recurrent = RecurrentSlots(model, n_slots, dev, BUCKETS[-1])
         self.conv_state, self.ssm_state = self.recurrent.conv, self.recurrent.ssm
         self.attention = self._slot_attention(prefill_dot, n_split)
+        # recurrent-state checkpoints (enable_checkpoints) and which prefixes other slots can take
+        # (engine/runner/prefixes.py: find_prefix / copy_prefix)
+        self.checkpoints = StateCheckpoints(self.conv_state, self.ssm_state, dev)
+        self.prefixes = SlotPrefixes(n_slots, self.checkpoints, bool(self.recurrent), block_size)
+        self._init_graphs(graphs, padded_prefill, shared_prompt_passes)
+
+    def _kv_pool(self) -> tuple[dict, dict]:
+        """The attention layers' K and V, per layer: the pool's blocks, then the scratch slot's one block."""
+        s, dev, shape = self.spec, self.device, (self.n_blocks + 1, self.block_size, self.spec.n_head_kv)
+        k, v = {}, {}
+        for il in attn_layers(s):
+            k[il] = torch.zeros(shape + (self.codec_k.row_bytes(s.head_dim),), dtype=torch.uint8, device=dev)
+            v[il] = torch.zeros(shape + (self.codec_v.row_bytes(s.head_dim_v),), dtype=torch.uint8, device=dev)
+        return k, v
+
+    def _init_graphs(self, graphs: bool | None, padded_prefill: bool | None, shared_prompt_passes: bool) -> None:
+        """The decode graphs (captured per rows bucket, waves and centers), the padded prompt passes and their
+        graphs, and the step outputs they leave."""
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
         self._graphs: dict[tuple, DecodeGraph] = {}    # (rows bucket, waves, centers) -> decode graph
+        self._graph_waves: dict[tuple, torch.Tensor] = {}
+        self._graph_replay: dict[tuple, dict] = {}
+        self._graph_pool = None
         self.hidden: torch.Tensor | None = None        # the last step's output-normed hidden rows (decode, prefill)
         self.features: torch.Tensor | None = None      # and its rows at the model's capture_layers (DFlash)
         self._step_hidden: torch.Tensor | None = None
         self._step_features: torch.Tensor | None = None
-        self._graph_pool = None
         # prompt chunks padded to the chunk size and, with graphs, captured between attention layers
         # (engine/runner/prefill.py); default: with the decode graphs
         self.padded_prefill = self.graphs_enabled if padded_prefill is None else padded_prefill
         self._prefill_graphs: dict[int, PrefillGraph] = {}   # chunk size -> its graphs
         # how many slots' short pieces one padded pass may hold (prefill_pieces; 1: each its own pass): all
         # slots unless shared_prompt_passes is off
-        self.prompt_pieces = prompt_pieces_per_pass(n_slots, self.padded_prefill, shared_prompt_passes)
+        self.prompt_pieces = prompt_pieces_per_pass(self.n_slots, self.padded_prefill, shared_prompt_passes)
         self._pass_graphs: dict[int, PrefillGraph] = {}      # rows -> a pass of several slots' pieces
         self.shared_passes = 0                               # passes that held several slots' pieces
-        # recurrent-state checkpoints (enable_checkpoints) and which prefixes other slots can take
-        # (engine/runner/prefixes.py: find_prefix / copy_prefix)
-        self.checkpoints = StateCheckpoints(self.conv_state, self.ssm_state, dev)
-        self.prefixes = SlotPrefixes(n_slots, self.checkpoints, bool(self.recurrent), block_size)
-        self._graph_waves: dict[tuple, torch.Tensor] = {}
-        self._graph_replay: dict[tuple, dict] = {}
 
     def _slot_attention(self, prefill_dot: str, n_split: int | None) -> SlotAttention:
         """The attention over this runner's pool, its kernels' settings fixed for the runner's life."""
