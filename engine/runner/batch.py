@@ -71,7 +71,7 @@ class SlotBatch:
     chunks = ()
     valid: torch.Tensor | None = None   # a padded prompt chunk (engine/runner/prefill.py): 1 real row, 0 padding
     keep: torch.Tensor | None = None    # and the rows that make its new conv window (qwen35)
-    pieces = None                       # and its pieces' layout (runner_prefill.PromptPieces)
+    pieces = None                       # and its pieces' layout (engine/runner/prefill.py: PromptPieces)
     # a prompt chunk with images (PromptInputs): RoPE positions where they are not `positions` (M-RoPE; decode
     # rows of a slot after images: positions + its rope delta), rows taking image embeddings, and position
     # spans attended both ways (Gemma 3)
