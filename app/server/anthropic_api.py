@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from app.server import schemas as S
-from app.server.core import ApiError, EventStream, SSEResponse, collect, submit
+from app.server.core import ApiError, EventStream, SSEResponse, collect, submit, without_traceback
 from app.server.openai_api import ChatPlan
 from app.server.tools import OutputParser
 
@@ -300,5 +300,5 @@ async def count_tokens(body: S.CountTokensRequest, request: Request):
                                                                     tools=plan.req.tools,
                                                                     template_kwargs=plan.req.template_kwargs))
     except (EngineError, ValueError) as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(without_traceback(e))) from None
     return JSONResponse({"input_tokens": len(ids)})

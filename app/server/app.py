@@ -188,7 +188,7 @@ def _add_middleware(app: FastAPI, state: ServerState, settings: ServerSettings) 
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, error_body=error_body,
-                       max_json_values=settings.max_json_values)
+                       max_json_values=settings.max_json_values, max_json_items=settings.max_json_items)
 
 
 def set_engine(app: FastAPI, engine, error: str | None = None) -> None:

@@ -156,15 +156,25 @@ async def submit(engine, req):
     try:
         return await run_in_threadpool(engine.submit, req)
     except QueueFullError as e:
-        raise ApiError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
+        raise ApiError(429, str(without_traceback(e)), code="rate_limit_exceeded",
+                       headers={"Retry-After": "2"}) from None
     except ContextTooLongError as e:
-        raise overflow_error(e, "messages" if req.messages is not None else "prompt") from None
+        raise overflow_error(without_traceback(e), "messages" if req.messages is not None else "prompt") from None
     except EngineError as e:
-        if "shut down" in str(e):
+        if "shut down" in str(without_traceback(e)):
             raise ApiError(503, str(e)) from None
         raise ApiError(400, str(e)) from None
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(without_traceback(e))) from None
+
+
+def without_traceback(e: BaseException) -> BaseException:
+    """`e` with its traceback dropped, for an error answered as an ApiError. An error raised as
+    `err = X(...); raise err` is named by a frame of its own traceback: a reference cycle that keeps those
+    frames, and the request's prompt in them, in memory until the cyclic collector runs, which in a large
+    heap can be much later (a refused 31 MB prompt held about 60 MB)."""
+    e.__traceback__ = None
+    return e
 
 
 def overflow_error(e, what: str = "messages") -> ApiError:

@@ -14,7 +14,8 @@ from starlette.concurrency import run_in_threadpool
 
 from app.server import schemas as S
 from app.server.core import (ApiError, EventStream, ServerState, SSEResponse, collect, constraint_error,
-                             constraint_failure, overflow_error, sampling_params, session_of, submit, token_piece)
+                             constraint_failure, overflow_error, sampling_params, session_of, submit, token_piece,
+                             without_traceback)
 from app.server.grammar import GrammarConstraint, GrammarError, json_schema_grammar
 from app.server.security import ImageError, load_image
 from app.server.tools import OutputParser, forced_call_grammar, prepare_messages
@@ -114,7 +115,7 @@ def _refuse_surely_too_long(eng, messages) -> None:
     try:
         eng.check_prompt_chars(n)
     except ContextTooLongError as e:
-        raise overflow_error(e, "messages") from None
+        raise overflow_error(without_traceback(e), "messages") from None
 
 
 def _finish_reason(fin, calls) -> str:

@@ -44,6 +44,7 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)        # empty: CORS off
     max_body_bytes: int = 32 * 1024 * 1024
     max_json_values: int = 100_000                               # objects + arrays in one request body
+    max_json_items: int = 1_000_000                              # values inside them (array entries, members)
     allow_remote_images: bool = False
     remote_image_max_bytes: int = 20 * 1024 * 1024               # a fetched image (engine.vision's limit)
     remote_image_timeout: float = 10.0                           # seconds for the whole fetch
@@ -122,18 +123,31 @@ def key_from_headers(headers) -> str | None:
     return headers.get("x-api-key")
 
 
-_KEEP = b'"{['
+_KEEP = b'"{[,'
 _DROP = bytes(b for b in range(256) if b not in _KEEP)
-_STRING_OR_OPEN = re.compile(rb'"[^"]*"|[{\[]')
+_QUOTE, _COMMA, _BRACE, _BRACKET = b'",{['
 
 
-def json_containers(body: bytes) -> int:
-    """How many objects and arrays a JSON text holds (brackets inside strings not counted), found without
-    parsing it: each costs hundreds of bytes once parsed and validated, so a body of many small ones costs
-    tens of times its size. The text is first reduced (in C) to its quotes and opening brackets, escaped
-    quotes and backslashes removed, then scanned one match at a time: memory stays a fraction of the body."""
-    bare = body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _DROP)
-    return sum(1 for m in _STRING_OR_OPEN.finditer(bare) if m.end() - m.start() == 1 and bare[m.start()] != 34)
+def json_counts(body: bytes, block: int = 1 << 22) -> tuple[int, int]:
+    """(objects and arrays, values inside them) in a JSON text, found without parsing it; brackets and commas
+    inside strings are not counted. Parsed and validated, an object or array costs hundreds of bytes and a
+    value in one tens of bytes (a token-id list of 10 million entries takes gigabytes), so a body's counts
+    bound the memory it can take. The text is reduced (in C) to its quotes, opening brackets and commas,
+    escaped quotes and backslashes removed; then, a block at a time, a running count of quotes tells which
+    characters are inside a string. The values are at most one per comma plus one per object or array.
+    Memory stays a fraction of the body."""
+    import numpy as np
+    bare = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _DROP), np.uint8)
+    containers = commas = 0
+    open_string = 0
+    for i in range(0, len(bare), block):
+        part = bare[i:i + block]
+        # quotes so far, mod 2 (a uint8 sum wraps at 256, which keeps its parity): 1 inside a string
+        outside = ((np.cumsum(part == _QUOTE, dtype=np.uint8) + open_string) & 1) == 0
+        containers += int(np.count_nonzero(((part == _BRACE) | (part == _BRACKET)) & outside))
+        commas += int(np.count_nonzero((part == _COMMA) & outside))
+        open_string = int(not outside[-1])
+    return containers, containers + commas
 
 
 def release_freed_memory() -> None:
@@ -150,11 +164,13 @@ class BodySizeLimit:
     """ASGI middleware: refuse bodies over `limit` bytes with 413, before anything parses them. A declared
     Content-Length over the limit is refused up front; otherwise the body is read here as it arrives (chunked
     included) and refused the moment it passes the limit, so the route's JSON parsing sees only bodies within
-    it, whole, in one piece."""
+    it, whole, in one piece. A body holding more JSON objects and arrays than `max_json_values`, or more
+    values in them than `max_json_items`, is refused (413) unparsed too."""
 
-    def __init__(self, app, limit: int, error_body, max_json_values: int = 100_000):
+    def __init__(self, app, limit: int, error_body, max_json_values: int = 100_000,
+                 max_json_items: int = 1_000_000):
         self.app, self.limit, self.error_body = app, limit, error_body
-        self.max_json_values = max_json_values
+        self.max_json_values, self.max_json_items = max_json_values, max_json_items
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -184,15 +200,13 @@ class BodySizeLimit:
                 break
         pending = [b"".join(chunks) if len(chunks) != 1 else chunks[0]]
         chunks.clear()
-        n_values = pending[0].count(b"{") + pending[0].count(b"[")    # at most this many (some in strings)
-        if n_values > self.max_json_values:
-            from starlette.concurrency import run_in_threadpool
-            n_values = await run_in_threadpool(json_containers, pending[0])
-        if n_values > self.max_json_values:
-            return await self._refuse(scope, send, seen, f"the request body holds {n_values:,} JSON objects and "
-                                                         f"arrays, more than the {self.max_json_values:,} a request "
-                                                         "may have")
         big = len(pending[0]) > 4 << 20
+        why = await self._too_many_values(pending[0])
+        if why:
+            pending.clear()
+            if big:
+                release_freed_memory()
+            return await self._refuse(scope, send, seen, why)
 
         async def replay():
             if pending:
@@ -205,6 +219,22 @@ class BodySizeLimit:
             if big:
                 pending.clear()
                 release_freed_memory()
+
+    async def _too_many_values(self, body: bytes) -> str | None:
+        """Why `body` holds too many JSON values to be parsed, or None. The counts of brackets and commas are
+        upper bounds (some may be in strings): the exact count is made only when they pass a limit."""
+        containers = body.count(b"{") + body.count(b"[")
+        items = containers + body.count(b",")
+        if containers > self.max_json_values or items > self.max_json_items:
+            from starlette.concurrency import run_in_threadpool
+            containers, items = await run_in_threadpool(json_counts, body)
+        if containers > self.max_json_values:
+            return (f"the request body holds {containers:,} JSON objects and arrays, more than the "
+                    f"{self.max_json_values:,} a request may have")
+        if items > self.max_json_items:
+            return (f"the request body holds {items:,} JSON values (array entries and object members), more "
+                    f"than the {self.max_json_items:,} a request may have")
+        return None
 
     async def _refuse(self, scope, send, length, why: str | None = None):
         import json

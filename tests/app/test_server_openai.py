@@ -407,6 +407,27 @@ def test_huge_prompt_is_refused_without_tokenizing_it(server, model, monkeypatch
     assert max(seen, default=0) <= 8 * 512, seen
 
 
+def test_a_refused_prompt_is_freed_at_once(server, model):
+    """A prompt refused as too long is freed with its answer: no error object is left in a reference cycle
+    (its traceback's frames hold the prompt) for a cyclic collection that may come much later. The tests
+    run with automatic collection off, so a cycle would stay."""
+    import gc
+
+    from app.server.core import ApiError
+    from engine.types import ContextTooLongError
+    gc.collect()
+    for path, body in (("/v1/chat/completions", {"model": model, "messages": _msgs("word " * 200_000)}),
+                       ("/v1/chat/completions", {"model": model, "messages": _msgs("word " * 700)}),
+                       ("/v1/completions", {"model": model, "prompt": "word " * 200_000}),
+                       ("/v1/completions", {"model": model, "prompt": "word " * 700}),
+                       ("/v1/completions", {"model": model, "prompt": [1] * 600})):
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    time.sleep(0.2)
+    left = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (ContextTooLongError, ApiError))]
+    assert not left, left
+
+
 def test_sdk_raises_typed_errors(client, model):
     with pytest.raises(openai.NotFoundError):
         chat(client, "missing-model")

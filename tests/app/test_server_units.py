@@ -261,8 +261,10 @@ def test_body_of_too_many_json_values_is_refused_before_parsing():
     """Many small objects cost tens of times their bytes once parsed and validated: a body with more than
     max_json_values objects and arrays is refused unparsed; brackets inside strings do not count."""
     from app.server.app import create_app
-    from app.server.security import json_containers
-    assert json_containers(json.dumps({"a": [1, {"b": 'x{["\\'}], "c": '{{{\\"', "d": []}).encode()) == 4
+    from app.server.security import json_counts
+    text = json.dumps({"a": [1, {"b": 'x{[",\\'}], "c": '{{{\\",', "d": []}).encode()
+    assert json_counts(text) == (4, 7)            # 4 objects and arrays; 6 values, counted as 3 commas + 4
+    assert json_counts(text, block=3) == (4, 7)   # counted a block at a time, strings across blocks
     app = create_app(None, ServerSettings(max_json_values=50))
     msgs = [{"role": "user", "content": "hi"}] * 60
     status, _, err = call(app, "POST", "/v1/chat/completions", body={"model": "x", "messages": msgs})
@@ -271,6 +273,23 @@ def test_body_of_too_many_json_values_is_refused_before_parsing():
     status, _, err = call(app, "POST", "/v1/chat/completions", body={"model": "x", "messages": [
         {"role": "user", "content": code}]})
     assert status == 503, err
+
+
+def test_body_of_too_many_json_values_in_arrays_is_refused_before_parsing():
+    """A token-id list (or a stop list) of millions of entries costs tens of bytes an entry once parsed and
+    validated, gigabytes for a 31 MB body: more than max_json_items values is refused unparsed (413);
+    commas inside strings do not count."""
+    from app.server.app import create_app
+    app = create_app(None, ServerSettings(max_json_items=1000))
+    status, _, err = call(app, "POST", "/v1/completions", body={"model": "x", "prompt": [12345] * 2000})
+    assert status == 413 and err["error"]["code"] == "request_too_large", err
+    assert "2,00" in err["error"]["message"] and "JSON values" in err["error"]["message"], err
+    status, _, err = call(app, "POST", "/v1/messages", body={"model": "x", "max_tokens": 1, "stop_sequences": ["a"] * 2000,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 413 and err["error"]["type"] == "request_too_large", err
+    for body in ({"model": "x", "prompt": [12345] * 900}, {"model": "x", "prompt": "a, " * 5000}):
+        status, _, err = call(app, "POST", "/v1/completions", body=body)
+        assert status == 503, err                 # within the limits: reaches the route (no model loaded)
 
 
 @pytest.mark.parametrize("host,keys,allowed,status", [
