@@ -117,6 +117,21 @@ def test_forced_tool_use_with_defs_and_refs(client, choice):
         jsonschema.validate(uses[0].input, PERSON["input_schema"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_use_cut_by_max_tokens_is_max_tokens_not_text(client, stream):
+    """A forced tool_use that max_tokens cuts: stop_reason "max_tokens", no tool_use block and no half call
+    shown as text."""
+    kw = dict(model="m", max_tokens=6, extra_body={"temperature": 0}, tools=[WEATHER],
+              tool_choice={"type": "any"}, messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    if stream:
+        with client.messages.stream(**kw) as s:
+            r = s.get_final_message()
+    else:
+        r = client.messages.create(**kw)
+    assert r.stop_reason == "max_tokens" and [b.type for b in r.content] == ["text"], r
+    assert "<tool_call>" not in r.content[0].text and "get_weather" not in r.content[0].text, r
+
+
 def test_usage_input_tokens_exclude_cache_reads(client):
     """Anthropic's input_tokens counts only the prompt tokens not read from the cache."""
     msgs = [{"role": "user", "content": "Tell me about the sea, the sky and the hills. " * 8}]

@@ -230,6 +230,33 @@ def test_unsatisfiable_schema_is_400(client, model):
                                                                                            "schema": schema}})
 
 
+# compiles, but has no finite instance: the grammar fails once the output has begun ('{"')
+ENDLESS = {"type": "object", "$defs": {"X": {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}},
+                                             "required": ["x"]}},
+           "properties": {"a": {"$ref": "#/$defs/X"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_schema_that_fails_mid_output_is_an_error(client, model, stream):
+    """A schema the grammar accepts but no output can complete: an error (400 constraint_unsatisfiable, or
+    an error event when streaming), not a 200 with the broken start and finish_reason "stop"."""
+    rf = {"type": "json_schema", "json_schema": {"name": "endless", "schema": ENDLESS}}
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as ei:
+            chat(client, model, "JSON", max_tokens=40, response_format=rf)
+        assert ei.value.code == "constraint_unsatisfiable" and ei.value.param == "response_format", ei.value
+        return
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", str(client.base_url) + "chat/completions", json={
+                "model": model, "messages": _msgs("JSON"), "max_tokens": 40, "temperature": 0, "stream": True,
+                "response_format": rf}) as r:
+            assert r.status_code == 200
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and errors[0]["code"] == "constraint_unsatisfiable", events[-3:]
+    assert "stop" not in [ch["finish_reason"] for e in events for ch in e.get("choices", [])]
+
+
 def test_tool_choice_none_gives_text(client, model):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER],
                                        tool_choice="none", max_tokens=4, temperature=0)
@@ -424,13 +451,19 @@ def test_a_refused_prompt_is_freed_at_once(server, model):
         r = _post(server, path, body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     time.sleep(0.2)
-    left = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (ContextTooLongError, ApiError))]
+    left = [t.__name__ for t in map(type, gc.get_objects()) if issubclass(t, (ContextTooLongError, ApiError))]
     assert not left, left
 
 
 def test_sdk_raises_typed_errors(client, model):
-    with pytest.raises(openai.NotFoundError):
+    """The SDK's typed errors, with OpenAI's error type: invalid_request_error for an unknown model (code
+    model_not_found), not Anthropic's not_found_error."""
+    with pytest.raises(openai.NotFoundError) as ei:
         chat(client, "missing-model")
+    assert ei.value.type == "invalid_request_error" and ei.value.code == "model_not_found", ei.value.body
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.get("/no-such-route", cast_to=object)
+    assert ei.value.type == "invalid_request_error", ei.value.body
     with pytest.raises(openai.BadRequestError):
         chat(client, model, temperature=7)
 
@@ -478,12 +511,13 @@ def test_client_disconnect_cancels_at_once(server, model):
 
 
 def test_sigterm_during_a_stream_sends_an_error_event(smollm2_path, tmp_path):
-    """`hivejet serve` stopped by SIGTERM mid-stream: the client gets an error event saying the server is
-    shutting down (not a stream cut without a word), and the process exits."""
+    """`hivejet serve` stopped by SIGTERM mid-stream: each client (an OpenAI and an Anthropic stream) gets an
+    error event saying the server is shutting down (not a stream cut without a word), and the process exits."""
     import signal
     import socket
     import subprocess
     import sys
+    import threading
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -493,17 +527,36 @@ def test_sigterm_during_a_stream_sends_an_error_event(smollm2_path, tmp_path):
         t0 = time.monotonic()
         while "serving" not in proc.stderr.readline():
             assert proc.poll() is None and time.monotonic() - t0 < 120
-        body = {"model": "x", "messages": _msgs("Write a long story."), "max_tokens": 400, "stream": True}
-        lines = []
-        with httpx.Client(timeout=60) as c:
-            body["model"] = c.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-            with c.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+        base = f"http://127.0.0.1:{port}"
+        model = httpx.get(base + "/v1/models", timeout=60).json()["data"][0]["id"]
+        streams = {"/v1/chat/completions": {"model": model, "messages": _msgs("Write a long story."),
+                                            "max_tokens": 400, "stream": True},
+                   "/v1/messages": {"model": model, "messages": _msgs("Write a long story."), "max_tokens": 400,
+                                    "stream": True}}
+        lines = {path: [] for path in streams}
+        started = threading.Barrier(len(streams) + 1, timeout=120)
+
+        def read(path):
+            with httpx.Client(timeout=60) as c, c.stream("POST", base + path, json=streams[path]) as r:
                 for line in r.iter_lines():
-                    lines.append(line)
-                    if len(lines) == 6:
-                        proc.send_signal(signal.SIGTERM)
-        errors = [json.loads(x[6:])["error"] for x in lines if x.startswith("data: {\"error\"")]
-        assert errors and "shutting down" in errors[0]["message"], lines[-4:]
+                    lines[path].append(line)
+                    if len(lines[path]) == 6:
+                        started.wait()
+        readers = [threading.Thread(target=read, args=(path,)) for path in streams]
+        for t in readers:
+            t.start()
+        started.wait()                   # both streams under way
+        proc.send_signal(signal.SIGTERM)
+        for t in readers:
+            t.join(60)
+        got = lines["/v1/chat/completions"]
+        errors = [json.loads(x[6:])["error"] for x in got if x.startswith("data: {\"error\"")]
+        assert errors and "shutting down" in errors[0]["message"], got[-4:]
+        got = lines["/v1/messages"]
+        events = [json.loads(x[6:]) for x in got if x.startswith("data: {")]
+        errors = [e["error"] for e in events if e["type"] == "error"]
+        assert errors and "shutting down" in errors[0]["message"], got[-4:]     # Anthropic's error event
+        assert events[-1]["type"] == "error" and "message_stop" not in [e["type"] for e in events]
         assert proc.wait(30) in (0, -signal.SIGTERM)      # uvicorn re-raises the signal once stopped
     finally:
         if proc.poll() is None:
