@@ -327,6 +327,32 @@ def test_cancelled_requests_counted_in_metrics(server, model):
         time.sleep(0.1)
 
 
+def test_model_without_a_chat_template_says_which_it_uses(gemma3_path, caplog):
+    """Gemma-3-270M's GGUF has no chat template: the server's log and /v1/models say which fallback the chats
+    use (Gemma's turns, from the vocabulary), and a reply through the API carries none of its markers."""
+    import logging
+
+    from app.server.app import ServerThread, create_app
+    from app.server.security import ServerSettings
+    from engine.engine import Engine, EngineConfig
+    with caplog.at_level(logging.WARNING, logger="hivejet.engine"):
+        eng = Engine(EngineConfig(model=str(gemma3_path), ctx_size=256, max_seqs=1))
+    srv = ServerThread(create_app(eng, ServerSettings())).start()
+    try:
+        said = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
+        assert said and "gemma fallback template" in said[0] and "<end_of_turn>" in said[0], said
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        card = c.models.list().data[0]
+        assert card.model_dump()["chat_template"] == "fallback:gemma"
+        r = c.chat.completions.create(model=card.id, messages=_msgs("What color is the sky?"), max_tokens=40,
+                                      temperature=0)
+        text = r.choices[0].message.content
+        assert not any(m in text for m in ("<start_of_turn>", "<end_of_turn>", "<|im_", "\nuser\n")), text
+    finally:
+        srv.stop()
+        eng.shutdown()
+
+
 def test_completions_text_ids_echo_logprobs(client, model, server):
     r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
                                   logprobs=2, echo=True)
