@@ -223,8 +223,10 @@ def _table(snap: Snapshot, sort: str) -> Table:
         else:
             ctx = str(r.context) if r.context else "-"
         gen = (str(r.generated) if r.gen_final else f"≥{r.generated}") if r.generated or r.active else "-"
-        t.add_row(r.name, Text(r.state, style=_state_style(r.state)), f"{r.tok_per_s:.1f}" if r.active else "-",
-                  ctx, gen, r.task, r.last_line.replace("\t", " "))
+        # names, tasks and output as plain Text: rich would read "[tool]" or a model's "[/INST]" as markup
+        t.add_row(Text(r.name), Text(r.state, style=_state_style(r.state)),
+                  f"{r.tok_per_s:.1f}" if r.active else "-", ctx, gen, Text(r.task),
+                  Text(r.last_line.replace("\t", " ")))
     if not rows:
         t.add_row("-", Text("idle", style="dim"), "", "", "", "", "no conversations")
     return t

@@ -186,10 +186,15 @@ def test_run_two_agents_on_demo_model(server, tmp_path):
         assert a["steps"] == 3 or (a["solved"] and a["steps"] < 3)          # the step limit holds
         assert a["tool_calls"] + a["no_call_steps"] == a["steps"] and a["tool_calls"] >= 1
     assert s["requests"] == sum(a["steps"] for a in s["per_agent"])
+    tools = {"list_files", "read_file", "write_file", "run_tests"}
+    assert sum(s["tools"].values()) == s["tool_calls"] and set(s["tools"]) <= tools, s["tools"]
+    for a in s["per_agent"]:
+        assert sum(a["tools"].values()) == a["tool_calls"], a
     assert set(Path(tempfile.gettempdir()).glob("hivejet-agent*")) == before
     text = buf.getvalue()
     assert "HiveJet top" in text and "agent1" in text and "add 3/3" in text   # the view ran
     assert "tasks solved:" in text and "first-token latency: median" in text
+    assert "tools called: " + ", ".join(f"{k} {v}" for k, v in s["tools"].items()) in text
 
 
 @pytest.mark.slow
@@ -262,6 +267,18 @@ def test_tool_line_and_counts():
     assert "tools called: read_file 3, run_tests 1, write_file 3" in format_summary(s)
 
 
+def test_latest_output_is_shown_as_written():
+    """The latest-output column shows a tool line's "[tool]" and a model's brackets as they are (rich
+    markup would swallow "[tool]", and a closing tag such as "[/INST]" would stop the view)."""
+    snap = recorded_snapshot()
+    snap.agents[0]["last_line"] = "[tool] read_file(calc.py) -> 2 lines"
+    snap.agents[1]["last_line"] = "[/INST] a[/i] [bold]x"
+    snap.agents[1]["task"] = "[/task]"
+    text = frame_text(snap, width=160)
+    assert "[tool] read_file(calc.py) -> 2 lines" in text and "[/INST] a[/i] [bold]x" in text, text
+    assert "[/task]" in text
+
+
 def test_access_log_leaves_out_polls():
     import logging
     from app.server.access_log import QuietPolls
@@ -274,6 +291,46 @@ def test_access_log_leaves_out_polls():
     assert not f.filter(rec("GET", "/health?x=1", 200))
     assert f.filter(rec("GET", "/health", 503)) and f.filter(rec("POST", "/v1/chat/completions", 200))
     assert f.filter(rec("GET", "/v1/models", 200))
+
+
+@pytest.mark.slow
+def test_serve_access_log_leaves_out_answered_polls(smollm2_path):
+    """`hivejet serve --log-level info`: the polls of hivejet top, the Monitor and Prometheus (GET /slots,
+    /metrics, /health answered) stay out of its access log; other requests, and polls that fail, are in it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "app.server", "-m", str(smollm2_path), "--port", str(port),
+                             "-c", "256", "--log-level", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while "serving" not in proc.stderr.readline():
+            assert proc.poll() is None and time.monotonic() - t0 < 120
+        for _ in range(3):
+            for path in ("/slots", "/metrics", "/health"):
+                urllib.request.urlopen(url + path, timeout=30).read()
+        urllib.request.urlopen(url + "/v1/models", timeout=30).read()
+        req = urllib.request.Request(url + "/slots", headers={"Host": "evil.example"})
+        with pytest.raises(urllib.error.HTTPError):              # a refused poll (403) stays in the log
+            urllib.request.urlopen(req, timeout=30)
+        time.sleep(0.5)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    log = out + err                      # (uvicorn writes its access log to stdout)
+    access = [line for line in log.splitlines() if '" 200' in line or '" 403' in line]
+    assert any("GET /v1/models" in line for line in access), log[-2000:]
+    assert any("GET /slots" in line and '" 403' in line for line in access), log[-2000:]
+    assert not [line for line in access if '" 200' in line and any(p in line for p in ("/slots", "/metrics",
+                                                                                      "/health"))], access
 
 
 @pytest.mark.slow
@@ -294,7 +351,8 @@ def test_poll_is_two_requests(server):
 
 @pytest.mark.slow
 def test_quit_mid_step_counts_streamed_tokens(server):
-    """Stopping agents mid-stream: the tokens they received count (the stream's usage never came)."""
+    """Stopping agents mid-stream: the tokens they received count (the stream's usage never came), and so do
+    the tool calls made before."""
     import time
 
     from app.top.agents import AgentRun
@@ -303,13 +361,16 @@ def test_quit_mid_step_counts_streamed_tokens(server):
     cfg = AgentConfig(model=client.model_id(), max_steps=3, max_tokens=400, test_runner="builtin", temperature=0.7)
     run = AgentRun(client, load_tasks(DATA / "top_tasks"), 2, cfg).start()
     t0 = time.monotonic()
-    while sum(q.get("generated") or 0 for q in client.get_json("/slots")["slots"]) < 6 \
-            and time.monotonic() - t0 < 60:
+    # mid-step: a tool call already made, and the next reply streaming
+    while not (any(st.tool_calls for st in run.statuses)
+               and sum(q.get("generated") or 0 for q in client.get_json("/slots")["slots"]) >= 6):
+        assert time.monotonic() - t0 < 120, [vars(st) for st in run.statuses]
         time.sleep(0.05)
     run.cancel()
     assert run.wait(10)
     s = run.summary()
     assert s["completion_tokens"] >= 6 and s["tok_per_s"] > 0
+    assert s["tool_calls"] >= 1 and sum(s["tools"].values()) == s["tool_calls"]   # the calls made count too
 
 
 @pytest.mark.slow
