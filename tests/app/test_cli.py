@@ -102,6 +102,19 @@ def test_perplexity_reads_file_bytes(tmp_path):
     assert read_text_file(f, drop_final_newline=True) == "a\r\nb\r\ufffd\r"     # llama-perplexity's -f
 
 
+def test_perplexity_file_keeps_crlf(smollm2_path, tmp_path, capsys):
+    """`hivejet perplexity -f` scores the file's bytes: a CRLF file's "\r\n" tokens are scored, so it gives
+    another perplexity than the same lines ending in LF (newline translation made them the same text)."""
+    line = "The cat sat on the mat and looked at the door."
+    reports = []
+    for name, end in (("crlf.txt", b"\r\n"), ("lf.txt", b"\n")):
+        f = tmp_path / name
+        f.write_bytes((line.encode() + end) * 12)
+        assert main(["perplexity", "-m", str(smollm2_path), "-f", str(f), "-c", "64", "--chunks", "1"]) == 0
+        reports.append(capsys.readouterr().out.strip())
+    assert reports[0] and reports[1] and reports[0] != reports[1], reports
+
+
 def test_terminal_chat_commands_and_reply_stats(smollm2_path, monkeypatch, capsys):
     """/help lists the commands and /reset says it cleared the conversation; neither reaches the model.
     Each reply ends with its tokens, tok/s and time to first token."""
