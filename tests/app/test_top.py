@@ -374,6 +374,74 @@ def test_quit_mid_step_counts_streamed_tokens(server):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.name != "posix", reason="a pseudo-terminal for the keys")
+def test_q_mid_step_stops_the_run_with_its_figures(server, tmp_path, monkeypatch):
+    """`--run` in the live view, q pressed mid-step (each agent's first tool call made, a next reply
+    streaming): the run stops (exit 0), its folders are removed, and the summary counts the tool calls made
+    and the tokens of the broken-off streams as well as the finished requests'."""
+    import pty
+    import sys
+    import tempfile
+    import threading
+    import time
+
+    from rich.console import Console
+
+    from app.top.client import Client
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    master, slave = pty.openpty()
+    keyboard = os.fdopen(slave, "r")
+    monkeypatch.setattr(sys, "stdin", keyboard)           # KeyReader reads the keys from this terminal
+    client = Client(server.url)
+
+    def metrics():
+        return parse_metrics(client.get_text("/metrics"))
+    t0 = time.monotonic()
+    while client.get_json("/slots")["slots"] and time.monotonic() - t0 < 30:   # (an earlier test's, dropping)
+        time.sleep(0.05)
+    before = metric(metrics(), "generated_tokens_total")
+    at_q = {}
+
+    def press_q():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 120:
+            m = metrics()
+            done = metric(m, "requests_finished_total")        # each agent's first reply done: a call made
+            streaming = max([q.get("generated") or 0 for q in client.get_json("/slots")["slots"]] or [0])
+            if done >= at_q.setdefault("done0", done) + 2 and streaming >= 12:
+                at_q["finished"] = metric(m, "generated_tokens_total") - before
+                os.write(master, b"q")
+                return
+            time.sleep(0.05)
+    out = tmp_path / "summary.json"
+    p = argparse.ArgumentParser()
+    add_top_args(p)
+    args = p.parse_args(["--url", server.url, "--run", "2", "--steps", "3", "--max-tokens", "400", "--temp", "0.7",
+                         "--tasks", str(DATA / "top_tasks"), "--test-runner", "builtin", "--no-gpu",
+                         "--interval", "0.2", "--json", str(out)])
+    presser = threading.Thread(target=press_q, daemon=True)
+    presser.start()
+    try:
+        code = run_top(args, console=Console(file=io.StringIO(), width=120, force_terminal=True))
+    finally:
+        keyboard.close()
+        os.close(master)
+    assert "finished" in at_q, "q was never pressed"
+    s = json.loads(out.read_text())
+    assert code == 0 and all(a["state"] in ("stopped", "solved") for a in s["per_agent"]), s["per_agent"]
+    assert s["tool_calls"] >= 1 and sum(s["tools"].values()) == s["tool_calls"], s
+    # the server counts the broken-off requests' tokens too (once they have finished as cancelled); the
+    # agents received all but the last few
+    t0 = time.monotonic()
+    while client.get_json("/slots")["slots"] and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    generated = metric(metrics(), "generated_tokens_total") - before
+    assert generated - 8 <= s["completion_tokens"] <= generated and s["completion_tokens"] > at_q["finished"], \
+        (s["completion_tokens"], generated, at_q)
+    assert not list(tmp_path.glob("hivejet-agent*"))
+
+
+@pytest.mark.slow
 def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path, monkeypatch):
     """`--run` stopped by SIGTERM or Ctrl-C: the agents stop, their folders are removed, the summary is
     printed and the exit code says which signal (143, 130)."""
