@@ -71,7 +71,7 @@ class RunnerFit:
                     c = self.config = dataclasses.replace(c, prefill_chunk=auto_prefill_chunk(free))
                 facts = facts_from_file(self.model.file)   # (the open file's header, parsed once)
                 budget = (free - max(int(0.1 * free), self.step_workspace(facts, want)) - self.vision_workspace()
-                          - self.pieces_workspace(facts))
+                          - self.pieces_workspace(facts) - self.draft_workspace())
                 pool = self.fit_pool(budget, want, 0 if host_ckpt else one_ckpt * max(0, c.state_checkpoints),
                                       ckpt_share)
                 if self.checkpoints_to_host(dev, pool, one_ckpt, ckpt_share):
@@ -147,6 +147,14 @@ class RunnerFit:
         c = self.config
         kt, vt = cache_type_name(c.cache_type_k), cache_type_name(c.cache_type_v or c.cache_type_k)
         return P.activation_bytes(facts, ctx, kt, c.max_seqs, c.prefill_chunk, vt)
+
+    def draft_workspace(self) -> int:
+        """What a recurrent model's drafting steps keep for their commit (engine/runner/sizes.py:
+        draft_kept_bytes: ~250 MB on the 27B), kept out of the KV pool when drafts are on."""
+        from engine.runner.sizes import draft_kept_bytes
+        if not (self.speculator.active and self.config.spec_max_drafts > 0):
+            return 0
+        return draft_kept_bytes(self.model, BUCKETS[-1])
 
     def pieces_workspace(self, facts: ModelFacts) -> int:
         """The graph pool of the passes that hold several slots' short prompts (engine/planner.py

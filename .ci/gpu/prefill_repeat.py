@@ -65,15 +65,17 @@ def recorded(name, fn):
     return call
 
 
-BLOCKS = ("_gated_delta_net", "_gated_attention", "_ffn", "delta_net_pieces", "delta_net_rows")
+BLOCKS = ("_gated_delta_net", "_gated_attention", "_ffn")
 for name in BLOCKS:
     if hasattr(model, name):
         setattr(model, name, recorded(name, getattr(model, name)))
 # and the kernels inside a block (module attributes the model looks up at each call)
 import engine.models.qwen35 as q35  # noqa: E402
+import engine.runner.recurrent as rec  # noqa: E402
 import kernels.fused as fused  # noqa: E402
 import kernels.quant.packed as packed  # noqa: E402
-patched = [(q35, "rms_norm"), (fused, "gated_sum_parts"), (packed, "matmul_tuned")]
+patched = [(q35, "rms_norm"), (fused, "gated_sum_parts"), (packed, "matmul_tuned"), (rec, "conv_rule_pieces"),
+           (rec, "conv_rule_rows")]
 saved = [(mod, name, getattr(mod, name)) for mod, name in patched if hasattr(mod, name)]
 for mod, name, fn in saved:
     setattr(mod, name, recorded(name, fn))

@@ -8,7 +8,7 @@
 PARTS=(
     ""  # (parts count from 1)
     "tests/kernels/test_packed.py tests/kernels/test_q4_gemm.py tests/kernels/test_quant_ref.py tests/kernels/test_pdl.py"
-    "tests/kernels/test_attention.py tests/kernels/test_flash.py tests/kernels/test_kvcodec.py tests/kernels/test_kv_write.py tests/kernels/test_fused.py tests/kernels/test_gdn.py tests/kernels/test_gdn_chunk.py tests/kernels/test_gdn_rows.py"
+    "tests/kernels/test_attention.py tests/kernels/test_flash.py tests/kernels/test_kvcodec.py tests/kernels/test_kv_write.py tests/kernels/test_fused.py tests/kernels/test_gdn.py tests/kernels/test_gdn_chunk.py tests/kernels/test_gdn_rows.py tests/kernels/test_gdn_verify.py"
     "tests/engine/test_runner.py"
     "tests/engine/test_runner_prefill.py tests/engine/test_runner_pieces.py tests/engine/test_runner_pool.py tests/engine/test_runner_prefix.py"
     "tests/engine/test_engine_runner.py tests/engine/test_sample_device.py tests/engine/test_sampling.py tests/engine/test_spec_mtp.py tests/engine/test_vision_runner.py"

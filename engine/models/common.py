@@ -20,6 +20,8 @@ from engine.gguf.reader import GGUFError, GGUFFile
 from engine.kv import KVPool, SequenceKV  # noqa: F401  (SequenceKV: the per-sequence cache, re-exported)
 from kernels import fused
 from kernels.attention import causal_attention
+from kernels.gdn import gdn_gates
+from kernels.gdn.block import GdnShape, conv_rule_rows
 from kernels.cpu import rows as cpu_rows
 from kernels.kvcodec import cache_type_name
 from kernels.quant import (activations_like_llamacpp, block_mins, check_supported, dequantize_rows, dequantized_tiles,
@@ -485,7 +487,6 @@ class Batch:
     positions: torch.Tensor = field(init=False)
     offsets: list[int] = field(init=False)
     rope: dict = field(init=False, default_factory=dict)  # cos/sin tables, filled by the model's prepare()
-    slots = None  # set by engine/runner/runner.py's SlotBatch: rows live in the runner's static KV/state slots
     rope_positions = None  # and (M-RoPE models) the RoPE positions where they are not `positions`
 
     def __post_init__(self):
@@ -499,6 +500,47 @@ class Batch:
     @property
     def tokens(self) -> torch.Tensor:
         return torch.cat([c.tokens for c in self.chunks])
+
+    # Where the rows' KV and recurrent state live: here each chunk's SequenceKV. A runner step's SlotBatch
+    # (engine/runner/batch.py) answers the same three calls from the runner's slots.
+    def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int = 0) -> torch.Tensor:
+        """Write each chunk's k, v into its KV and attend its queries over everything stored."""
+        outs = []
+        for c, lo, hi in zip(self.chunks, self.offsets[:-1], self.offsets[1:]):
+            if c.rowwise:
+                for r in range(lo, hi):
+                    outs.append(c.kv.attend(il, q[r:r + 1], k[r:r + 1], v[r:r + 1], c.start + r - lo, scale, window,
+                                            window_from=c.start))
+            else:
+                outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
+        return torch.cat(outs, dim=0)
+
+    def attend_prepared(self, il, q, k, v, prep, scale, window, gate=None, out_dtype=None) -> None:
+        """A shortcut that preps and attends in one kernel: none for sequences (DecoderModel.attend_heads)."""
+        return None
+
+    def delta_net(self, il: int, shape: GdnShape, L: dict, qkv: torch.Tensor, alpha_x: torch.Tensor,
+                  beta_x: torch.Tensor) -> torch.Tensor:
+        """A Gated DeltaNet layer's rows (qwen35) from the raw projections, each chunk from its sequence's
+        recurrent state, which it updates; a rowwise chunk (draft verification) runs one row at a time as
+        decode does and keeps the state after each row for the rollback."""
+        g, beta = gdn_gates(alpha_x, beta_x, L["dt"].dense, L["a"].dense)   # [n, Hv]: log decay <= 0, beta
+        outs = []
+        for c, lo, hi in zip(self.chunks, self.offsets[:-1], self.offsets[1:]):
+            state = c.kv.recurrent.get(il)
+            if c.rowwise:
+                row_states = []
+                for r in range(lo, hi):
+                    o, state = conv_rule_rows(shape, L["conv"], qkv[r:r + 1], g[r:r + 1], beta[r:r + 1], state)
+                    row_states.append(state)
+                    outs.append(o)
+                c.kv.row_states[il] = row_states
+            else:
+                o, state = conv_rule_rows(shape, L["conv"], qkv[lo:hi], g[lo:hi], beta[lo:hi], state)
+                outs.append(o)
+            c.kv.recurrent[il] = state
+        return torch.cat(outs, dim=0)
 
     def logit_rows(self) -> tuple[torch.Tensor, list[slice]]:
         """Indices of rows whose logits are wanted, and each chunk's slice into the logits."""
@@ -597,32 +639,16 @@ class DecoderModel:
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return self.output.matmul(h)
 
-    def attend(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
-               scale: float, window: int = 0) -> torch.Tensor:
-        """Write each chunk's k, v into its KV and attend its queries over everything stored."""
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner/runner.py)
-            return batch.attend(il, q, k, v, scale, window)
-        outs = []
-        for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
-            if c.rowwise:
-                for r in range(lo, hi):
-                    outs.append(c.kv.attend(il, q[r:r + 1], k[r:r + 1], v[r:r + 1], c.start + r - lo, scale, window,
-                                            window_from=c.start))
-            else:
-                outs.append(c.kv.attend(il, q[lo:hi], k[lo:hi], v[lo:hi], c.start, scale, window, c.bidirectional))
-        return torch.cat(outs, dim=0)
-
     def attend_heads(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch,
                      prep: HeadPrep, scale: float, window: int = 0, gate: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """attend() for q and k as the projection made them: `prep` (their norms and rope) first. gate
         [n, H, Dv]: the output times sigmoid(gate) (Qwen3.5's gated attention), in out_dtype."""
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner/runner.py): maybe all in its kernels
-            out = batch.attend_prepared(il, q, k, v, prep, scale, window, gate, out_dtype)
-            if out is not None:
-                return out
+        out = batch.attend_prepared(il, q, k, v, prep, scale, window, gate, out_dtype)
+        if out is not None:
+            return out
         q, k = prep.apply(q, k)
-        a = self.attend(il, q, k, v, batch, scale, window)
+        a = batch.attend(il, q, k, v, scale, window)
         return a if gate is None else sigmoid_mul(a, gate, out_dtype)
 
     # ----- KV cache -----

@@ -22,18 +22,12 @@ block with its own KV, shared_head_norm, the shared LM head), as llama.cpp's gra
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.gguf.reader import GGUFError
 from engine.models.common import (Batch, DecoderModel, HeadPrep, Rope, SeqChunk, SequenceKV, default_attn_scale,
                                   head_rms_norm_silu, rms_norm)
-from kernels.gdn import gdn_gates
-from kernels.gdn.chunk import chunk_scan
-from kernels.gdn.rows import delta_rule_pieces, delta_rule_rows, pieces_kernel_applies, rows_kernel_applies
+from kernels.gdn.block import GdnShape
 from kernels.quant import dequantize_rows
-
-GDN_CHUNK = 64  # chunk size of the chunkwise-parallel delta rule (llama.cpp and HF use 64)
-
 
 class MRope(Rope):
     """Interleaved multi-axis RoPE (llama.cpp GGML_ROPE_TYPE_IMROPE; HF Qwen3_5TextRotaryEmbedding)
@@ -78,67 +72,6 @@ class MRope(Rope):
         return theta.cos().float(), theta.sin().float()
 
 
-def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (llama.cpp build_gdn_l2_norm, FLA's l2norm)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule, one token at a time. q, k [T, H, Dk] (already L2-normed, q not yet
-    scaled), v [T, H, Dv], g (log decay, <= 0) and beta [T, H], state [H, Dk, Dv].
-    Returns o [T, H, Dv] and the new state."""
-    q = q * q.shape[-1] ** -0.5
-    S = state
-    out = []
-    for t in range(q.shape[0]):
-        S = S * g[t].exp()[:, None, None]
-        kv_mem = torch.einsum("hkv,hk->hv", S, k[t])
-        delta = (v[t] - kv_mem) * beta[t][:, None]
-        S = S + k[t][:, :, None] * delta[:, None, :]
-        out.append(torch.einsum("hkv,hk->hv", S, q[t]))
-    return torch.stack(out), S
-
-
-def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, chunk: int = GDN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same as `delta_rule_recurrent`, in the chunkwise-parallel form (as llama.cpp's
-    build_delta_net_chunking and HF's torch_chunk_gated_delta_rule): within a chunk of C tokens the
-    delta-rule updates are condensed by the UT transform T = (I + strict_lower(diag(beta) K K^T * D))^-1
-    (D the pairwise decays), then chunks are scanned sequentially through the state."""
-    T, H, Dk = q.shape
-    Dv = v.shape[-1]
-    q = q * Dk ** -0.5
-    pad = (-T) % chunk
-    n_chunks = (T + pad) // chunk
-
-    def prep(x):  # [T, H, ...] -> [H, n_chunks, C, ...], zero-padded at the end
-        x = x.transpose(0, 1)
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad)) if x.ndim == 3 else F.pad(x, (0, pad))
-        return x.reshape(H, n_chunks, chunk, *x.shape[2:])
-
-    q, k, v, g, beta = prep(q), prep(k), prep(v), prep(g), prep(beta)
-    kb = k * beta[..., None]
-    vb = v * beta[..., None]
-    gc = g.cumsum(-1)                                              # [H, N, C] log decay since chunk start
-    incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~incl, float("-inf")).exp()  # [H, N, C, C]
-    lower = ((kb @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    system = lower + eye
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)                      # [H,N,C,Dv]
-    w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)  # [H,N,C,Dk]
-    qk = (q @ k.transpose(-1, -2)) * decay                          # intra-chunk attention (causal, incl. diag)
-    qg = q * gc.exp()[..., None]
-    kg = k * (gc[..., -1:] - gc).exp()[..., None]
-    g_last = gc[..., -1].exp()                                      # [H, N]
-    # the scan through the state, piece by piece (kernels/gdn/chunk.py)
-    out, S = chunk_scan(u, w, qg, qk, kg, g_last, state)                  # [H, N, C, Dv] (a view of any layout)
-    o = out.permute(1, 2, 0, 3).reshape(n_chunks * chunk, H, Dv)[:T]   # [T, H, Dv]: one copy
-    return o.contiguous(), S
-
-
 def _dense(wt) -> torch.Tensor:
     """A whole small 2-D tensor as float32 (the conv kernel)."""
     return dequantize_rows(wt.raw.view(wt.n_out, -1), wt.qtype, wt.n_in)
@@ -161,6 +94,7 @@ class Qwen35Model(DecoderModel):
         self.n_k_heads, self.n_v_heads, self.d_state = s.ssm_n_group, s.ssm_dt_rank, s.ssm_d_state
         self.key_dim = self.n_k_heads * self.d_state
         self.conv_dim = 2 * self.key_dim + s.ssm_d_inner
+        self.gdn = GdnShape(self.n_k_heads, self.n_v_heads, self.d_state, s.ssm_d_conv, s.rms_eps)
         self.layers = []
         for il in range(s.n_layer):
             p = f"blk.{il}."
@@ -320,112 +254,9 @@ class Qwen35Model(DecoderModel):
         Hv, D = self.n_v_heads, self.d_state
         # qkv [n, conv_dim], z [n, Hv * D], beta and alpha's products [n, Hv]
         qkv, z, beta_x, alpha_x = L["ssm_in"].matmul(h)
-        if batch.slots is not None:  # a GPU step over static slots (engine/runner/runner.py): it makes the gates
-            o = batch.delta_net(il, self, L, qkv, alpha_x, beta_x)
-        else:
-            g, beta = gdn_gates(alpha_x, beta_x, L["dt"].dense, L["a"].dense)   # [n, Hv]: log decay <= 0, beta
-            outs = []
-            for c, lo, hi in zip(batch.chunks, batch.offsets[:-1], batch.offsets[1:]):
-                if c.rowwise:  # draft verification: one row at a time like decode, the state after each kept
-                    state, row_states = c.kv.recurrent.get(il), []
-                    for r in range(lo, hi):
-                        o, state = self.delta_net_rows(L, qkv[r:r + 1], g[r:r + 1], beta[r:r + 1], state)
-                        row_states.append(state)
-                        outs.append(o)
-                    c.kv.row_states[il] = row_states
-                    c.kv.recurrent[il] = state
-                    continue
-                o, state = self.delta_net_rows(L, qkv[lo:hi], g[lo:hi], beta[lo:hi], c.kv.recurrent.get(il))
-                c.kv.recurrent[il] = state
-                outs.append(o)
-            o = torch.cat(outs, dim=0)
+        o = batch.delta_net(il, self.gdn, L, qkv, alpha_x, beta_x)           # [n, Hv, D]
         o = head_rms_norm_silu(o, L["ssm_norm"].dense, s.rms_eps, z.view(n, Hv, D), L["ssm_out"].input_dtype)
         return L["ssm_out"].matmul(o.reshape(n, Hv * D), add=residual)
-
-    def delta_net_rows(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: tuple[torch.Tensor, torch.Tensor] | None,
-                       keep: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
-        """One sequence's m consecutive rows through the conv and the delta rule, from `state`
-        (conv window [K-1, conv_dim], S [Hv, D, D]; None: zeros). Returns o [m, Hv, D] and the new state.
-        keep: the rows of [conv window; qkv] that make the new window (default the last K-1; a padded
-        prompt chunk, engine/runner/prefill.py, keeps those ending at its last real row)."""
-        m = qkv.shape[0]
-        Hv, D, K = self.n_v_heads, self.d_state, self.spec.ssm_d_conv
-        if state is None:
-            conv_state = qkv.new_zeros((K - 1, self.conv_dim))
-            S = qkv.new_zeros((Hv, D, D))
-        else:
-            conv_state, S = state
-        conv_w = L["conv"]
-        # the CPU path in float64, rounded back once below: torch's float32 exp, sums and products change with
-        # the CPU's instruction set (docs/ACCURACY.md), and this block feeds its result to the rest in float32
-        wide = qkv.device.type == "cpu" and qkv.dtype == torch.float32
-        if wide:
-            qkv, conv_state, S, g, beta, conv_w = (t.double() for t in (qkv, conv_state, S, g, beta, conv_w))
-        xin = torch.cat([conv_state, qkv], dim=0)                            # [K-1+m, conv_dim]
-        q, k, v = self._conv_heads(xin, conv_w, m)
-        o, S = self._rule(q)(q, k, v, g, beta, S)
-        window = xin[-(K - 1):].clone() if keep is None else xin.index_select(0, keep)
-        if wide:
-            o, window, S = o.float(), window.float(), S.float()
-        return o, (window, S)
-
-    def _conv_heads(self, xin: torch.Tensor, conv_w: torch.Tensor, m: int,
-                    sel: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (L2-normed, in the V heads' tiled order) and v [m, Hv, D] from the conv over xin (rows with
-        their windows before them); sel: the windows to keep (default: the last m)."""
-        s = self.spec
-        Hk, Hv, D, K = self.n_k_heads, self.n_v_heads, self.d_state, s.ssm_d_conv
-        conv = F.silu((xin.unfold(0, K, 1) * conv_w).sum(-1))               # [windows, conv_dim]
-        conv = conv.index_select(0, sel) if sel is not None else conv[-m:]
-        q = l2_norm(conv[:, :self.key_dim].reshape(m, Hk, D), s.rms_eps)
-        k = l2_norm(conv[:, self.key_dim:2 * self.key_dim].reshape(m, Hk, D), s.rms_eps)
-        v = conv[:, 2 * self.key_dim:].reshape(m, Hv, D)
-        if Hv != Hk:  # tiled V-head order: V head j uses K head j % Hk (ggml_repeat)
-            q = q.repeat(1, Hv // Hk, 1)
-            k = k.repeat(1, Hv // Hk, 1)
-        return q, k, v
-
-    @staticmethod
-    def _rule(q: torch.Tensor):
-        """The delta rule's form for a run of q.shape[0] tokens of one sequence."""
-        if q.shape[0] == 1:
-            return delta_rule_recurrent
-        if rows_kernel_applies(q):   # a small prompt chunk on the GPU: one launch (kernels/gdn/rows.py)
-            return delta_rule_rows
-        return delta_rule_chunked
-
-    def delta_net_pieces(self, L: dict, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         conv_states: torch.Tensor, S: torch.Tensor, pieces) -> torch.Tensor:
-        """A padded pass's rows, several slots' pieces (engine/runner/prefill.py: PromptPieces), through the
-        conv and the delta rule: each piece from its slot's conv window and state in conv_states [n_slots,
-        K-1, conv_dim] and S [n_slots, Hv, D, D], which it updates in place. g and beta are 0 on padding
-        rows. Returns o [rows, Hv, D]. The GPU: the windows gathered and the delta rule in one launch for
-        all pieces (delta_rule_pieces), from the layout's device buffers alone (a captured pass serves every
-        layout). The CPU: each piece's real rows as delta_net_rows runs them (float64; pieces.bounds)."""
-        n = qkv.shape[0]
-        Hv, D, K = self.n_v_heads, self.d_state, self.spec.ssm_d_conv
-        kernel = pieces_kernel_applies(qkv)
-        if not kernel and pieces.bounds is None:
-            raise ValueError("delta_net_pieces: a captured pass needs the pieces kernel (Triton on CUDA)")
-        conv_w = L["conv"]
-        wins = conv_states.index_select(0, pieces.slots)                      # [P, K-1, conv_dim]
-        wide = not kernel and qkv.dtype == torch.float32
-        if wide:
-            qkv, wins, g, beta, conv_w = (t.double() for t in (qkv, wins, g, beta, conv_w))
-        xin = torch.cat([wins.reshape(-1, wins.shape[-1]), qkv]).index_select(0, pieces.gather)
-        q, k, v = self._conv_heads(xin, conv_w, n, pieces.sel)
-        if kernel:
-            o = delta_rule_pieces(q, k, v, g, beta, S, pieces.slots, pieces.cu)
-        else:
-            o = q.new_zeros(n, Hv, D)
-            for slot, lo, hi in pieces.bounds:
-                St = S[slot].double() if wide else S[slot]
-                o[lo:hi], St = self._rule(q[lo:hi])(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], St)
-                S[slot].copy_(St)
-        new = xin.index_select(0, pieces.keep.flatten()).view(-1, K - 1, xin.shape[-1])
-        conv_states.index_copy_(0, pieces.slots, new.to(conv_states.dtype))
-        return o.float()
 
     # ------------------------------------------------------------------------------------------
     # MTP (NextN) block

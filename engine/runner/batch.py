@@ -85,7 +85,7 @@ class SlotBatch:
         self.slot, self.start = slot, start
         self.rope: dict = {}
         self._pool: dict = {}
-        self.waves: torch.Tensor | None = None   # drafts: [W, rows] each row's slot in its wave, else -1
+        self.layout: torch.Tensor | None = None  # a drafting step's rows (kernels/gdn/verify.py), else None
         self.centers = True     # decode: make the key centers of rows at a new segment (Runner._needs_centers)
 
     def rows(self) -> torch.Tensor:
@@ -124,5 +124,5 @@ class SlotBatch:
             self._pool["state_slots"] = torch.where(self.slots == r.scratch, -1, self.slots)
         return self._pool["state_slots"]
 
-    def delta_net(self, il, model, L, qkv, alpha_x, beta_x):
-        return self.runner.recurrent.delta_net(self, il, L, qkv, alpha_x, beta_x)
+    def delta_net(self, il, shape, L, qkv, alpha_x, beta_x):
+        return self.runner.recurrent.delta_net(self, il, shape, L, qkv, alpha_x, beta_x)

@@ -49,7 +49,7 @@ def piece_rows(n: int) -> int:
 
 
 class PromptPieces:
-    """The layout of a pass's pieces as fixed-size device buffers (qwen35's delta_net_pieces reads them):
+    """The layout of a pass's pieces as fixed-size device buffers (kernels/gdn/block.py: conv_rule_pieces reads them):
     each piece's slot (unused pieces repeat piece 0: they write what it writes), row boundaries `cu` (a piece
     owns its alignment padding; the last real piece the pass's tail), and for the conv: `gather` lays out
     [window; rows] of every piece one after another (indexes into [the pieces' windows; the pass's rows]),

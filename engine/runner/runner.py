@@ -53,6 +53,7 @@ from engine.runner.recurrent import RecurrentSlots
 from engine.runner.sizes import (attn_layers, preconditions_keys, slot_bytes_per_token, slot_fixed_bytes,  # noqa: F401
                                  slot_prep_bytes, state_checkpoint_bytes)
 from engine.runner.keyprep import KeyPreconditioner
+from kernels.gdn.verify import draft_layout
 from kernels.attention.flash import flash_lse_works, flash_supported
 from kernels.attention.paged import decode_config
 from kernels.family import device_family
@@ -90,9 +91,6 @@ def prompt_pieces_per_pass(n_slots: int, padded_prefill: bool, shared: bool = Tr
     return n_slots if shared and padded_prefill else 1
 
 
-def _wave_bucket(waves: list | None) -> int:
-    """The decode graph's wave count for a step's waves: 0 without drafts, else a power of two."""
-    return 0 if waves is None else 1 << (len(waves) - 1).bit_length()
 
 
 class Runner:
@@ -168,12 +166,11 @@ class Runner:
         return k, v
 
     def _init_graphs(self, graphs: bool | None, padded_prefill: bool | None, shared_prompt_passes: bool) -> None:
-        """The decode graphs (captured per rows bucket, waves and centers), the padded prompt passes and their
+        """The decode graphs (captured per rows bucket, drafting or not and centers), the padded prompt passes and their
         graphs, and the step outputs they leave."""
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
-        self._graphs: dict[tuple, DecodeGraph] = {}    # (rows bucket, waves, centers) -> decode graph
-        self._graph_waves: dict[tuple, torch.Tensor] = {}
-        self._graph_replay: dict[tuple, dict] = {}
+        self._graphs: dict[tuple, DecodeGraph] = {}    # (rows bucket, drafting, centers) -> decode graph
+        self._graph_layout: dict[tuple, torch.Tensor] = {}   # a drafting graph's rows layout (kernels/gdn/verify.py)
         self._graph_pool = None
         self.hidden: torch.Tensor | None = None        # the last step's output-normed hidden rows (decode, prefill)
         self.features: torch.Tensor | None = None      # and its rows at the model's capture_layers (DFlash)
@@ -260,7 +257,7 @@ class Runner:
         """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
         buffers) and hand it back to the driver, and host checkpoints' pinned memory to the OS; the runner
         is unusable after this."""
-        for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_waves, self._graph_replay,
+        for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_layout,
                   self.k, self.v, self.kprep):
             d.clear()
         self.recurrent.clear()
@@ -415,11 +412,11 @@ class Runner:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self._normed(x))
 
-    def _decode_eager(self, tokens, positions, slots, waves=None, centers: bool = True) -> torch.Tensor:
+    def _decode_eager(self, tokens, positions, slots, layout=None, centers: bool = True) -> torch.Tensor:
         """A decode step's logits; its output-normed hidden rows are left in `_step_hidden` (inside a
-        capture: the graph's buffer, kept with it)."""
+        capture: the graph's buffer, kept with it). layout: a drafting step's rows (kernels/gdn/verify.py)."""
         b = SlotBatch(self, positions, slots, decode=True)
-        b.waves, b.centers = waves, centers
+        b.layout, b.centers = layout, centers
         b.rope_positions = self.rope_positions(positions, slots)
         self._step_hidden = h = self._normed(self._hidden(tokens, b))
         return self.model.lm_head(h)
@@ -441,11 +438,11 @@ class Runner:
     def cut_back(self, slot: int, n: int) -> None:
         """After a decode step that gave `slot` several rows (a token and its drafts): keep its first n
         positions (the rows verification accepted). Its KV blocks after them go back to the pool; a
-        recurrent model's states are restored from the snapshot taken before the step and the kept rows'
-        updates replayed from the inputs the step recorded (the same kernel on the same inputs: the states
-        successive one-row steps would have left: engine/runner/recurrent.py)."""
+        recurrent model's states, left as they were by the step, take the kept rows from the inputs the
+        step recorded (engine/runner/recurrent.py: commit; the states successive one-row steps would have
+        left). Every drafting step's slots are cut back before the next step (else all their rows count)."""
         self.truncate(slot, n)
-        if self.recurrent.replay(slot, n):
+        if self.recurrent.commit(slot, n):
             self.prefixes.live[slot] = n
 
     @torch.inference_mode()
@@ -707,26 +704,34 @@ class Runner:
             return torch.zeros(0, self.spec.vocab_size, device=self.device)
         if isinstance(slots, torch.Tensor) or isinstance(positions, torch.Tensor):
             slots, positions = torch.as_tensor(slots).tolist(), torch.as_tensor(positions).tolist()   # (a sync)
+        lay = draft_layout(slots, self.scratch) if self.recurrent else None   # (bad rows: ValueError, nothing done)
         self._reserve_rows(slots, positions)
         self.sync_tables()
         self._decode_rows(slots, positions)
-        waves = self.recurrent.draft_waves(slots, positions) if self.recurrent else None
+        rows = n if not self.graphs_enabled or n > BUCKETS[-1] else next(bk for bk in BUCKETS if bk >= n)
+        drafting = lay is not None and self.recurrent.begin_step(slots, positions, self.scratch, rows)
+        try:
+            return self._decode_step(slots, tokens, positions, lay, drafting)
+        except BaseException:
+            self.recurrent.pending.clear()   # (the step did not run: its drafting slots' states are as before it)
+            raise
+
+    def _decode_step(self, slots, tokens, positions, lay, drafting: bool) -> torch.Tensor:
+        """decode's step itself: eagerly, or its rows bucket's graph replayed."""
+        n = len(slots)
         centers = self._needs_centers(slots, positions)
         if not self.graphs_enabled or n > BUCKETS[-1]:
             dev = self.device
-            wv = None if waves is None else torch.tensor(waves, dtype=torch.long, device=dev)
             logits = self._decode_eager(torch.as_tensor(tokens, device=dev).long(),
                                         torch.as_tensor(positions, device=dev).long(),
-                                        torch.as_tensor(slots, device=dev).long(), wv, centers)
+                                        torch.as_tensor(slots, device=dev).long(),
+                                        torch.tensor(lay, device=dev) if drafting else None, centers)
             self.hidden, self.features = self._step_hidden, self._step_features
             return logits
         B = next(bk for bk in BUCKETS if bk >= n)
-        key = (B, _wave_bucket(waves), centers)
-        g = self._graph(*key)
-        self.fill(B, slots, tokens, positions, waves, centers)
+        g = self._graph(B, drafting, centers)
+        self.fill(B, slots, tokens, positions, drafting, centers)
         g.graph.replay()
-        if waves is not None:
-            self.recurrent.replay_inputs.update(self._graph_replay[key])
         self.hidden = g.hidden[:n]
         self.features = g.features[:n] if g.features is not None else None
         return g.logits[:n]
@@ -757,11 +762,10 @@ class Runner:
             if 0 <= slot < self.n_slots:
                 self.prefixes.decode_row(slot, p)
 
-    def fill(self, B: int, slots, tokens, positions, waves: list[list[int]] | None = None,
-             centers: bool = False) -> None:
-        """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot; waves
-        past the step's own and padding rows are in no wave)."""
-        key = (B, _wave_bucket(waves), centers)
+    def fill(self, B: int, slots, tokens, positions, drafting: bool = False, centers: bool = False) -> None:
+        """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot), and a
+        drafting step's layout of them."""
+        key = (B, drafting, centers)
         g = self._graphs[key]
         tok, pos, sl = g.tokens, g.positions, g.slots
         n = len(slots)
@@ -772,17 +776,15 @@ class Runner:
             tok[n:].zero_()
             pos[n:].zero_()
             sl[n:].fill_(self.scratch)
-        if waves is not None:
-            wv = self._graph_waves[key]
-            wv.fill_(-1)
-            wv[:len(waves), :n].copy_(torch.tensor(waves, dtype=torch.long), non_blocking=True)
+        if drafting:
+            lay = draft_layout(list(slots) + [self.scratch] * (B - n), self.scratch, always=True)
+            self._graph_layout[key].copy_(torch.tensor(lay, dtype=torch.long), non_blocking=True)
 
-    def _graph(self, B: int, W: int = 0, centers: bool = False) -> DecodeGraph:
-        """Bucket B's decode graph; W > 0: the one for steps
-        with draft rows of recurrent models, W waves (its wave table in _graph_waves); centers: the one
-        for steps that make a key center (rotated K types, a row at a new segment). Captured at first
-        use."""
-        key = (B, W, centers)
+    def _graph(self, B: int, drafting: bool = False, centers: bool = False) -> DecodeGraph:
+        """Bucket B's decode graph; drafting: the one for steps with draft rows of recurrent models (its
+        rows layout in _graph_layout); centers: the one for steps that make a key center (rotated K types,
+        a row at a new segment). Captured at first use."""
+        key = (B, bool(drafting), centers)
         g = self._graphs.get(key)
         if g is not None:
             return g
@@ -790,22 +792,23 @@ class Runner:
         tok = torch.zeros(B, dtype=torch.long, device=dev)
         pos = torch.zeros(B, dtype=torch.long, device=dev)
         sl = torch.full((B,), self.scratch, dtype=torch.long, device=dev)
-        wv = torch.full((W, B), -1, dtype=torch.long, device=dev) if W else None
+        lay = None
+        if drafting:   # (a layout of B padding rows until filled; the graphs' kept-input buffers)
+            lay = torch.tensor(draft_layout([self.scratch] * B, self.scratch, always=True), device=dev)
+            self.recurrent.use_graph_buffers()
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
             for _ in range(2):
-                self._decode_eager(tok, pos, sl, wv, centers)
+                self._decode_eager(tok, pos, sl, lay, centers)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        self.recurrent.replay_inputs.clear()
         with capture_guard(), torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
-            out = self._decode_eager(tok, pos, sl, wv, centers)
-        if W:
-            self._graph_waves[key] = wv
-            self._graph_replay[key] = dict(self.recurrent.replay_inputs)   # (its buffers, filled by replays)
+            out = self._decode_eager(tok, pos, sl, lay, centers)
+        if drafting:
+            self._graph_layout[key] = lay
         g = self._graphs[key] = DecodeGraph(graph, tok, pos, sl, out, self._step_hidden, self._step_features)
         return g
 
@@ -817,15 +820,17 @@ class Runner:
                     self._graph(B)
 
     def capture_drafting(self, max_rows: int) -> None:
-        """Capture ahead of time the drafting-step graphs of a recurrent model that one sequence with up
-        to max_rows rows (its token and drafts) needs: W waves of W rows for W = 2, 4, .. (captured at first
-        use they stalled that step 100-200 ms on the 27B; steps of several drafting sequences still
-        capture theirs at first use)."""
+        """Capture ahead of time a recurrent model's drafting-step graphs of up to max_rows rows (a bucket of
+        2, 4, .. rows each; captured at first use they stalled that step 100-200 ms on the 27B; steps of more
+        rows capture theirs at first use)."""
+        if self.conv_state:
+            self.recurrent.kept_buffers()   # (their memory before the graphs')
+            self.recurrent.warm_up(list(BUCKETS))
         if self.graphs_enabled and self.conv_state:
             top = min(1 << (max(max_rows, 2) - 1).bit_length(), BUCKETS[-1])
             with capture_guard():
-                for W in (w for w in sorted(BUCKETS, reverse=True) if 2 <= w <= top):
-                    self._graph(W, W)
+                for B in (w for w in sorted(BUCKETS, reverse=True) if 2 <= w <= top):
+                    self._graph(B, True)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:

@@ -49,6 +49,14 @@ def state_checkpoint_bytes(model: DecoderModel) -> int:
     return n
 
 
+def draft_kept_bytes(model: DecoderModel, rows: int) -> int:
+    """Bytes of the inputs a recurrent model's drafting steps keep for the commit (engine/runner/recurrent.py:
+    float32 conv outputs, qkv, g and beta of up to `rows` rows per recurrent layer; 0 without recurrent layers)."""
+    s = model.spec
+    n = sum(1 for il in range(s.n_layer) if s.is_recurrent(il))
+    return n and n * rows * 4 * (2 * model.conv_dim + 2 * model.n_v_heads)
+
+
 def slot_fixed_bytes(model: DecoderModel, cache_type_k: str = "f16", cache_type_v: str | None = None,
                      max_ctx: int = 0) -> int:
     """Device bytes of one slot's state besides its KV: qwen35's recurrent states (float32 conv

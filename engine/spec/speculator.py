@@ -102,7 +102,7 @@ class Speculator:
             s.drafter = NgramDrafter(pool=self.ngram_pool)
             s.drafter.extend(s.tokens)
         # (the GPU path's model drafters follow a slot's plain positions: not for prompts with images,
-        # whose M-RoPE positions run behind; n-gram drafts still work there)
+        # whose M-RoPE positions run behind; such sequences take no drafts at all: ok())
         model_drafts = s.cached == 0 and (self.runner is None or s.vision is None)
         if s.mtp is None and model_drafts and "mtp" in self.active:   # (GPU path: SlotTable.take may
             s.mtp = self.new_mtp_state()                                   # have given it a kept one)
@@ -147,7 +147,7 @@ class Speculator:
 
     def ok(self, s: Sequence) -> bool:
         """Drafts for this sequence: on, no grammar constraint (it must see every token), no
-        images. (qwen35's recurrent states roll back to the snapshot after the last accepted row.)"""
+        images. (qwen35's recurrent states take only the accepted rows: engine/runner/recurrent.py.)"""
         return (bool(self.active) and self.config.spec_max_drafts > 0 and s.req.constraint is None
                 and s.vision is None)
 

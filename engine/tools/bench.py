@@ -96,7 +96,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="decode --device cpu: repeats of each figure")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
     p.add_argument("--verify-rows", action="store_true",
-                   help="spec: time steps verifying 0/4/8/16 drafts for 1 and 4 sequences (the GPU path's rows)")
+                   help="spec: time steps verifying 0/3/4/8/15 drafts for 1, 4 and 16 sequences, up to 64 rows "
+                        "(the GPU path's rows)")
     p.add_argument("--spec-drafter", default=None, metavar="PATH",
                    help="spec: a DFlash drafter (directory or GGUF) for the model: adds the dflash and dflash+ngram runs")
     p.add_argument("--accept", default=None, metavar="RATES",

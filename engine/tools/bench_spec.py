@@ -6,8 +6,9 @@ has the block; dflash and dflash+ngram when given a DFlash drafter): steps, acce
 tok/s, and whether the output equals spec=off.
 
 Verify cost (--verify-rows, for the GPU machine): the time of one decode step that verifies k drafts for
-each of 1 and 4 sequences (1 + k rows per sequence, as the GPU path runs them: Runner.decode with rows of
-one slot, then Runner.cut_back), against a step of one row per sequence, at position 256.
+each of 1, 4 and 16 sequences (1 + k rows per sequence, up to 64 rows, as the GPU path runs them:
+Runner.decode with rows of one slot, then Runner.cut_back), against a step of one row per sequence, at
+position 256.
 
 MTP drafting cost (--verify-rows, a model with the MTP block): the time the block takes after a step
 whose k drafts were all accepted (its rows of the fed token and the k drafts in one forward, then k - 1
@@ -77,11 +78,13 @@ def measure(model: str, n_tokens: int = 120, device: str = "cpu", modes=("off", 
 MTP_ACCEPTANCE = 0.73   # published per-draft acceptance of Qwen3.5's MTP block with 3 drafts
 
 
-def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 15, 16), seqs=(1, 4), pos: int = 256,
-                 reps: int = 10) -> list[dict]:
-    """ms of a decode step with 1 + k rows for each of `seqs` sequences at position `pos` (all drafts
+def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 15), seqs=(1, 4, 16), pos: int = 256,
+                 reps: int = 10, max_rows: int = 64) -> list[dict]:
+    """ms of a decode step with 1 + k rows for each of `seqs` sequences at position `pos`, up to max_rows rows
+    (the largest decode graph; a step of more runs eagerly) (all drafts
     rejected and cut back after every step, so each step starts from the same state), and its cost
-    against the k = 0 step of as many sequences. Recurrent models run the delta-rule step in waves."""
+    against the k = 0 step of as many sequences. Each step keeps its fed tokens and rejects every draft
+    (cut back, a recurrent model's commit of one row included); positions stay the same step after step."""
     import torch
 
     from engine.models import open_model
@@ -95,6 +98,8 @@ def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 15, 16), 
         for n in seqs:
             base = None
             for k in drafts:
+                if n * (1 + k) > max_rows:
+                    continue
                 slots = [sl for sl in range(n) for _ in range(1 + k)]
                 positions = [pos + i for _ in range(n) for i in range(1 + k)]
                 toks = [2] * len(slots)
@@ -102,7 +107,7 @@ def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 15, 16), 
                 def step():
                     r.decode(slots, toks, positions)
                     for sl in range(n):
-                        r.cut_back(sl, pos)
+                        r.cut_back(sl, pos + 1)
                 step()
                 if device != "cpu":
                     torch.cuda.synchronize()

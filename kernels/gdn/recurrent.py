@@ -89,8 +89,8 @@ def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Te
     sl = slots[rows].long()
     key_dim = Hk * D
     # on the CPU in float64, rounded once into S and o: torch's float32 sums and exp differ with the CPU's
-    # instruction set and with the number of rows (docs/ACCURACY.md; the prompt path, engine/models/qwen35.py
-    # delta_net_rows, does the same)
+    # instruction set and with the number of rows (docs/ACCURACY.md; the prompt rows' path, block.py's
+    # conv_rule_rows, does the same)
     wt = torch.float64 if qkv.device.type == "cpu" else torch.float32
     xin = torch.cat([conv_state[sl].to(wt), qkv[rows].to(wt)[:, None, :]], dim=1)        # [n, K, C]
     conv = F.silu((xin.transpose(1, 2) * conv_w.to(wt)).sum(-1))                        # [n, C]
@@ -116,6 +116,20 @@ def ref_gdn_decode(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Te
 
 if HAVE_TRITON:
     @triton.jit
+    def _conv_tile(xin, w_ptr, ch, md, hh, HK, eps, scale, K: tl.constexpr, KP: tl.constexpr):
+        """Channels ch of head hh (q 0..HK-1, k HK..2HK-1, v after) from their K conv inputs xin [KP, len(ch)]:
+        the conv, SiLU, and for q and k the L2 norm (q also times scale); masked channels give 0. (The
+        drafting step's kernels, verify.py, compute their rows with it too: the same bits.)"""
+        r = tl.arange(0, KP)
+        w = tl.load(w_ptr + ch[None, :].to(tl.int64) * K + r[:, None], mask=(r[:, None] < K) & md[None, :],
+                    other=0.0).to(tl.float32)
+        conv = tl.sum(xin * w, axis=0)
+        conv = conv / (1.0 + tl.exp(-conv))    # SiLU (padded channels stay 0)
+        nrm = tl.where(hh < 2 * HK, 1.0 / tl.sqrt(tl.sum(conv * conv, axis=0) + eps), 1.0)
+        fac = tl.where(hh < HK, nrm * scale, nrm)
+        return conv * fac
+
+    @triton.jit
     def _conv_kernel(qkv_ptr, w_ptr, cs_ptr, slot_ptr, x_ptr, C, stride_qkv, HK, D, eps, scale,
                      K: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr = False):
         pdl_enter(PDL)
@@ -139,13 +153,7 @@ if HAVE_TRITON:
             mnew1 = (r[:, None] + 1 == K - 1) & md[None, :]
             nxt = (tl.load(cs + (r[:, None] + 1) * C + ch[None, :], mask=mstate1, other=0.0)
                    + tl.load(qkv_ptr + qrow + ch[None, :] + 0 * r[:, None], mask=mnew1, other=0.0)).to(tl.float32)
-            w = tl.load(w_ptr + ch[None, :].to(tl.int64) * K + r[:, None], mask=(r[:, None] < K) & md[None, :],
-                        other=0.0).to(tl.float32)
-            conv = tl.sum(xin * w, axis=0)         # [DP]
-            conv = conv / (1.0 + tl.exp(-conv))    # SiLU (padded channels stay 0)
-            nrm = tl.where(hh < 2 * HK, 1.0 / tl.sqrt(tl.sum(conv * conv, axis=0) + eps), 1.0)
-            fac = tl.where(hh < HK, nrm * scale, nrm)
-            tl.store(x_ptr + row + ch, conv * fac, mask=md)
+            tl.store(x_ptr + row + ch, _conv_tile(xin, w_ptr, ch, md, hh, HK, eps, scale, K, KP), mask=md)
             tl.debug_barrier()                     # all reads of this slot's channels precede the shift
             tl.store(cs + r[:, None] * C + ch[None, :], nxt, mask=mstate)
 
@@ -201,6 +209,20 @@ if HAVE_TRITON:
             tl.store(o_ptr + orow + dv, tl.zeros((BV,), tl.float32), mask=mv)
 
 
+def delta_block_v(B: int, Hv: int, D: int) -> int:
+    """The v-columns per delta-rule program for a step of B rows (DELTA_CONFIG's, else 16 while the step has
+    fewer than 256 programs' worth of columns, then 32); the drafting step and its commit (verify.py) take
+    the same for the same rows, so their sums are the decode step's."""
+    DP = _next_pow2(D)
+    bv = DELTA_CONFIG["block_v"] or (16 if B * Hv * max(1, DP // 32) < 256 else 32)
+    return min(_next_pow2(bv), DP)
+
+
+def delta_warps(DP: int, BV: int) -> int:
+    """The delta-rule kernel's warps for [DP, BV] state tiles."""
+    return DELTA_CONFIG["num_warps"] or max(1, min(8, DP * BV // 1024))
+
+
 def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
                       slots: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n_k_heads: int, d_state: int,
                       eps: float, block_v: int | None = None, num_warps: int | None = None,
@@ -220,11 +242,9 @@ def gdn_decode_triton(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch
     if B == 0:
         return o
     DP = _next_pow2(D)
-    if block_v is None:
-        block_v = DELTA_CONFIG["block_v"] or (16 if B * Hv * max(1, DP // 32) < 256 else 32)
-    BV = min(_next_pow2(block_v), DP)
+    BV = min(_next_pow2(block_v), DP) if block_v is not None else delta_block_v(B, Hv, D)
     if num_warps is None:
-        num_warps = DELTA_CONFIG["num_warps"] or max(1, min(8, DP * BV // 1024))
+        num_warps = delta_warps(DP, BV)
     qkv_c = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     w = conv_w.contiguous()
     sl = slots.contiguous()

@@ -1,7 +1,7 @@
 """The gated delta rule over a short run of one sequence's tokens in one Triton launch (a small prompt chunk
 on the GPU: a short request, a follow-up's new tokens; engine/runner/runner.py chunk_rows).
 
-The chunkwise-parallel form (engine/models/qwen35.py: delta_rule_chunked) is what long chunks need, but on a
+The chunkwise-parallel form (rule.py: delta_rule_chunked) is what long chunks need, but on a
 64-row chunk it is ~80 small torch and cuBLAS kernels a layer (triangular solves, batched products, masks,
 cumulative sums): about 8 of a small chunk's 31 ms on the H200 for the 27B (docs/PERFORMANCE.md).
 Here one program per (v-head, block of BV v-columns) keeps its [D, BV] slice of the state in
@@ -82,7 +82,7 @@ def rows_kernel_applies(q: torch.Tensor) -> bool:
 
 
 def pieces_kernel_applies(x: torch.Tensor) -> bool:
-    """Whether a padded prompt pass takes `delta_rule_pieces` (engine/models/qwen35.py: delta_net_pieces):
+    """Whether a padded prompt pass takes `delta_rule_pieces` (block.py: conv_rule_pieces):
     Triton on a CUDA tensor. Passes that hold several slots' pieces need it."""
     return triton is not None and x.is_cuda
 

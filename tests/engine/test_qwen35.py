@@ -1,5 +1,4 @@
-"""qwen35 (Qwen3.5 hybrid: Gated DeltaNet + gated attention + MTP) on the CPU: the delta rule's two
-forms, chunked prefill carrying the recurrent state, snapshots, M-RoPE, the MTP block, and
+"""qwen35 (Qwen3.5 hybrid: Gated DeltaNet + gated attention + MTP) on the CPU: chunked prefill carrying the recurrent state, snapshots, M-RoPE, the MTP block, and
 perplexity against llama.cpp (a fixture made by tests/fixtures/make_llamacpp_ppl.py)."""
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.models import open_model
 from engine.models.common import Rope, SeqChunk
-from engine.models.qwen35 import MRope, delta_rule_chunked, delta_rule_recurrent, l2_norm
+from engine.models.qwen35 import MRope
 from engine.tools.synth import write_synthetic
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -46,36 +45,6 @@ def tokens(n: int, seed: int = 0) -> torch.Tensor:
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
-
-
-# ------------------------------------------------------------------------------------------------
-# the delta rule
-
-def _delta_inputs(T, H=4, D=16, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q = l2_norm(torch.randn(T, H, D, generator=g), 1e-6)
-    k = l2_norm(torch.randn(T, H, D, generator=g), 1e-6)
-    v = torch.randn(T, H, D, generator=g)
-    gl = -F.softplus(torch.randn(T, H, generator=g)) * torch.rand(H, generator=g) * 3   # log decay <= 0
-    beta = torch.sigmoid(torch.randn(T, H, generator=g))
-    s0 = torch.randn(H, D, D, generator=g) * 0.3
-    return [x.to(dtype) for x in (q, k, v, gl, beta, s0)]
-
-
-@pytest.mark.parametrize("T", [2, 64, 150])
-def test_delta_rule_chunked_equals_recurrent(T):
-    args = _delta_inputs(T)
-    o_r, s_r = delta_rule_recurrent(*args)
-    o_c, s_c = delta_rule_chunked(*args)
-    o_64, s_64 = delta_rule_recurrent(*_delta_inputs(T, dtype=torch.float64))
-    assert o_c.shape == o_r.shape == (T, 4, 16) and s_c.shape == (4, 16, 16)
-    assert (o_c - o_r).abs().max() < 1e-5 and (s_c - s_r).abs().max() < 1e-5
-    assert (o_c.double() - o_64).abs().max() < 1e-5 and (s_c.double() - s_64).abs().max() < 1e-5
-    # splitting the sequence anywhere and carrying the state gives the same result
-    cut = T // 3 + 1
-    o1, s1 = delta_rule_chunked(*[x[:cut] for x in args[:5]], args[5], chunk=8)
-    o2, s2 = delta_rule_chunked(*[x[cut:] for x in args[:5]], s1, chunk=8) if cut < T else (o1[:0], s1)
-    assert (torch.cat([o1, o2]) - o_r).abs().max() < 1e-5 and (s2 - s_r).abs().max() < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------

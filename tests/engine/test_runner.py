@@ -63,8 +63,8 @@ def runner_greedy(runner: Runner, prompts: list[list[int]], n_new: int, chunk: i
 def test_prompt_chunks_through_the_rows_kernel(tiny, monkeypatch):
     """qwen35's short prompt chunks through the one-launch delta rule (kernels/gdn/rows.py: the GPU's, made to
     take CPU tensors here, so it runs in Triton's interpreter) give the chunked form's tokens and logits."""
-    import engine.models.qwen35 as q35
-    calls, kernel = [], q35.delta_rule_rows
+    import kernels.gdn.block as gdn_block
+    calls, kernel = [], gdn_block.delta_rule_rows
 
     def rows(*a, **kw):
         calls.append(a[0].shape[0])
@@ -76,8 +76,8 @@ def test_prompt_chunks_through_the_rows_kernel(tiny, monkeypatch):
         out = {}
         for on in (False, True):
             if on:
-                monkeypatch.setattr(q35, "rows_kernel_applies", lambda q: 1 < q.shape[0] <= 64)
-                monkeypatch.setattr(q35, "delta_rule_rows", rows)
+                monkeypatch.setattr(gdn_block, "rows_kernel_applies", lambda q: 1 < q.shape[0] <= 64)
+                monkeypatch.setattr(gdn_block, "delta_rule_rows", rows)
             runner = Runner(model, device="cpu", n_slots=3, max_ctx=64, cache_type="f32")
             out[on] = runner_greedy(runner, prompts, 6)
         assert sorted(set(calls)) == [5, 13, 16]   # (the prompts' chunks of 16 and their tails; decode rows do not)
@@ -165,10 +165,10 @@ def test_draft_rows_of_one_slot_equal_successive_steps(tiny, kt, triton, monkeyp
 
 @pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
 def test_draft_rows_roll_back_recurrent_states(tiny, triton):
-    """qwen35: a token and two drafts as three rows of one slot (waves of the delta-rule step), then cut
-    back to the first two rows (one draft accepted) or the first row (both rejected): the slot's states,
-    and the next step's logits, are those of a runner that only ever decoded those rows. Torch's and
-    the Triton (interpreter) delta-rule step."""
+    """qwen35: a token and two drafts as three rows of one slot (kernels/gdn/verify.py), beside another slot's
+    one row, then cut back to the first two rows (one draft accepted) or the first row (both rejected): the
+    rows' logits, the slots' states, and the next step's logits are those of a runner that only ever decoded
+    those rows. Torch's and the Triton (interpreter) delta-rule step."""
     model = open_model(tiny("qwen35"))
     try:
         V = model.spec.vocab_size
@@ -177,9 +177,13 @@ def test_draft_rows_roll_back_recurrent_states(tiny, triton):
         for r in (a, b):
             r.prefill(0, prompt(10, 0, V))
             r.prefill(1, prompt(7, 1, V))
-        joint = a.decode([0, 0, 1, 0], [5, 6, 9, 8], [10, 11, 7, 12]).clone()
+        joint = a.decode([0, 0, 0, 1], [5, 6, 8, 9], [10, 11, 12, 7]).clone()
         alone = [b.decode([0], [5], [10])[0].clone(), b.decode([0], [6], [11])[0].clone()]
         assert torch.equal(joint[0], alone[0]) and torch.equal(joint[1], alone[1])
+        one = b.decode([1], [9], [7])[0]                   # the slot without drafts moved on in the step itself
+        assert torch.equal(joint[3], one)
+        for il in a.conv_state:
+            assert torch.equal(a.ssm_state[il][1], b.ssm_state[il][1])
         a2 = Runner(model, device="cpu", n_slots=2, max_ctx=64, block_size=4, triton=triton)
         a2.prefill(0, prompt(10, 0, V))
         a2.decode([0, 0, 0], [5, 6, 8], [10, 11, 12])
@@ -196,8 +200,17 @@ def test_draft_rows_roll_back_recurrent_states(tiny, triton):
             assert torch.equal(a.ssm_state[il][0], b2.ssm_state[il][0])
         assert torch.equal(a.decode([0], [3], [11])[0], b2.decode([0], [3], [11])[0])
         a.decode([0, 0], [4, 2], [12, 13])
-        a.cut_back(0, 14)                                  # every row kept: the states stay as the step left them
-        assert not a.recurrent.snapshots
+        a.cut_back(0, 14)                                  # every row kept
+        assert not a.recurrent.pending
+        b2.decode([0], [4], [12])
+        b2.decode([0], [2], [13])
+        for il in a.conv_state:
+            assert torch.equal(a.conv_state[il][0], b2.conv_state[il][0])
+            assert torch.equal(a.ssm_state[il][0], b2.ssm_state[il][0])
+        with pytest.raises(ValueError, match="not consecutive"):
+            a.decode([0, 1, 0], [1, 2, 3], [14, 8, 15])
+        from engine.runner.sizes import draft_kept_bytes   # (what the engine keeps out of the KV pool for them)
+        assert sum(t.numel() * t.element_size() for t in a.recurrent.kept_buffers()) == draft_kept_bytes(model, 64)
     finally:
         model.close()
 
@@ -205,9 +218,9 @@ def test_draft_rows_roll_back_recurrent_states(tiny, triton):
 @pytest.mark.gpu
 @needs_cuda
 def test_draft_steps_as_graphs_equal_eager_steps(tiny):
-    """qwen35 on CUDA: steps with draft rows run as CUDA graphs (bucket x waves); their logits and, after
+    """qwen35 on CUDA: steps with draft rows run as CUDA graphs (per rows bucket); their logits and, after
     cut_back, the slots' states equal the eager steps' (graphs off), over several steps with different
-    wave counts (2, 3 and 5 rows of one slot: 2, 4 and 8 waves padded)."""
+    row counts (2, 3 and 5 rows of one slot beside one row of another: buckets 4 and 8)."""
     model = open_model(tiny("qwen35"))
     try:
         V = model.spec.vocab_size

@@ -78,14 +78,14 @@ def test_wider_pass_and_the_pieces_kernel(tiny, monkeypatch):
     made to take CPU tensors: Triton's interpreter). Together and apart they give the same bits (the same
     kernel on the same rows); against the CPU's float64 loop, the kernel's float32 rounding."""
     pytest.importorskip("triton")
-    import engine.models.qwen35 as q35
+    import kernels.gdn.block as gdn_block
     model = open_model(tiny("qwen35"))
     pieces = [(sl, _prompt(n, 20 + sl), 0) for sl, n in enumerate((64, 48, 30, 17))]   # 176 aligned rows
     try:
         out = {}
         for mode in ("loop", "kernel-together", "kernel-apart"):
             if mode.startswith("kernel"):
-                monkeypatch.setattr(q35, "pieces_kernel_applies", lambda x: True)
+                monkeypatch.setattr(gdn_block, "pieces_kernel_applies", lambda x: True)
             r = _runner(model, "f32")
             if mode == "kernel-apart":
                 lg = torch.cat([r.prefill(sl, t, start=st, chunk=256) for sl, t, st in pieces])

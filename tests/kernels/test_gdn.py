@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.qwen35 import delta_rule_recurrent, l2_norm
+from kernels.gdn.rule import delta_rule_recurrent, l2_norm
 from kernels.gdn import gdn_decode, ref_gdn_decode
 
 K = 4

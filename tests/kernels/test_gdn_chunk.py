@@ -1,4 +1,4 @@
-"""The chunkwise-parallel delta rule (engine/models/qwen35.py: delta_rule_chunked, its scan in
+"""The chunkwise-parallel delta rule (kernels/gdn/rule.py: delta_rule_chunked, its scan in
 kernels/gdn/chunk.py) against the one-token-at-a-time recurrence at Qwen3.5-27B's sizes on a GPU (the
 CPU's small-size cases are tests/engine/test_qwen35.py's)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.qwen35 import delta_rule_chunked, delta_rule_recurrent, l2_norm
+from kernels.gdn.rule import delta_rule_chunked, delta_rule_recurrent, l2_norm
 
 
 def _delta_inputs(T, H, D, seed, device="cpu"):

@@ -1,5 +1,5 @@
 """The one-launch delta rule over a short run of tokens (kernels/gdn/rows.py) against the token-at-a-time
-recurrence (engine/models/qwen35.py: delta_rule_recurrent): in Triton's interpreter on small shapes, and on
+recurrence (kernels/gdn/rule.py: delta_rule_recurrent): in Triton's interpreter on small shapes, and on
 a GPU at Qwen3.5-27B's sizes (and against the chunked form the small prompt chunks used before)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.models.qwen35 import delta_rule_chunked, delta_rule_recurrent, l2_norm  # noqa: E402
+from kernels.gdn.rule import delta_rule_chunked, delta_rule_recurrent, l2_norm  # noqa: E402
 from kernels.gdn.rows import ROWS_KERNEL_MAX, delta_rule_pieces, delta_rule_rows, rows_kernel_applies  # noqa: E402
 
 
