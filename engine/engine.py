@@ -327,7 +327,7 @@ class Engine:
         encode = self._encode_images if self.vision is not None else None
         if self.runner is not None:
             self.scheduler = Scheduler(self._running, runner=self.runner, slots=self.slots, pacer=self._pacer,
-                                       recurrent=bool(self.spec.recurrent_layers), **common)
+                                       **common)
             self.executor = RunnerExecutor(self.runner, c, self.spec, scheduler=self.scheduler,
                                            speculator=self.speculator, slots=self.slots, running=self._running,
                                            totals=self._totals, on_logits=self._on_logits,

@@ -33,9 +33,6 @@ log = logging.getLogger("hivejet.engine")
 
 RUNNER_BLOCK = 16   # tokens per block of the GPU path's KV pool
 RUNNER_MAX_ROWS = BUCKETS[-1]   # rows of one decode step that still run as a CUDA graph
-# recurrent models: sequences that draft in one step (each holds a copy of its recurrent states for the
-# step, Runner.cut_back: ~150 MB for a 27B; 10 % of the GPU memory is left out of the KV pool for such)
-RECURRENT_DRAFTERS = 4
 
 
 @dataclass
@@ -72,18 +69,18 @@ class Scheduler:
     CPU path: `kv_pool` (the model's paged pool, engine/kv/pool.py), `pool_tokens` (its token limit) and
     `resident` (engine/prefix.py ResidentCache); each sequence's KV reserves its blocks (s.kv.reserve).
     Runner: `runner` (blocks_needed, draft_room, pool.n_free), `slots` (engine/slots.py SlotTable), `pacer`
-    (engine/pacing.py PrefillPacer) and `recurrent` (the model has recurrent layers)."""
+    (engine/pacing.py PrefillPacer)."""
 
     def __init__(self, running: list, *, step_tokens: int, prefill_chunk: int, ctx_size: int, drafts,
                  preempt: Callable, stop: Callable, totals: collections.Counter | None = None,
-                 runner=None, slots: SlotTable | None = None, pacer=None, recurrent: bool = False,
+                 runner=None, slots: SlotTable | None = None, pacer=None,
                  kv_pool=None, pool_tokens: int | None = None, resident=None):
         self.running = running
         self.step_tokens, self.prefill_chunk, self.ctx_size = step_tokens, prefill_chunk, ctx_size
         self.drafts = drafts
         self.preempt, self.stop = preempt, stop
         self.totals = totals if totals is not None else collections.Counter()
-        self.runner, self.slots, self.pacer, self.recurrent = runner, slots, pacer, recurrent
+        self.runner, self.slots, self.pacer = runner, slots, pacer
         self.kv_pool, self.pool_tokens, self.resident = kv_pool, pool_tokens, resident
 
     # ----- admission -----
@@ -184,18 +181,15 @@ class Scheduler:
             s.id in pend and (s.n_generated + 1 >= s.params.max_tokens or len(s.tokens) + 1 >= self.ctx_size))]
         rows = len(dec)
         budget -= rows
-        drafting = 0
         for s in dec:   # drafts (spec_active): rows after the sequence's own, while graphs have room
             s.drafts, s.draft_q, s.draft_src = [], None, ""
-            if (s.drafter is not None or s.mtp is not None or s.dflash is not None) and (
-                    not self.recurrent or drafting < RECURRENT_DRAFTERS):
+            if s.drafter is not None or s.mtp is not None or s.dflash is not None:
                 room = min(self.drafts.draft_len(s), self.ctx_size - len(s.tokens) - 1,
                            s.params.max_tokens - s.n_generated - 1, RUNNER_MAX_ROWS - rows, max(0, budget),
                            self.runner.draft_room(s.n_computed))
                 s.drafts, s.draft_q, s.draft_src = self.drafts.take_drafts(s, room)
                 rows += len(s.drafts)
                 budget -= len(s.drafts)
-                drafting += bool(s.drafts)
             plan.drafts[s.id] = len(s.drafts)
         budget = max(budget, pc)   # (room for one whole chunk beside the decode rows and drafts)
         paced = None   # whether this step may take chunks after a request's first (engine/pacing.py)

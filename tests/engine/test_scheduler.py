@@ -12,7 +12,7 @@ from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import PoolFullError
 from engine.pacing import PrefillPacer
 from engine.sampling import SamplingParams
-from engine.scheduler import RECURRENT_DRAFTERS, Scheduler, StepPlan
+from engine.scheduler import RUNNER_MAX_ROWS, Scheduler, StepPlan
 from engine.slots import SlotTable
 
 BS = 16   # tokens per block
@@ -101,8 +101,7 @@ class Drafts:
         return [7] * n, None, "ngram" if n else ""
 
 
-def runner_scheduler(running, n_blocks=64, step_tokens=64, prefill_chunk=16, drafts=None, pacer=None,
-                     recurrent=False):
+def runner_scheduler(running, n_blocks=64, step_tokens=64, prefill_chunk=16, drafts=None, pacer=None):
     blocks = Blocks(n_blocks)
     slots = SlotTable(blocks, 8)
     for s in running:
@@ -122,7 +121,7 @@ def runner_scheduler(running, n_blocks=64, step_tokens=64, prefill_chunk=16, dra
         running.remove(s)
     sch = Scheduler(running, step_tokens=step_tokens, prefill_chunk=prefill_chunk, ctx_size=4096,
                     drafts=drafts or Drafts(), preempt=preempt, stop=stop, runner=blocks, slots=slots,
-                    pacer=pacer or PrefillPacer(1.0), recurrent=recurrent)
+                    pacer=pacer or PrefillPacer(1.0))
     return sch, blocks, slots, log
 
 
@@ -165,13 +164,16 @@ def test_drafts_take_the_rows_after_their_sequence_and_wait_for_pending_tokens()
     assert sch.schedule(pending={}) is None
 
 
-def test_recurrent_models_draft_for_a_few_sequences_per_step():
-    running = [generating(i) for i in range(1, RECURRENT_DRAFTERS + 3)]
+def test_every_sequence_drafts_within_the_graph_rows():
+    """Drafts for every decoding sequence (a recurrent model's too: its drafting slots keep no copies of their
+    states), while the step's rows stay within the largest decode graph."""
+    running = [generating(i) for i in range(1, 9)]
     for s in running:
         s.mtp = object()
-    sch, *_ = runner_scheduler(running, step_tokens=512, drafts=Drafts(k=2), recurrent=True)
+    sch, *_ = runner_scheduler(running, n_blocks=256, step_tokens=512, drafts=Drafts(k=8))
     plan = sch.schedule()
-    assert sum(1 for n in plan.drafts.values() if n) == RECURRENT_DRAFTERS
+    assert len(plan.decode) + sum(plan.drafts.values()) == RUNNER_MAX_ROWS
+    assert [plan.drafts[s.id] for s in running] == [8] * 7 + [0]
 
 
 def test_a_pending_token_that_ends_a_sequence_gets_no_row():
