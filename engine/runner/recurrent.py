@@ -11,11 +11,16 @@ RecurrentSlots (a model without recurrent layers) is false.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels.gdn import gdn_decode, gdn_gates
 from kernels.gdn.block import conv_rule_pieces, conv_rule_rows
 from kernels.gdn.verify import delta_block_v, draft_layout, gdn_commit, gdn_verify
+
+
+log = logging.getLogger("hivejet.engine")
 
 
 class RecurrentSlots:
@@ -156,14 +161,18 @@ class RecurrentSlots:
         return True
 
     def warm_up(self, rows: list[int]) -> None:
-        """Compile the commit's kernels (CUDA) for drafting steps of these row counts ahead of the first commit."""
+        """Compile the commit's kernels (CUDA) for drafting steps of these row counts ahead of the first commit
+        (else the first drafting request waits for it). A failure costs only that wait: logged, not raised."""
         if self.device.type != "cuda" or not self.layers:
             return
         from kernels.gdn.verify import gdn_commit_triton
         m, kept = self.model, self.kept_buffers()
-        for bv in sorted({delta_block_v(r, m.n_v_heads, m.d_state) for r in rows}):
-            gdn_commit_triton(None, self._conv_all, self._ssm_all, kept, 0, 0, 1, m.n_k_heads, m.d_state,
-                              self.spec.rms_eps, block_v=bv, warmup=True)
+        try:
+            for bv in sorted({delta_block_v(r, m.n_v_heads, m.d_state) for r in rows}):
+                gdn_commit_triton(None, self._conv_all, self._ssm_all, kept, 0, 0, 1, m.n_k_heads, m.d_state,
+                                  self.spec.rms_eps, block_v=bv, warmup=True)
+        except Exception as e:   # noqa: BLE001 (an optimisation: the kernels compile at first use instead)
+            log.warning("the drafting commit's kernels were not compiled ahead: %s", e)
 
     def settle(self) -> None:
         """Commit every row of drafting slots whose commit did not come (their states as if all were accepted)."""
