@@ -155,17 +155,20 @@ async def submit(engine, req):
     from engine.types import ContextTooLongError, EngineError, QueueFullError
     try:
         return await run_in_threadpool(engine.submit, req)
-    except QueueFullError as e:
-        raise ApiError(429, str(without_traceback(e)), code="rate_limit_exceeded",
-                       headers={"Retry-After": "2"}) from None
-    except ContextTooLongError as e:
-        raise overflow_error(without_traceback(e), "messages" if req.messages is not None else "prompt") from None
-    except EngineError as e:
-        if "shut down" in str(without_traceback(e)):
-            raise ApiError(503, str(e)) from None
-        raise ApiError(400, str(e)) from None
-    except ValueError as e:
-        raise ApiError(400, str(without_traceback(e))) from None
+    except (QueueFullError, ContextTooLongError, EngineError, ValueError) as e:
+        raise api_error(without_traceback(e), "messages" if req.messages is not None else "prompt") from None
+
+
+def api_error(e: Exception, what: str) -> ApiError:
+    """The ApiError an engine's refusal of a request is answered with (what: the request's input field)."""
+    from engine.types import ContextTooLongError, EngineError, QueueFullError
+    if isinstance(e, QueueFullError):
+        return ApiError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": "2"})
+    if isinstance(e, ContextTooLongError):
+        return overflow_error(e, what)
+    if isinstance(e, EngineError) and "shut down" in str(e):
+        return ApiError(503, str(e))
+    return ApiError(400, str(e))
 
 
 def without_traceback(e: BaseException) -> BaseException:

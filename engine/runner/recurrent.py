@@ -17,7 +17,7 @@ import torch
 
 from kernels.gdn import gdn_decode, gdn_gates
 from kernels.gdn.block import conv_rule_pieces, conv_rule_rows
-from kernels.gdn.verify import delta_block_v, draft_layout, gdn_commit, gdn_verify
+from kernels.gdn.verify import delta_block_v, gdn_commit, gdn_verify
 
 
 log = logging.getLogger("hivejet.engine")
@@ -42,13 +42,13 @@ class RecurrentSlots:
                                         dtype=torch.float32, device=device)
             self.conv = {il: self._conv_all[i] for i, il in enumerate(self.layers)}
             self.ssm = {il: self._ssm_all[i] for i, il in enumerate(self.layers)}
-        # a drafting step: per drafting slot (its first position, first row, row count), the rows' kept inputs
-        # per layer (qkv, g, beta: [layers, max_rows, ..], made at the first drafting step) and the layers'
-        # conv weights stacked for the commit
-        self.pending: dict[int, tuple] = {}
+        # a drafting step: per drafting slot (its first position, first row, row count); the kept inputs its
+        # rows wrote and its tile width (kept_buffers, delta_block_v: the commit's), the graphs' kept buffers,
+        # and the layers' conv weights stacked for the reference's commit
+        self.pending: dict[int, tuple[int, int, int]] = {}
+        self._pending_step: tuple | None = None
         self._kept: tuple[torch.Tensor, ...] | None = None
         self._step_kept: tuple[torch.Tensor, ...] | None = None
-        self._conv_w: dict[int, torch.Tensor] = {}
         self._conv_w_all: torch.Tensor | None = None
 
     def __bool__(self) -> bool:
@@ -69,9 +69,9 @@ class RecurrentSlots:
             self.ssm[il][dst].copy_(self.ssm[il][src])
 
     def clear(self) -> None:
-        for d in (self.conv, self.ssm, self.pending, self._conv_w):
+        for d in (self.conv, self.ssm, self.pending):
             d.clear()
-        self._kept = self._step_kept = self._conv_w_all = None
+        self._kept = self._step_kept = self._conv_w_all = self._pending_step = None
         self._conv_all = self._ssm_all = None
 
     def delta_net(self, b, il, shape, L, qkv, alpha_x, beta_x):
@@ -85,7 +85,6 @@ class RecurrentSlots:
                               shape.d_state, shape.eps, gate=gate)
         if b.decode:
             # several rows of one slot (drafts): each slot's rows in order in one pass (kernels/gdn/verify.py)
-            self._conv_w.setdefault(il, L["conv"])
             kept = tuple(t[self.layers.index(il)] for t in self._step_kept or self.kept_buffers())
             return gdn_verify(qkv, L["conv"], cs, S, b.layout, alpha_x, beta_x, shape.n_k_heads, shape.d_state,
                               shape.eps, kept, gate=gate)
@@ -105,25 +104,26 @@ class RecurrentSlots:
         S.index_copy_(0, idx, S_new[None])
         return o
 
-    def begin_step(self, slots: list[int], positions: list[int], scratch: int, rows: int) -> bool:
-        """Before a decode step of `rows` rows (its graph's bucket, or its own rows run eagerly): whether it
-        drafts (a slot has several rows), and then each drafting slot's rows recorded for `commit`. The rows
-        of a slot must be consecutive, at consecutive positions."""
+    def begin_step(self, lay: list[list[int]] | None, positions: list[int], rows: int) -> bool:
+        """Before a decode step of `rows` rows (its graph's bucket, or its own rows run eagerly) whose rows have
+        the layout `lay` (kernels/gdn/verify.py draft_layout; None: no slot has several rows): whether it
+        drafts, and then each drafting slot's rows recorded for `commit`. The previous step's drafting slots
+        not cut back take all their rows first. A slot's rows must be at consecutive positions."""
         self.settle()
         self._step_kept = None
-        lay = draft_layout(slots, scratch)   # (raises before anything is recorded)
         if lay is None:
             return False
+        for gi, n in enumerate(lay[5]):   # (checked before anything is recorded)
+            p0, first = positions[lay[4][gi]] if n > 1 else 0, lay[4][gi]
+            if n > 1 and positions[first:first + n] != list(range(p0, p0 + n)):
+                raise ValueError(f"slot {lay[3][gi]}'s rows are not at consecutive positions")
         # (the graphs' buffers; an eager step with more rows than a graph holds gets its own for this step)
         kept = self._step_kept = self.kept_buffers(None if rows <= self.max_rows else rows)
         m = self.model
+        self._pending_step = (kept, delta_block_v(rows, m.n_v_heads, m.d_state))
         for gi, n in enumerate(lay[5]):
-            sl, first = lay[3][gi], lay[4][gi]
             if n > 1:
-                p0 = positions[first]
-                if positions[first:first + n] != list(range(p0, p0 + n)):
-                    raise ValueError(f"slot {sl}'s rows are not at consecutive positions")
-                self.pending[sl] = (p0, first, n, kept, delta_block_v(rows, m.n_v_heads, m.d_state))
+                self.pending[lay[3][gi]] = (positions[lay[4][gi]], lay[4][gi], n)
         return True
 
     def use_graph_buffers(self) -> None:
@@ -152,9 +152,10 @@ class RecurrentSlots:
         rec = self.pending.pop(slot, None)
         if rec is None:
             return False
-        p0, first, count, kept, block_v = rec
-        if self._conv_w_all is None:
-            self._conv_w_all = torch.stack([self._conv_w[il] for il in self.layers]).contiguous()
+        p0, first, count = rec
+        kept, block_v = self._pending_step
+        if self._conv_w_all is None and self.device.type != "cuda":   # (the reference's; the kernel reads kept x)
+            self._conv_w_all = torch.stack([self.model.layers[il]["conv"] for il in self.layers])
         m = self.model
         gdn_commit(self._conv_w_all, self._conv_all, self._ssm_all, kept, slot, first,
                    max(0, min(count, n - p0)), m.n_k_heads, m.d_state, self.spec.rms_eps, block_v=block_v)
@@ -176,5 +177,5 @@ class RecurrentSlots:
 
     def settle(self) -> None:
         """Commit every row of drafting slots whose commit did not come (their states as if all were accepted)."""
-        for slot, (p0, _first, count, *_) in list(self.pending.items()):
+        for slot, (p0, _first, count) in list(self.pending.items()):
             self.commit(slot, p0 + count)

@@ -708,16 +708,16 @@ class Runner:
         self._reserve_rows(slots, positions)
         self.sync_tables()
         self._decode_rows(slots, positions)
-        rows = n if not self.graphs_enabled or n > BUCKETS[-1] else next(bk for bk in BUCKETS if bk >= n)
-        drafting = lay is not None and self.recurrent.begin_step(slots, positions, self.scratch, rows)
+        B = n if not self.graphs_enabled or n > BUCKETS[-1] else next(bk for bk in BUCKETS if bk >= n)
+        drafting = bool(self.recurrent) and self.recurrent.begin_step(lay, positions, B)
         try:
-            return self._decode_step(slots, tokens, positions, lay, drafting)
+            return self._decode_step(B, slots, tokens, positions, lay, drafting)
         except BaseException:
             self.recurrent.pending.clear()   # (the step did not run: its drafting slots' states are as before it)
             raise
 
-    def _decode_step(self, slots, tokens, positions, lay, drafting: bool) -> torch.Tensor:
-        """decode's step itself: eagerly, or its rows bucket's graph replayed."""
+    def _decode_step(self, B: int, slots, tokens, positions, lay, drafting: bool) -> torch.Tensor:
+        """decode's step itself: eagerly (B, its rows), or rows bucket B's graph replayed."""
         n = len(slots)
         centers = self._needs_centers(slots, positions)
         if not self.graphs_enabled or n > BUCKETS[-1]:
@@ -728,7 +728,6 @@ class Runner:
                                         torch.tensor(lay, device=dev) if drafting else None, centers)
             self.hidden, self.features = self._step_hidden, self._step_features
             return logits
-        B = next(bk for bk in BUCKETS if bk >= n)
         g = self._graph(B, drafting, centers)
         self.fill(B, slots, tokens, positions, drafting, centers)
         g.graph.replay()

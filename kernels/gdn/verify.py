@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gdn.recurrent import _check, delta_block_v, delta_warps, gdn_gates, ref_gdn_decode
+from kernels.gdn.recurrent import _check, _next_pow2, delta_block_v, delta_warps, gdn_gates, ref_gdn_decode
 
 try:
     import triton
@@ -239,8 +239,8 @@ def gdn_verify_triton(qkv, conv_w, conv_state, S, layout, g, beta, n_k_heads, d_
     o = torch.empty(B, Hv, D, dtype=torch.float32, device=qkv.device)
     if B == 0:
         return o
-    DP = 1 << max(0, (D - 1).bit_length())
-    KP = 1 << max(0, (K - 1).bit_length())
+    DP = _next_pow2(D)
+    KP = _next_pow2(K)
     qkv_c = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     g_c = g if g.stride(-1) == 1 else g.contiguous()
     beta_c = beta if beta.stride(-1) == 1 else beta.contiguous()
@@ -269,8 +269,8 @@ def gdn_commit_triton(conv_w, conv_state, S, kept, slot: int, first: int, keep: 
         raise ValueError(f"rows {first}..{first + keep - 1} are outside the kept {R}")
     if keep <= 0 and not warmup:
         return
-    DP = 1 << max(0, (D - 1).bit_length())
-    KP = 1 << max(0, (K - 1).bit_length())
+    DP = _next_pow2(D)
+    KP = _next_pow2(K)
     BV = block_v or delta_block_v(1, Hv, D)
     def launch(kernel, grid):
         return (lambda *a, **kw: kernel.warmup(*a, grid=grid, **kw)) if warmup else kernel[grid]
