@@ -14,6 +14,7 @@ both steps (the same bits, slower).
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from kernels.cpu.jit import parallel_launch
 
+log = logging.getLogger("hivejet.kernels")
 _LOCK = threading.Lock()
 _KERNELS: dict | None = None
 _FAILED = False
@@ -42,7 +44,9 @@ def _compile() -> dict:
     # (a softmax of 9x4x40 values 35 us -> 8.6 ms, measured on this 2-core machine)
     numba.config.THREADING_LAYER = "workqueue"
     from kernels.quant import intdot_kernels as m
-    return {"few_rows": m.few_rows_tiles, "few_rows_nibbles": m.few_rows_nibbles_tiles,
+    from kernels.quant import intdot_vnni
+    vnni = intdot_vnni.many_rows_vnni_parallel if intdot_vnni.usable() else None
+    return {"many_rows_vnni": vnni, "few_rows": m.few_rows_tiles, "few_rows_nibbles": m.few_rows_nibbles_tiles,
             "few_rows_parallel": m.few_rows_parallel, "few_rows_nibbles_parallel": m.few_rows_nibbles_parallel,
             "many_rows": m.many_rows_parallel, "q8_0": m.q8_0_kernel, "q8_k": m.q8_k_kernel,
             "q8_0_parallel": m.q8_0_parallel, "q8_k_parallel": m.q8_k_parallel, "numba": numba}
@@ -130,6 +134,15 @@ def many_rows_matmul(w, x: torch.Tensor) -> torch.Tensor:
     over numba's threads."""
     k = _kernels()
     q, a, c, xq, dx, s, e, out = _operands(k, w, x)
+    nibbles, zero = w.zero is not None, int(w.zero or 0)
     with parallel_launch(k["numba"]):
-        k["many_rows"](q, w.zero is not None, int(w.zero or 0), a, c, xq, dx, s, e, out, MANY_ROWS_CHUNK)
+        if k["many_rows_vnni"] is not None:
+            try:
+                k["many_rows_vnni"](q, nibbles, zero, a, c, xq, xq.view(np.int32), dx, s, e, out, MANY_ROWS_CHUNK)
+                return torch.from_numpy(out)
+            except Exception as ex:   # noqa: BLE001 (it did not compile here: the float32 dots give the same bits)
+                k["many_rows_vnni"] = None
+                log.warning("the CPU's 8-bit dot kernel (AVX-512 VNNI) did not compile, prompts take the float32 "
+                            "one: %s", ex)
+        k["many_rows"](q, nibbles, zero, a, c, xq, dx, s, e, out, MANY_ROWS_CHUNK)
     return torch.from_numpy(out)
