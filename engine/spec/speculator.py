@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.gguf.reader import GGUFError
+from engine.models.common import SeqChunk
 from engine.spec.adaptive import (
     MAX_DEFERRED,
     DraftLength,
@@ -400,6 +401,32 @@ class Speculator:
         extra = (self.config.max_seqs + 1) * 4   # (engine/planner.py: mtp_kv_bytes counts the same)
         self.mtp_pool = KVPool(cache_type_k=mtp_cache_type(*cache_types), block_size=block_size,
                                device=dev, n_blocks=runner.pool.n_blocks + extra)
+
+    # the MTP block's row counts whose kernels compile apart: Triton specializes an integer of 1 and multiples of
+    # 16, and the decode matmul takes blocks of 16, 32 or 64 rows (kernels/quant/packed.py wide_decode_rows; a
+    # catch-up of deferred rows has up to MAX_DEFERRED = 64): one sequence's rows, then the LM head's rows of
+    # several sequences (one row each)
+    WARM_ROWS = ((1,), (2,), (16,), (17,), (32,), (33,), (64,), (1, 1), (1,) * 16, (1,) * 17)
+
+    def warm_up(self) -> None:
+        """GPU path with MTP: run the block once for each of WARM_ROWS on throwaway caches, so that its kernels
+        compile now rather than inside the first requests' steps (on the H100 they took 3.3 s of a 128-token
+        request's 4.7 s: 27 against 95 tok/s with drafts off, `hivejet bench spec`)."""
+        if self.mtp_pool is None:
+            return
+        dev, n_embd = self.mtp_pool.device, self.model.spec.n_embd
+        for shape in self.WARM_ROWS:
+            if len(shape) > self.config.max_seqs + 1:
+                continue
+            states = [MtpState(self.model.new_mtp_kv(pool=self.mtp_pool)) for _ in shape]
+            try:
+                chunks = [SeqChunk(torch.zeros(n, dtype=torch.long), 0, st.kv, "last") for n, st in zip(shape, states)]
+                self.model.mtp_forward(chunks, [torch.zeros(n, n_embd, device=dev) for n in shape])
+            finally:
+                for st in states:
+                    st.release()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def mtp_from(self, s: Sequence, slot: int, n: int, take: bool):
         """The MTP state for s starting from the first n positions of the conversation in `slot`: with

@@ -273,7 +273,15 @@ def gdn_commit_triton(conv_w, conv_state, S, kept, slot: int, first: int, keep: 
     KP = _next_pow2(K)
     BV = block_v or delta_block_v(1, Hv, D)
     def launch(kernel, grid):
-        return (lambda *a, **kw: kernel.warmup(*a, grid=grid, **kw)) if warmup else kernel[grid]
+        if not warmup:
+            return kernel[grid]
+
+        def compile_only(*a, **kw):
+            ck = kernel.warmup(*a, grid=grid, **kw)
+            init = getattr(ck, "_init_handles", None)   # (loads it and builds its launcher, as a first launch does)
+            if init is not None:
+                init()
+        return compile_only
     launch(_commit_delta_kernel, (L, Hv, triton.cdiv(D, BV)))(kx, S, kg, kb, slot, first, keep, C, Hk, Hv, D,
                                                               n_slots, R, DP=DP, BV=BV, num_warps=delta_warps(DP, BV))
     launch(_commit_window_kernel, (L, 2 * Hk + Hv))(kq, conv_state, slot, first, keep, C, D, n_slots, R, K=K, KP=KP,

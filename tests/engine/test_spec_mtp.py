@@ -64,6 +64,30 @@ def test_sampled_distribution_with_mtp(mtp_model, slots):
     assert p > 0.001, p
 
 
+def test_warm_up_leaves_the_pool_and_the_drafts_as_they_were(mtp_model):
+    """Speculator.warm_up (the GPU path compiles the MTP block's kernels with it at start) runs the block for each
+    of its row shapes on throwaway caches: the MTP pool's blocks are all free after it, and a greedy request
+    then gives the tokens it gives without drafts, with drafts proposed."""
+    cfg = dict(model=str(mtp_model), ctx_size=256, prefill_chunk=16, resident_tokens=0, static_slots=True,
+               max_seqs=16)
+    out = {}
+    for spec in ("off", "mtp"):
+        eng = Engine(EngineConfig(spec=spec, **cfg))
+        try:
+            if spec == "mtp":
+                pool = eng.speculator.mtp_pool
+                assert all(g.blocks.n_free == g.capacity for g in pool.groups)
+                eng.speculator.warm_up()
+                assert pool.groups and all(g.blocks.n_free == g.capacity for g in pool.groups)
+            out[spec] = eng.submit(Request(prompt_ids=PROMPTS[1], sampling=SamplingParams(
+                max_tokens=24, temperature=0.0, ignore_eos=True))).result()[1]
+            if spec == "mtp":
+                assert eng.stats()["totals"]["drafted_tokens"] > 0
+        finally:
+            eng.shutdown()
+    assert out["mtp"] == out["off"]
+
+
 def test_model_without_mtp_block(tmp_path):
     path = tmp_path / "plain.gguf"
     write_synthetic(path, "qwen35", "tiny", seed=8)
