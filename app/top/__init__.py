@@ -199,7 +199,11 @@ def _drive_agents(args, client, console) -> int:
         cfg = AgentConfig(model=client.model_id(), max_steps=args.steps, max_tokens=args.max_tokens,
                           temperature=args.temp, seed=args.seed, tool_choice=args.tool_choice,
                           test_timeout=args.test_timeout, test_runner=args.test_runner)
-        run = AgentRun(client, tasks, args.run, cfg).start()
+        run = AgentRun(client, tasks, args.run, cfg)
+        try:   # (a signal while the agents' threads start, the first ones already running, stops them all)
+            run.start()
+        except KeyboardInterrupt as e:
+            return _finish_run(args, run, console, e)
         interrupted = _follow(args, run, client, console)
         return _finish_run(args, run, console, interrupted)
     finally:
