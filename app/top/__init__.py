@@ -62,7 +62,9 @@ def _interrupt_code(e: KeyboardInterrupt) -> int:
 
 
 def _terminate_as_interrupt():
-    """Make SIGTERM raise Terminated in the main thread for the run's duration; returns the undo."""
+    """Make SIGTERM raise Terminated and SIGINT KeyboardInterrupt in the main thread for the run's duration
+    (SIGINT's own handler may have been replaced by what the process ran before: a Qt application, a server);
+    returns the undo."""
     fired = []
 
     def on_term(signum, _frame):
@@ -73,7 +75,12 @@ def _terminate_as_interrupt():
         old = signal.signal(signal.SIGTERM, on_term)
     except (ValueError, OSError, AttributeError):     # not the main thread, or no SIGTERM here
         return lambda: None
-    return lambda: signal.signal(signal.SIGTERM, old)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def undo():
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
+    return undo
 
 
 def _err(msg: str) -> None:

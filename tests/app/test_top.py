@@ -444,7 +444,20 @@ def test_q_mid_step_stops_the_run_with_its_figures(server, tmp_path, monkeypatch
 @pytest.mark.slow
 def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path, monkeypatch):
     """`--run` stopped by SIGTERM or Ctrl-C: the agents stop, their folders are removed, the summary is
-    printed and the exit code says which signal (143, 130)."""
+    printed and the exit code says which signal (143, 130), whatever SIGINT's handler was before (here: ignored,
+    as an earlier test may leave it), and both handlers are put back."""
+    import signal
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # this run's folders only (others may run)
+    term_handler = signal.getsignal(signal.SIGTERM)
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _stop_runs_by_signal(server, tmp_path, term_handler)
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+
+
+def _stop_runs_by_signal(server, tmp_path, term_handler):
     import os
     import signal
     import tempfile
@@ -452,8 +465,6 @@ def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path, monkeypatch):
     import time
 
     from rich.console import Console
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # this run's folders only (others may run)
-    term_handler = signal.getsignal(signal.SIGTERM)
     p = argparse.ArgumentParser()
     add_top_args(p)
     for signum, view in ((signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True),
@@ -481,3 +492,4 @@ def test_sigterm_and_ctrl_c_stop_cleanly(server, tmp_path, monkeypatch):
         left = [(p, sorted(x.name for x in p.rglob("*"))) for p in tmp_path.glob("hivejet-agent*")]
         assert before == set() and not left, (signum, view, left)
         assert signal.getsignal(signal.SIGTERM) == term_handler          # put back
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
