@@ -200,6 +200,28 @@ def combine_group(ps, nr, a64, c64, dx, s, e, r0, g, acc, acc2):
 
 
 @njit(nogil=True, cache=True)
+def tile_scales(a, c, j0):
+    """Tile j0..j0+tile's a and c [groups, tile] in float64, as combine_group takes them."""
+    n_groups = a.shape[0]
+    a64 = np.empty((n_groups, tile), np.float64)
+    c64 = np.empty((n_groups, tile), np.float64)
+    for g in range(n_groups):
+        for j in range(tile):
+            a64[g, j] = np.float64(a[g, j0 + j])
+            c64[g, j] = np.float64(c[g, j0 + j])
+    return a64, c64
+
+
+@njit(nogil=True, cache=True)
+def store_rows(acc, acc2, nr, out, r0, j0):
+    """Rows r0..r0+nr of the tile's float64 sums into out's columns j0..: each sum rounded, then added."""
+    for rr in range(nr):
+        o = out[r0 + rr, j0:j0 + tile]
+        for j in range(tile):
+            o[j] = np.float32(acc[rr, j]) + np.float32(acc2[rr, j])
+
+
+@njit(nogil=True, cache=True)
 def many_rows_tile(wf, a, c, xq, dx, s, e, out, t):
     # every row of xq times tile t (its integers in wf), four rows at a time: the group dots, each combined in
     # float64 at once
@@ -208,12 +230,7 @@ def many_rows_tile(wf, a, c, xq, dx, s, e, out, t):
     g_size = k // n_groups
     j0 = t * tile
     m = xq.shape[0]
-    a64 = np.empty((n_groups, tile), np.float64)
-    c64 = np.empty((n_groups, tile), np.float64)
-    for g in range(n_groups):
-        for j in range(tile):
-            a64[g, j] = np.float64(a[g, j0 + j])
-            c64[g, j] = np.float64(c[g, j0 + j])
+    a64, c64 = tile_scales(a, c, j0)
     xs = np.zeros((4, k), np.float32)
     ps = np.empty((4, tile), np.float32)
     acc = np.empty((4, tile), np.float64)
@@ -230,10 +247,7 @@ def many_rows_tile(wf, a, c, xq, dx, s, e, out, t):
         for g in range(n_groups):
             group_dots4(wf, xs, g * g_size, (g + 1) * g_size, ps[0], ps[1], ps[2], ps[3])
             combine_group(ps, nr, a64[g], c64[g], dx, s, e, r0, g, acc, acc2)
-        for rr in range(nr):
-            o = out[r0 + rr, j0:j0 + tile]
-            for j in range(tile):
-                o[j] = np.float32(acc[rr, j]) + np.float32(acc2[rr, j])
+        store_rows(acc, acc2, nr, out, r0, j0)
 
 
 @njit(parallel=True, nogil=True, cache=True)

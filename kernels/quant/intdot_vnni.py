@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.quant.intdot_kernels import combine_group
+from kernels.quant.intdot_kernels import combine_group, store_rows, tile_scales
 from kernels.quant.intdot_tile import TILE as tile
 
 _I32 = ir.IntType(32)
@@ -151,12 +151,7 @@ def many_rows_tile_vnni(wq, bias, a, c, xq, x32, dx, s, e, out, t):
     gq = g_size // 4
     j0 = t * tile
     m = xq.shape[0]
-    a64 = np.empty((n_groups, tile), np.float64)
-    c64 = np.empty((n_groups, tile), np.float64)
-    for g in range(n_groups):
-        for j in range(tile):
-            a64[g, j] = np.float64(a[g, j0 + j])
-            c64[g, j] = np.float64(c[g, j0 + j])
+    a64, c64 = tile_scales(a, c, j0)
     x4 = np.zeros((4, k // 4), np.int32)
     ps = np.empty((4, tile), np.int32)
     xsum = np.zeros(4, np.int32)
@@ -185,10 +180,7 @@ def many_rows_tile_vnni(wq, bias, a, c, xq, x32, dx, s, e, out, t):
                 for j in range(tile):
                     pr[j] -= corr
             combine_group(ps, nr, a64[g], c64[g], dx, s, e, r0, g, acc, acc2)
-        for rr in range(nr):
-            o = out[r0 + rr, j0:j0 + tile]
-            for j in range(tile):
-                o[j] = np.float32(acc[rr, j]) + np.float32(acc2[rr, j])
+        store_rows(acc, acc2, nr, out, r0, j0)
 
 
 @njit(parallel=True, nogil=True, cache=True)
