@@ -34,7 +34,7 @@ from engine.planner import auto_prefill_chunk
 from engine.hostmem import physical_memory
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.runner_fit import RunnerFit
-from engine.scheduler import RUNNER_BLOCK, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.slots import SlotTable
 from engine.spec import SPEC_MODES
@@ -302,7 +302,7 @@ class Engine:
 
     def _open_runner(self) -> None:
         """The GPU path (static slots on the CPU too): the runner with its memory fit (engine/runner_fit.py),
-        the MTP block's pool on the device, the step clock for prompt-chunk pacing, the CUDA graphs and the
+        the MTP block over its slots, the step clock for prompt-chunk pacing, the CUDA graphs and the
         slot table. The fit may pick an automatic prefill_chunk (self.config) and caps the context at the
         pool."""
         fit = RunnerFit(self.config, self.model, self.speculator, self.vision, self._image_format,
@@ -312,7 +312,7 @@ class Engine:
         self.speculator.runner = self.runner
         self.ctx_size = self.speculator.ctx_size = min(self.ctx_size, self.runner.max_ctx)
         dev = torch.device(self.config.device)
-        self.speculator.open_mtp_pool(self.runner, dev, fit.cache_types(), RUNNER_BLOCK)
+        self.speculator.open_mtp_pool(self.runner, fit.cache_types())
         self._clock = StepClock(self._pacer, dev)
         fit.capture()
         self.slots = SlotTable(self.runner, self.config.max_seqs, self.speculator)
@@ -564,6 +564,7 @@ class Engine:
         self._resident.clear()
         if self.runner is not None and not self._thread.is_alive():   # (a step still running uses them)
             self.model.release_device()    # the device memory back at once (runner.close empties torch's
+            self.speculator.close_mtp_pool()
             self.runner.close()            # cache): a next engine sizes its KV pool to what is free
         self.model.close()
         if self.vision is not None:

@@ -528,11 +528,11 @@ def mtp_token_bytes(n_head_kv: int, head_dim: int, head_dim_v: int, kv_type: str
 
 
 def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, n_seqs: int, kv_type: str, kv_type_v: str | None = None) -> int:
-    """The MTP block's KV on the GPU path (engine/spec/speculator.py: open_mtp_pool): its rows mirror the
-    pool's, in 16-token blocks, plus 4 blocks per slot (and the scratch slot) for draft rows and copies."""
+    """The MTP block's KV on the GPU path (engine/runner/mtp.py: MtpSlots): one more layer in the pool's block
+    layout (its rows in the slots' blocks), the pool's 16-token blocks and the scratch block."""
     if not facts.n_layer_nextn:
         return 0
-    blocks = -(-pool_tokens // SLOT_BLOCK_TOKENS) + (n_seqs + 1) * 4
+    blocks = -(-pool_tokens // SLOT_BLOCK_TOKENS) + 1
     per_token = mtp_token_bytes(facts.n_head_kv, facts.head_dim, facts.head_dim_v, kv_type, kv_type_v)
     return facts.n_layer_nextn * per_token * blocks * SLOT_BLOCK_TOKENS
 

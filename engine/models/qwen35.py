@@ -270,6 +270,29 @@ class Qwen35Model(DecoderModel):
             return SequenceKV(1, dtype)
         return SequenceKV(1, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
 
+    def mtp_block(self, tokens: torch.Tensor, hidden: torch.Tensor, batch) -> torch.Tensor:
+        """The MTP block's rows (llama.cpp graph_mtp up to the head): row r holds token tokens[r] at
+        batch.positions[r] and the hidden input hidden[r] (h_{p-1}); its one attention layer (index 0 of the
+        batch's caches) writes and reads the rows' KV through `batch` (a Batch of MTP caches, or the runner's
+        SlotBatch over the block's own layer). Returns the shared_head_norm'd rows [n, n_embd]: what the head
+        reads and the hidden input of a further draft."""
+        M, s = self.mtp, self.spec
+        # (on the device: the rows live there; copies that need not wait for it)
+        batch.positions = batch.positions.to(hidden.device, non_blocking=True)
+        e = M["embed"].rows(tokens.to(hidden.device, non_blocking=True))
+        e = rms_norm(e, M["enorm"].dense, s.rms_eps)
+        hn = rms_norm(hidden.float(), M["hnorm"].dense, s.rms_eps)
+        x = M["eh_proj"].matmul(torch.cat([e, hn], dim=-1))
+        self.prepare(batch)
+        h = rms_norm(x, M["attn_norm"].dense, s.rms_eps)
+        x = self._gated_attention(0, M, h, batch, residual=x)
+        x = self._ffn(M, x)
+        return rms_norm(x, M["head_norm"].dense, s.rms_eps)
+
+    def mtp_head(self, rows: torch.Tensor) -> torch.Tensor:
+        """The MTP block's logits for mtp_block's rows."""
+        return self.mtp["head"].matmul(rows)
+
     @torch.inference_mode()
     def mtp_forward(self, chunks: list[SeqChunk], hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Run the MTP block (llama.cpp graph_mtp). Each chunk's row at position p holds token x_p and
@@ -280,27 +303,17 @@ class Qwen35Model(DecoderModel):
         input of a further draft step)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP (nextn) block")
-        M, s = self.mtp, self.spec
+        s = self.spec
         batch = Batch(chunks)
         hid = torch.cat(hidden, dim=0) if hidden else torch.zeros(0, s.n_embd)
         if hid.shape != (len(batch.tokens), s.n_embd):
             raise ValueError(f"hidden rows {tuple(hid.shape)} do not match {len(batch.tokens)} tokens")
-        # (the GPU path: the rows live on the device; copies that need not wait for it)
-        batch.positions = batch.positions.to(hid.device, non_blocking=True)
-        e = M["embed"].rows(batch.tokens.to(hid.device, non_blocking=True))
-        e = rms_norm(e, M["enorm"].dense, s.rms_eps)
-        hn = rms_norm(hid.float(), M["hnorm"].dense, s.rms_eps)
-        x = M["eh_proj"].matmul(torch.cat([e, hn], dim=-1))
-        self.prepare(batch)
-        h = rms_norm(x, M["attn_norm"].dense, s.rms_eps)
-        x = self._gated_attention(0, M, h, batch, residual=x)
-        x = self._ffn(M, x)
+        out = self.mtp_block(batch.tokens, hid, batch)
         for c in chunks:
             c.kv.length = c.start + len(c.tokens)
-        out = rms_norm(x, M["head_norm"].dense, s.rms_eps)
         h_out = [out[lo:hi] for lo, hi in zip(batch.offsets[:-1], batch.offsets[1:])]
         rows, slices = batch.logit_rows()
         if len(rows) == 0:
-            return [x.new_zeros((0, s.vocab_size)) for _ in chunks], h_out
-        logits = M["head"].matmul(out[rows.to(out.device, non_blocking=True)])
+            return [out.new_zeros((0, s.vocab_size)) for _ in chunks], h_out
+        logits = self.mtp_head(out[rows.to(out.device, non_blocking=True)])
         return [logits[sl] for sl in slices], h_out

@@ -80,8 +80,10 @@ class SlotBatch:
     bidirectional: list[tuple[int, int]] | None = None
 
     def __init__(self, runner: Runner, positions: torch.Tensor, slots: torch.Tensor, decode: bool,
-                 slot: int = -1, start: int = 0):
+                 slot: int = -1, start: int = 0, attention=None):
         self.runner, self.positions, self.slots, self.decode = runner, positions, slots, decode
+        # the attention over the runner's pool (another one for the MTP block's own layer: engine/runner/mtp.py)
+        self.attention = runner.attention if attention is None else attention
         self.slot, self.start = slot, start
         self.rope: dict = {}
         self._pool: dict = {}
@@ -107,7 +109,7 @@ class SlotBatch:
         return self._pool["lengths"]
 
     def attend(self, il, q, k, v, scale, window):
-        return self.runner.attention.attend(self, il, q, k, v, scale, window)
+        return self.attention.attend(self, il, q, k, v, scale, window)
 
     def attend_prepared(self, il, q, k, v, prep, scale, window, gate=None, out_dtype=None):
         """DecoderModel.attend_heads' GPU shortcut: decode rows over a float cache do the norms and rope
@@ -115,7 +117,7 @@ class SlotBatch:
         attention's merge kernel. None where that does not apply (the model preps and attends as usual)."""
         if not self.decode:
             return None
-        return self.runner.attention.attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype)
+        return self.attention.attend_prepared(self, il, q, k, v, prep, scale, window, gate, out_dtype)
 
     def state_slots(self) -> torch.Tensor:
         """The decode rows' recurrent-state slots, padding rows -1 (no state update; once per step)."""

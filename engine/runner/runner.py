@@ -137,6 +137,7 @@ class Runner:
         dev = self.device
         total_slots = n_slots + 1
         self.k, self.v = self._kv_pool()
+        self.extra_caches: list[torch.Tensor] = []   # other caches in the pool's block layout (engine/runner/mtp.py)
         # block tables (engine/kv/tables.py): the host's lists are the truth; the device rows follow before each step
         self.tables = SlotTables(n_slots, self.n_blocks, self.max_blocks, block_size, dev, self._copy_block)
         self.block_table = self.tables.table     # (the device table the graphs and kernels read)
@@ -260,6 +261,7 @@ class Runner:
         for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_layout,
                   self.k, self.v, self.kprep):
             d.clear()
+        self.extra_caches.clear()
         self.recurrent.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -368,7 +370,7 @@ class Runner:
         self.prefixes.copy(src, dst, n)
 
     def _copy_block(self, a: int, b: int) -> None:
-        for cache in list(self.k.values()) + list(self.v.values()):
+        for cache in list(self.k.values()) + list(self.v.values()) + self.extra_caches:
             cache[b].copy_(cache[a])
 
     @torch.inference_mode()
@@ -801,15 +803,19 @@ class Runner:
             for _ in range(2):
                 self._decode_eager(tok, pos, sl, lay, centers)
         torch.cuda.current_stream(dev).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with capture_guard(), torch.cuda.graph(graph, pool=self._graph_pool), torch.inference_mode():
+        with capture_guard(), torch.cuda.graph(graph, pool=self.graph_pool()), torch.inference_mode():
             out = self._decode_eager(tok, pos, sl, lay, centers)
         if drafting:
             self._graph_layout[key] = lay
         g = self._graphs[key] = DecodeGraph(graph, tok, pos, sl, out, self._step_hidden, self._step_features)
         return g
+
+    def graph_pool(self):
+        """The memory pool the decode graphs share (and the MTP block's, engine/runner/mtp.py)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def capture(self, buckets=BUCKETS) -> None:
         """Capture the decode graphs ahead of time (largest first, so smaller ones reuse its memory)."""

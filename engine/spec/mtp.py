@@ -30,7 +30,9 @@ from engine.spec.adaptive import MAX_DEFERRED
 @dataclass
 class MtpState:
     """One sequence's MTP cache: rows of positions < `valid` are final. `deferred`: the hidden inputs
-    h_{p-1} of positions p = valid, valid + 1, ... whose rows are not written yet (CatchUp.defer)."""
+    h_{p-1} of positions p = valid, valid + 1, ... whose rows are not written yet (CatchUp.defer). kv: the CPU
+    path's own cache of the block's layer; None on the GPU path, where the rows live in the blocks of runner slot
+    `slot` (engine/runner/mtp.py), set while a sequence runs there and kept while its conversation is parked."""
     kv: object
     valid: int = 0
     drafts: list[int] = field(default_factory=list)
@@ -38,6 +40,7 @@ class MtpState:
     mark_every: int = 0                                   # keep h_{p-1} for positions p that are multiples
     marks: dict[int, torch.Tensor] = field(default_factory=dict)   # position -> h_{p-1}
     tail: tuple[int, torch.Tensor] | None = None          # (newest written row's position, its h_{p-1})
+    slot: int | None = None
 
     def input_at(self, p: int) -> torch.Tensor | None:
         """The hidden input h_{p-1} of position p's row, when the state still has it."""
@@ -57,7 +60,8 @@ class MtpState:
             return False
         self.deferred = torch.stack(held)
         self.valid = lo
-        self.kv.truncate(lo)
+        if self.kv is not None:
+            self.kv.truncate(lo)
         self.drafts, self.tail = [], None
         self.marks = {p: h for p, h in self.marks.items() if p <= n}
         return True
@@ -65,16 +69,20 @@ class MtpState:
     def fork(self, n: int) -> "MtpState | None":
         """A new state sharing this one's rows of positions < n (another conversation with the same first
         n tokens: the same rows), or None when it cannot resume there."""
-        other = MtpState(self.kv.fork(), self.valid, mark_every=self.mark_every, marks=dict(self.marks),
-                         tail=self.tail, deferred=self.deferred)
+        # (GPU path: the rows come with the blocks the new slot shares: Runner.share_prefix)
+        other = MtpState(self.kv.fork() if self.kv is not None else None, self.valid, mark_every=self.mark_every,
+                         marks=dict(self.marks), tail=self.tail, deferred=self.deferred)
         if other.resume_at(n):
             return other
         other.release()
         return None
 
     def release(self) -> None:
-        """Give the cache's blocks back now."""
-        self.kv.release()
+        """Give the cache's blocks back now (GPU path: the slot's blocks are the runner's; the state writes no more
+        rows there)."""
+        if self.kv is not None:
+            self.kv.release()
+        self.slot = None
         self.deferred, self.tail, self.marks = None, None, {}
 
 
@@ -92,71 +100,133 @@ class CatchUp:
                                   # rows in one batch when drafts are next wanted (or MAX_DEFERRED)
 
 
-def catch_up(model, items: list[CatchUp], timing: dict | None = None) -> None:
-    """Write every final MTP row, then draft up to k tokens per sequence into `state.drafts`. With
-    `timing`, adds the seconds spent on chained drafts (the work beyond the catch-up itself, what a
-    shorter draft saves) to timing["chain_s"] and the sequence-rows they ran to timing["chain_rows"]."""
-    chunks, hiddens, todo = [], [], []
+class SequenceRows:
+    """The MTP passes over each state's own cache (the CPU path: MtpState.kv a SequenceKV of the block's one
+    layer); engine/runner/mtp.py's MtpSlots does the same over a runner's slots. Both answer room, rewind and run."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def room(self, st: MtpState, start: int, end: int) -> int:
+        return end                      # (the state's cache grows as rows are written)
+
+    def rewind(self, st: MtpState, p0: int) -> None:
+        st.kv.truncate(p0)              # (rows are appended: the ones from p0 on are written again)
+
+    def done(self, st: MtpState) -> None:
+        """st's rows and drafts are made (its chained rows stay until the next catch-up writes over them)."""
+
+    def run(self, groups: list, tokens: torch.Tensor, hidden: torch.Tensor,
+            want: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """groups: (state, first position, rows) per sequence, their rows in order in tokens / hidden; returns the
+        argmax token and output row of each wanted group's last row."""
+        chunks, hid, i = [], [], 0
+        for (st, p0, m), w in zip(groups, want):
+            chunks.append(SeqChunk(tokens[i:i + m], p0, st.kv, "last" if w else "none"))
+            hid.append(hidden[i:i + m])
+            i += m
+        logits, h_out = self.model.mtp_forward(chunks, hid)
+        ids = [lg[-1:].argmax(-1) for lg, w in zip(logits, want) if w]
+        h = [o[-1] for o, w in zip(h_out, want) if w]
+        if not ids:
+            return tokens[:0], hidden[:0]
+        return torch.cat(ids), torch.stack(h)
+
+
+def _inputs(it: CatchUp) -> torch.Tensor | None:
+    """The hidden inputs h_{p-1} of positions state.valid .. top (top = it.start + it.n_final: the newest position
+    whose h_{p-1} is known): the deferred ones, then zeros for position 0, then the step's rows. None when top is
+    below the state's rows."""
+    st = it.state
+    top, p0 = it.start + it.n_final, st.valid
+    if top < p0:
+        return None
+    held = st.deferred
+    parts = [held] if held is not None else []
+    lo = p0 + (0 if held is None else held.shape[0])     # the first position whose input comes from this step
+    if lo == 0 and top >= 0:
+        parts.append(it.hidden.new_zeros(1, it.hidden.shape[1]))   # (llama.cpp: zeros before the first token)
+        lo = 1
+    if lo <= top:
+        if lo - 1 < it.start:
+            raise ValueError(f"MTP rows from position {lo} need the hidden state of {lo - 1}, before the step's "
+                             f"first row ({it.start})")
+        parts.append(it.hidden[lo - 1 - it.start:top - it.start])
+    if len(parts) > 1:
+        return torch.cat(parts)
+    # (a copy: the step's rows are views of the runner's graph buffers, and some rows may wait for a later step)
+    return parts[0] if held is not None else parts[0].clone()
+
+
+def _prepare(rows_of, it: CatchUp, rows: torch.Tensor):
+    """Record it's final rows in its state and return the pass group (first position, tokens, hidden inputs) and the
+    drafts it may make, or None when its rows wait (deferred: drafting backed off, the newest token not on the host
+    yet, or no room for the rows)."""
+    st = it.state
+    p0, last = st.valid, min(it.start + it.n_final, len(it.tokens) - 1)    # last: the newest position with x_p known
+    if (it.defer and it.k == 0 and rows.shape[0] <= MAX_DEFERRED) or last < p0:
+        st.deferred = rows
+        return None
+    end = rows_of.room(st, p0, last + max(it.k, 1))      # rows up to last + k - 1
+    if end <= last:                                       # (no room in the pool for them now)
+        st.deferred = rows
+        return None
+    # the rows whose token is not on the host yet (an overlapped step's, engine/step_runner.py) wait
+    rows, later = rows[:last + 1 - p0], rows[last + 1 - p0:]
+    st.deferred = later if later.shape[0] else None
+    rows_of.rewind(st, p0)
+    st.tail = (last, rows[-1].clone())
+    if st.mark_every:
+        for p in range(-(-p0 // st.mark_every) * st.mark_every, last + 1, st.mark_every):
+            st.marks[p] = rows[p - p0].clone()
+    st.valid = last + 1
+    return (p0, torch.tensor(it.tokens[p0:last + 1]), rows), min(it.k, end - last)
+
+
+def catch_up(rows_of, items: list[CatchUp], timing: dict | None = None) -> None:
+    """Write every final MTP row, then draft up to k tokens per sequence into `state.drafts`. rows_of: the passes'
+    executor (SequenceRows, or the runner's MtpSlots: room, rewind, run, done). With `timing`, adds the seconds spent on chained drafts (the
+    work beyond the catch-up itself, what a shorter draft saves) to timing["chain_s"] and the sequence-rows they ran
+    to timing["chain_rows"]."""
+    groups, toks, hids, want, todo = [], [], [], [], []
     for it in items:
-        st = it.state
-        st.drafts = []
-        top = it.start + it.n_final                              # the newest position with h_{p-1} known
-        last = min(top, len(it.tokens) - 1)                       # ... and with x_p known
-        p0 = st.valid
-        if top < p0:
+        it.state.drafts = []
+        rows = _inputs(it)
+        if rows is None:
             continue
-        held = st.deferred
-        st.deferred = None
-        rows = list(held) if held is not None else []
-        for p in range(p0 + len(rows), top + 1):                  # h_{p-1}: zeros before the first token
-            rows.append(it.hidden[p - 1 - it.start] if p > 0 else it.hidden.new_zeros(it.hidden.shape[1]))
-        if (it.defer and it.k == 0 and len(rows) <= MAX_DEFERRED) or last < p0:
-            st.deferred = torch.stack(rows)
+        got = _prepare(rows_of, it, rows)
+        if got is None:
             continue
-        # the rows whose token is not on the host yet (an overlapped step's, engine/step_runner.py) wait
-        rows, later = rows[:last + 1 - p0], rows[last + 1 - p0:]
-        st.deferred = torch.stack(later) if later else None
-        st.kv.truncate(p0)
-        st.tail = (last, rows[-1].clone())
-        if st.mark_every:
-            for p in range(-(-p0 // st.mark_every) * st.mark_every, last + 1, st.mark_every):
-                st.marks[p] = rows[p - p0].clone()
-        # (no drafts wanted: the rows only, no LM head)
-        chunks.append(SeqChunk(torch.tensor(it.tokens[p0:last + 1]), p0, st.kv, "last" if it.k > 0 else "none"))
-        hiddens.append(torch.stack(rows))
-        st.valid = last + 1
-        todo.append(it)
-    if not chunks:
+        (p0, tok, hid), k = got
+        groups.append((it.state, p0, tok.shape[0]))
+        toks.append(tok)
+        hids.append(hid)
+        want.append(k > 0)
+        if k > 0:
+            todo.append((it.state, k))
+    if not groups:
         return
-    logits, h_out = model.mtp_forward(chunks, hiddens)
-    # the drafts stay on the device (each the next chained row's token) until one read at the end: no
-    # wait for the device between the chained forwards
-    picks: dict[int, list[torch.Tensor]] = {}
-    live = []
-    for it, lg, h in zip(todo, logits, h_out):
-        if it.k > 0:
-            picks[id(it)] = [lg[-1:].argmax(-1)]
-            live.append((it, h[-1]))
-    t0, chained = time.perf_counter(), 0
-    for _ in range(max((it.k for it, _ in live), default=0) - 1):   # chain: the block's own output as h
-        live = [(it, h) for it, h in live if len(picks[id(it)]) < it.k]
-        if not live:
-            break
-        chunks = [SeqChunk(picks[id(it)][-1], it.state.valid + len(picks[id(it)]) - 1, it.state.kv, "last")
-                  for it, _ in live]
-        logits, h_out = model.mtp_forward(chunks, [h[None] for _, h in live])
-        live = [(it, h[-1]) for (it, _), h in zip(live, h_out)]
-        for (it, _), lg in zip(live, logits):
-            picks[id(it)].append(lg[-1:].argmax(-1))
+    ids, h = rows_of.run(groups, torch.cat(toks), torch.cat(hids), want)
+    # the drafts stay on the device (each the next chained row's token) until one read at the end: no wait for the
+    # device between the chained passes
+    passes = [(todo, ids)]
+    t0, chained, live = time.perf_counter(), 0, todo
+    for j in range(1, max((k for _, k in todo), default=0)):   # chain: the block's own output as h
+        keep = [i for i, (_, k) in enumerate(live) if k > j]
+        if len(keep) < len(live):
+            idx = torch.tensor(keep, device=ids.device)
+            ids, h, live = ids.index_select(0, idx), h.index_select(0, idx), [live[i] for i in keep]
+        ids, h = rows_of.run([(st, st.valid + j - 1, 1) for st, _ in live], ids, h, [True] * len(live))
+        passes.append((live, ids))
         chained += len(live)
-    if picks:
-        flat = torch.cat([t for it in todo if it.k > 0 for t in picks[id(it)]]).tolist()
-        i = 0
-        for it in todo:
-            if it.k > 0:
-                n = len(picks[id(it)])
-                it.state.drafts = flat[i:i + n]
-                i += n
-    if timing is not None and chained:   # (the chained forwards' time includes the wait for the drafts)
+    flat = torch.cat([t for _, t in passes]).tolist() if todo else []
+    for st, _, _ in groups:
+        rows_of.done(st)
+    i = 0
+    for live, t in passes:
+        for st, _ in live:
+            st.drafts.append(flat[i])
+            i += 1
+    if timing is not None and chained:   # (the chained passes' time includes the wait for the drafts)
         timing["chain_s"] = timing.get("chain_s", 0.0) + time.perf_counter() - t0
         timing["chain_rows"] = timing.get("chain_rows", 0) + chained

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.gguf.reader import GGUFError
-from engine.models.common import SeqChunk
 from engine.spec.adaptive import (
     MAX_DEFERRED,
     DraftLength,
@@ -27,7 +26,7 @@ from engine.spec.adaptive import (
     expected_tokens,
 )
 from engine.spec.dflash import DFlashError, DraftRequest, load_drafter, propose
-from engine.spec.mtp import CatchUp, MtpState, catch_up
+from engine.spec.mtp import CatchUp, MtpState, SequenceRows, catch_up
 from engine.spec.ngram import NgramDrafter, SharedNgramPool
 from engine.spec.verify import accept_or_resample
 from engine.types import EngineError
@@ -54,7 +53,7 @@ class Speculator:
     """Drafts for the running sequences of one engine. kinds: the drafters of its spec mode (ngram, mtp,
     dflash); running, totals: the engine's running list and counters; emit(s, token, logprob): the engine's
     way of streaming a sampled token. The runner (GPU path, set once it is open) verifies drafts as extra
-    decode rows of their sequence and keeps the MTP rows in a pool of its own (open_mtp_pool)."""
+    decode rows of their sequence and keeps the MTP rows in its slots' blocks (open_mtp_pool)."""
 
     def __init__(self, config, model, kinds: set[str], running: list, totals: collections.Counter,
                  emit: Callable, ctx_size: int):
@@ -68,7 +67,7 @@ class Speculator:
         self.dflash = None            # engine/spec/dflash.py: the DFlash drafter
         self.costs = StepCosts()      # engine/spec/adaptive.py: measured step / drafting times
         self.draft_s = 0.0            # avoidable drafting seconds of the current step
-        self.mtp_pool = None          # GPU path: the MTP block's KV pool on the device
+        self.mtp_slots = None         # GPU path: the MTP block over the runner's slots (engine/runner/mtp.py)
         # `hivejet bench spec --accept` (engine/spec/controlled.py: ControlledAcceptance): the drafters'
         # tokens replaced so that they are accepted at given rates; None everywhere else
         self.control = None
@@ -120,11 +119,11 @@ class Speculator:
                                    lambda k, name=name: self.costs.draft_time(name, k), others_tokens=n))
 
     def new_mtp_state(self) -> MtpState:
-        """An empty MTP cache: the CPU path's in a pool of its own, the GPU path's in the shared MTP pool
-        on the device, keeping h_{p-1} at every chunk end (where another conversation may share a prefix)."""
+        """An empty MTP cache: the CPU path's in a pool of its own, the GPU path's in its slot's blocks
+        (engine/runner/mtp.py), keeping h_{p-1} at every chunk end (where another conversation may share a prefix)."""
         if self.runner is None:
             return MtpState(self.model.new_mtp_kv())
-        return MtpState(self.model.new_mtp_kv(pool=self.mtp_pool), mark_every=self.config.prefill_chunk)
+        return MtpState(None, mark_every=self.config.prefill_chunk)
 
     def mtp_catch_up(self, rows: list) -> None:
         """After a step: the MTP rows of every position that became final, then the next drafts
@@ -136,12 +135,17 @@ class Speculator:
         for s, start, h in rows:
             if s.mtp is None:
                 continue
+            if self.mtp_slots is not None:
+                if s.slot is not None:
+                    s.mtp.slot = s.slot      # (a parked conversation's state keeps its slot)
+                elif s.mtp.slot is None:     # (released: its slot is another conversation's now)
+                    continue
             k = self.model_drafts_wanted(s)
             dl = s.adapt.get("mtp") if self.config.spec_adaptive else None
             items.append(CatchUp(s.mtp, s.tokens, start, h, s.n_computed - start, k,
                                  defer=(dl is not None and dl.backed_off) or not self.alive(s)))
         timing = {}
-        catch_up(self.model, items, timing)
+        catch_up(self.mtp_slots if self.mtp_slots is not None else SequenceRows(self.model), items, timing)
         if timing:
             self.costs.add_draft("mtp", timing["chain_s"], timing["chain_rows"])
             self.draft_s += timing["chain_s"]
@@ -362,13 +366,12 @@ class Speculator:
                     mtp_pool=self.mtp_pool_stats())
 
     def mtp_pool_stats(self) -> dict | None:
-        """GPU path with MTP drafts: the MTP block's KV pool (blocks used of all, its cache type)."""
-        pool = self.mtp_pool
-        if pool is None:
+        """GPU path with MTP drafts: the MTP block's cache (its type, bytes; its rows in the slots' blocks) and
+        the parked conversations keeping their state."""
+        m = self.mtp_slots
+        if m is None:
             return None
-        used = sum(g.n_used for g in pool.groups)
-        return dict(cache_type=pool.cache_type_k, blocks_used=used, blocks=pool.block_capacity(),
-                    parked_states=len(self.parked_mtp))
+        return dict(cache_type=m.cache_type, bytes=m.nbytes(), parked_states=len(self.parked_mtp))
 
     # ----- the GPU path: the model drafters' device caches, kept with parked slots -----
     def drafter_bytes_per_token(self, cache_types: tuple[str, str], spec) -> int:
@@ -388,52 +391,37 @@ class Speculator:
         s = spec
         return mtp_token_bytes(s.n_head_kv, s.head_dim, s.head_dim_v, *cache_types)
 
-    def open_mtp_pool(self, runner, dev: torch.device, cache_types: tuple[str, str], block_size: int) -> None:
-        """The MTP block's KV pool on the device: as many 16-token blocks as the main pool, plus room for
-        every slot's draft rows and copied blocks (its rows mirror the main rows; the fit counted them)."""
-        self.mtp_pool = None
+    def open_mtp_pool(self, runner, cache_types: tuple[str, str]) -> None:
+        """The MTP block over the runner's slots: its one layer's K/V in the pool's block layout (the fit counted
+        them per pool token: mtp_bytes_per_token)."""
+        self.close_mtp_pool()
         self.parked_mtp = {}
         self.parked_dflash = {}
         if "mtp" not in self.kinds:
             return
-        from engine.kv.pool import KVPool
         from engine.planner import mtp_cache_type
-        extra = (self.config.max_seqs + 1) * 4   # (engine/planner.py: mtp_kv_bytes counts the same)
-        self.mtp_pool = KVPool(cache_type_k=mtp_cache_type(*cache_types), block_size=block_size,
-                               device=dev, n_blocks=runner.pool.n_blocks + extra)
+        from engine.runner.mtp import MtpSlots
+        self.mtp_slots = MtpSlots(runner, mtp_cache_type(*cache_types))
 
-    # the MTP block's row counts whose kernels compile apart: Triton specializes an integer of 1 and multiples of
-    # 16, and the decode matmul takes blocks of 16, 32 or 64 rows (kernels/quant/packed.py wide_decode_rows; a
-    # catch-up of deferred rows has up to MAX_DEFERRED = 64): one sequence's rows, then the LM head's rows of
-    # several sequences (one row each)
-    WARM_ROWS = ((1,), (2,), (16,), (17,), (32,), (33,), (64,), (1, 1), (1,) * 16, (1,) * 17)
+    def close_mtp_pool(self) -> None:
+        if self.mtp_slots is not None:
+            self.mtp_slots.close()
+            self.mtp_slots = None
 
     def warm_up(self) -> None:
-        """GPU path with MTP: run the block once for each of WARM_ROWS on throwaway caches, so that its kernels
-        compile now rather than inside the first requests' steps (on the H100 they took 3.3 s of a 128-token
-        request's 4.7 s: 27 against 95 tok/s with drafts off, `hivejet bench spec`)."""
-        if self.mtp_pool is None:
-            return
-        dev, n_embd = self.mtp_pool.device, self.model.spec.n_embd
-        for shape in self.WARM_ROWS:
-            if len(shape) > self.config.max_seqs + 1:
-                continue
-            states = [MtpState(self.model.new_mtp_kv(pool=self.mtp_pool)) for _ in shape]
-            try:
-                chunks = [SeqChunk(torch.zeros(n, dtype=torch.long), 0, st.kv, "last") for n, st in zip(shape, states)]
-                self.model.mtp_forward(chunks, [torch.zeros(n, n_embd, device=dev) for n in shape])
-            finally:
-                for st in states:
-                    st.release()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        """GPU path with MTP: the block's pass graphs captured and its eager kernels compiled now rather than inside
+        the first requests' steps (engine/runner/mtp.py: MtpSlots.warm_up; compiled in the first request, they took
+        3.3 s of a 128-token request's 4.7 s on the H100: 27 against 95 tok/s with drafts off, `hivejet bench
+        spec`)."""
+        if self.mtp_slots is not None:
+            self.mtp_slots.warm_up()
 
     def mtp_from(self, s: Sequence, slot: int, n: int, take: bool):
         """The MTP state for s starting from the first n positions of the conversation in `slot`: with
         take, the parked conversation's own state (s continues it), else a fork of the parked or running
         donor's; rows before n kept, h_{n-1} known (MtpState.resume_at). None when MTP does not draft for
         s or the state cannot resume there (s then drafts with n-grams only, if at all)."""
-        if self.mtp_pool is None or not self.ok(s):
+        if self.mtp_slots is None or not self.ok(s):
             return None
         if take:
             st = self.parked_mtp.pop(slot, None)
@@ -476,22 +464,22 @@ class Speculator:
         return st
 
     def drop_parked(self, slot: int) -> None:
-        """A parked slot is taken or evicted: its MTP rows go back to the MTP pool, its DFlash context is
+        """A parked slot is taken or evicted: its MTP state writes no more rows there, its DFlash context is
         dropped."""
-        st = self.parked_mtp.pop(slot, None) if self.mtp_pool is not None else None
+        st = self.parked_mtp.pop(slot, None)
         if st is not None:
             st.release()
         self.parked_dflash.pop(slot, None)
 
     def mtp_rows_catch_up(self, mtp_rows: list) -> None:
-        """The MTP block after a GPU-path step (mtp_catch_up). Its pool is sized to mirror the main pool, so
-        running out is not expected; if it happens the sequences lose their MTP drafts (n-gram drafts go
-        on), nothing else."""
-        from engine.kv.pool import PoolFullError
+        """The MTP block after a GPU-path step (mtp_catch_up). Its rows take the runner's blocks (the chained
+        drafts' rows wait or draft less when the pool is full: MtpSlots.room); should a pass still run out of
+        memory, the sequences lose their MTP drafts (n-gram drafts go on), nothing else."""
+        from engine.kv.blocks import PoolFullError
         try:
             self.mtp_catch_up(mtp_rows)
-        except PoolFullError as e:
-            log.warning("MTP cache full (%s): MTP drafting stops for %d sequences", e, len(mtp_rows))
+        except (PoolFullError, torch.OutOfMemoryError) as e:
+            log.warning("no memory for MTP rows (%s): MTP drafting stops for %d sequences", e, len(mtp_rows))
             for s, _, _ in mtp_rows:
                 if s.mtp is not None:
                     if s.slot is None:

@@ -11,10 +11,11 @@ Runner.decode with rows of one slot, then Runner.cut_back), against a step of on
 position 256.
 
 MTP drafting cost (--verify-rows, a model with the MTP block): the time the block takes after a step
-whose k drafts were all accepted (its rows of the fed token and the k drafts in one forward, then k - 1
-chained forwards of one row, each with the LM head), as the GPU path runs it (engine/spec/mtp.py on
-Runner.hidden), and the speedup at the published MTP acceptance with that cost and the measured
-(k+1)-row step: tokens per step / ((step of k+1 rows + MTP) / step of one row).
+whose k drafts were all accepted (its rows of the fed token and the k drafts in one pass, then k - 1
+chained passes of one row per sequence, each with the LM head), for 1, 4 and 16 sequences at once, as the
+GPU path runs it (engine/runner/mtp.py over the runner's slots, on Runner.hidden), and the speedup at the
+published MTP acceptance with that cost and the measured (k+1)-row step: tokens per step / ((step of k+1
+rows + MTP) / step of one row).
 
 Modelled (with --rows-json, a `hivejet bench decode` result): a step verifying k drafts costs what a
 (k+1)-row step costs in that table, so speedup = tokens per step / (cost of k+1 rows / cost of 1 row),
@@ -124,32 +125,44 @@ def verify_costs(model: str, device: str = "cuda", drafts=(0, 3, 4, 8, 15), seqs
         m.close()
 
 
-def mtp_costs(model: str, device: str = "cuda", drafts=(1, 2, 3, 4), pos: int = 256, reps: int = 10) -> list[dict]:
-    """ms the MTP block takes after a step whose k drafts were all accepted (k + 1 rows written, k - 1
-    chained drafts), on the runner's output-normed hidden rows, for each k; [] without the block."""
+def mtp_costs(model: str, device: str = "cuda", drafts=(1, 2, 3, 4), seqs=(1, 4, 16), pos: int = 256,
+              reps: int = 10) -> list[dict]:
+    """ms the MTP block takes after a step whose k drafts were all accepted (k + 1 rows written, k - 1 chained
+    drafts), for n sequences at once (slots of one runner, engine/runner/mtp.py as the GPU path runs it), on the
+    runner's output-normed hidden rows, for each k and n; [] without the block."""
     import torch
 
-    from engine.kv.pool import KVPool
     from engine.models import open_model
+    from engine.planner import mtp_cache_type
     from engine.runner import Runner
+    from engine.runner.mtp import MtpSlots
     from engine.spec.mtp import CatchUp, MtpState, catch_up
     m = open_model(model)
     try:
         if getattr(m, "mtp", None) is None:
             return []
         dev = torch.device(device)
-        r = Runner(m, device=dev, n_slots=1, max_ctx=pos + max(drafts) + 16)
+        r = Runner(m, device=dev, n_slots=max(seqs), max_ctx=pos + 2 * max(drafts) + 16)
+        block = MtpSlots(r, mtp_cache_type(r.cache_type_k, r.cache_type_v))
+        block.warm_up()
         toks = [1 + (7 * j) % 100 for j in range(pos + max(drafts) + 2)]
-        r.prefill(0, toks[:pos + max(drafts) + 1], hidden=True)
+        for slot in range(max(seqs)):
+            r.prefill(slot, toks[:pos + max(drafts) + 1], hidden=True)
         hid = r.hidden.clone()
-        st = MtpState(m.new_mtp_kv(pool=KVPool(block_size=16, device=dev)))
-        catch_up(m, [CatchUp(st, toks[:pos + 1], 0, hid[:pos], pos, 0)])   # rows of positions 0..pos
+        states = [MtpState(None, slot=i) for i in range(max(seqs))]
+        catch_up(block, [CatchUp(st, toks[:pos + 1], 0, hid[:pos], pos, 0) for st in states])   # rows 0..pos
         out = []
-        for k in drafts:
-            def step():
-                st.valid = pos + 1                     # (the same rows again each time)
-                catch_up(m, [CatchUp(st, toks[:pos + k + 2], pos, hid[pos:pos + k + 1], k + 1, k)])
-            out.append(dict(drafts=k, rows=k + 1, ms=_time_ms(step, dev, reps)))
+        for n in seqs:
+            for k in drafts:
+                def step():
+                    for st in states[:n]:
+                        st.valid = pos + 1                     # (the same rows again each time)
+                    catch_up(block, [CatchUp(st, toks[:pos + k + 2], pos, hid[pos:pos + k + 1], k + 1, k)
+                                     for st in states[:n]])
+                ms = _time_ms(step, dev, reps)
+                out.append(dict(seqs=n, drafts=k, rows=n * (k + 1), ms=ms, ms_per_draft=ms / k))
+        block.close()
+        r.close()
         return out
     finally:
         m.close()
@@ -284,8 +297,8 @@ def run(args) -> dict:
                   f"{r['ms']:8.2f} ms/step, {r['vs_no_drafts']:.2f}x the step without drafts")
         res["mtp_costs"] = mtp_costs(args.model, dev)
         for c in res["mtp_costs"]:
-            print(f"MTP block after {c['drafts']} accepted drafts ({c['rows']} rows, {c['drafts'] - 1} chained): "
-                  f"{c['ms']:.2f} ms")
+            print(f"MTP block, {c['seqs']:2d} sequence(s) after {c['drafts']} accepted drafts ({c['rows']} rows, "
+                  f"{c['drafts'] - 1} chained): {c['ms']:.2f} ms, {c['ms_per_draft']:.2f} ms per draft")
         res["dflash_costs"] = dflash_costs(args.model, dev, getattr(args, "spec_drafter", None))
         for c in res["dflash_costs"]:
             print(f"DFlash drafter ({c['layers']} layers, {c['weight_gb']:.2f} GB) after {c['drafts']} accepted "

@@ -268,9 +268,12 @@ def test_prompt_attention_workspace_matches_the_runner():
 
 @pytest.mark.parametrize("kv", ["f16", "turbo3_tcq"])
 def test_mtp_kv_matches_the_engines_pool(tmp_path, kv):
-    """`hivejet plan --mtp` counts the MTP block's KV as the GPU path allocates it (a pool mirroring the
-    main one's blocks, q8_0 beside compressed caches), and only when asked."""
-    from engine.kv.pool import KVPool, LayerKV
+    """`hivejet plan --mtp` counts the MTP block's KV as the GPU path allocates it (one more layer in the runner's
+    block layout, engine/runner/mtp.py: the pool's blocks and the scratch block; q8_0 beside compressed caches),
+    and only when asked."""
+    from engine.models import open_model
+    from engine.runner import Runner
+    from engine.runner.mtp import MtpSlots
     path = tmp_path / "q27mtp.gguf"
     write_synthetic(path, "qwen35", "27b-q4_k_m", header_only=True, mtp=True)
     f = P.model_facts(path)
@@ -280,10 +283,14 @@ def test_mtp_kv_matches_the_engines_pool(tmp_path, kv):
     assert without.mtp == 0 and with_mtp.total - without.total == with_mtp.mtp > 0
     t = P.mtp_cache_type(kv)
     assert t == ("f16" if kv == "f16" else "q8_0")
-    blocks = seqs * ctx // 16 + (seqs + 1) * 4
-    pool = KVPool(cache_type_k=t, block_size=16, n_blocks=blocks, device="cpu")
-    pool.add_layer(0, LayerKV(f.n_head_kv, f.head_dim, f.head_dim_v))
-    assert pool.nbytes() == with_mtp.mtp
+    tiny = tmp_path / "tiny_mtp.gguf"      # (the runner's allocation, on a model small enough to open)
+    write_synthetic(tiny, "qwen35", "tiny", seed=3, mtp=True)
+    m = open_model(tiny)
+    try:
+        r = Runner(m, device="cpu", n_slots=seqs, max_ctx=256, cache_type=kv)
+        assert MtpSlots(r, t).nbytes() == P.mtp_kv_bytes(P.model_facts(tiny), seqs * 256, seqs, kv)
+    finally:
+        m.close()
 
 
 def test_dflash_drafter_counted(tmp_path, q27, capsys):

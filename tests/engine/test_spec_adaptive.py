@@ -18,7 +18,7 @@ from engine.sampling import SamplingParams
 from engine.spec.adaptive import DraftLength, StepCosts, choose_k, expected_tokens
 from engine.spec.dflash import load_drafter
 from engine.tools.synth_dflash import write_synthetic_dflash
-from engine.spec.mtp import CatchUp, MtpState, catch_up
+from engine.spec.mtp import CatchUp, MtpState, SequenceRows, catch_up
 from engine.tools.synth import write_synthetic
 from engine.types import Request
 
@@ -348,14 +348,14 @@ def test_deferred_mtp_catch_up_drafts_as_a_full_recompute(pair, monkeypatch):
             kv, st = m.new_kv(torch.float32), MtpState(m.new_mtp_kv(torch.float32))
             (lg,), (h,) = m.forward_with_hidden([SeqChunk(torch.tensor(toks), 0, kv, "last")])
             toks.append(int(lg[-1].argmax()))
-            catch_up(m, [CatchUp(st, toks, 0, h, 30, 0)])
+            catch_up(SequenceRows(m), [CatchUp(st, toks, 0, h, 30, 0)])
             seen = 0
             for step in range(8):
                 start = len(toks) - 1
                 (lg,), (h,) = m.forward_with_hidden([SeqChunk(torch.tensor(toks[-1:]), start, kv, "last")])
                 toks.append(int(lg[-1].argmax()))
                 last = step == 7
-                catch_up(m, [CatchUp(st, toks, start, h, 1, 2 if last else 0, defer=not last)])
+                catch_up(SequenceRows(m), [CatchUp(st, toks, start, h, 1, 2 if last else 0, defer=not last)])
                 seen = max(seen, 0 if st.deferred is None else st.deferred.shape[0])
                 assert st.valid + (0 if st.deferred is None else st.deferred.shape[0]) == len(toks)
             assert seen == min(7, limit) and st.deferred is None and st.valid == len(toks)
