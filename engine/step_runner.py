@@ -30,6 +30,7 @@ class RunnerStep:
         self.decode: set[int] = set()        # sequences with a decode row among them (ahead rows, _finish)
         self._parts: list[torch.Tensor] = []
         self.ids: torch.Tensor | None = None          # [rows] long on the device
+        self.verify_ids: torch.Tensor | None = None   # the target's greedy tokens for drafting rows (device)
         self._host: torch.Tensor | None = None
         self._event = None
 
@@ -163,7 +164,14 @@ class RunnerExecutor:
                     self.totals["prompt_tokens"] += s.n_prompt
                 self.on_logits(s, lg)
         for seq, start, lg in spec:   # drafts: accepted as the target would have decoded them, the rest cut off
-            self.speculator.verify(seq, start, lg.cpu())
+            if isinstance(lg, torch.Tensor):
+                self.speculator.verify(seq, start, lg.cpu())
+        chosen = [(seq, start, n) for seq, start, n in spec if isinstance(n, int)]
+        if chosen:   # (greedy rows chosen on the device: their ids in one copy)
+            best, i = [check_chosen(t) for t in step.verify_ids.tolist()], 0
+            for seq, start, n in chosen:
+                self.speculator.verify_chosen(seq, start, best[i:i + n])
+                i += n
         if self.speculator.active and dec:
             self.speculator.adapt_draft_lengths(verified)   # (the next drafts' lengths, before the MTP block drafts them)
         if self.config.overlap_steps and not self.speculator.drafts_next():
@@ -225,8 +233,9 @@ class RunnerExecutor:
         drafts (positions p, p+1, .. of its slot; the previous step's tokens are read then). Device-chosen rows go to `step`,
         host-sampled rows to host / host_lg, the hidden rows of sequences with an MTP state to mtp_rows,
         those with a DFlash state their target-layer rows to dflash_rows;
-        returns (sequence, its first row's position, its rows' logits) of the sequences with drafts,
-        verified once the step's other work is done."""
+        returns (sequence, its first row's position, its rows' logits, or their number when the device chose the
+        target's tokens for them: greedy requests, step.verify_ids) of the sequences with drafts, verified once the
+        step's other work is done."""
         r = self.runner
         spec = []
         pos = [s.n_computed for s in dec]
@@ -254,14 +263,23 @@ class RunnerExecutor:
         if plain:
             host += [dec[i] for i in plain]
             host_lg.append(logits[[row0[i] for i in plain]].float())   # (a copy: the graph's output buffer is rewritten next step)
+        on_dev_rows = []
         for i, s in enumerate(dec):
-            if s.drafts:
+            if s.drafts and self.device_verify(s):
+                on_dev_rows += range(row0[i], row0[i] + 1 + len(s.drafts))
+                spec.append((s, pos[i], 1 + len(s.drafts)))
+            elif s.drafts:
                 spec.append((s, pos[i], logits[row0[i]:row0[i] + 1 + len(s.drafts)].float()))
             rows = slice(row0[i], row0[i] + 1 + len(s.drafts))   # (views of the graph's buffers: read
             if s.mtp is not None:                                # before the next decode call)
                 mtp_rows.append((s, pos[i], r.hidden[rows]))
             if s.dflash is not None:
                 dflash_rows.append((s, pos[i], r.features[rows]))
+        if on_dev_rows:
+            n = len(on_dev_rows)
+            params = [p for s, _, k in spec if isinstance(k, int) for p in [s.params] * k]
+            step.verify_ids = choose_tokens(logits.index_select(0, torch.tensor(on_dev_rows).to(logits.device)),
+                                            params, [0.0] * n, self.spec.vocab_size)
         step.decode = {s.id for s in step.seqs}
         self.ahead = step
         return spec
@@ -272,6 +290,11 @@ class RunnerExecutor:
         (its drafter backed off) is not)."""
         return (self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
                 and not s.drafts)
+
+    def device_verify(self, s: Sequence) -> bool:
+        """GPU path: whether the target's tokens for s's drafts are chosen on the device (greedy, nothing
+        host-only): only the ids come back, not the rows' logits."""
+        return self.config.device_sampling and s.params.greedy and samples_on_device(s.params, s.req.constraint)
 
     def _decode_inputs(self, dec: list[Sequence], prev: RunnerStep | None):
         """The decode rows' input tokens: a sequence's last token on the host, or the id the previous

@@ -312,7 +312,6 @@ class Speculator:
         p = s.params
         hist = list(s.tokens)
         out = []
-        n_acc = 0
         for i in range(len(drafts) + 1):
             if i == len(drafts) or p.greedy:
                 tok, lp = s.sampler.sample_with_logprobs(lg[i], hist)
@@ -324,7 +323,24 @@ class Speculator:
             hist.append(tok)
             if i == len(drafts) or tok != drafts[i]:
                 break
-            n_acc += 1
+        self._accepted(s, drafts, start, out)
+
+    def verify_chosen(self, s: Sequence, start: int, targets: list[int]) -> None:
+        """verify for a greedy request whose target tokens were chosen on the device: targets[i] is the target's
+        choice after row i of [last token, draft 1..k]; drafts are accepted while they equal it."""
+        drafts, s.drafts = s.drafts, []
+        s.draft_q = None
+        out = []
+        for i, tok in enumerate(targets[:len(drafts) + 1]):
+            out.append((tok, None))
+            if i == len(drafts) or tok != drafts[i]:
+                break
+        self._accepted(s, drafts, start, out)
+
+    def _accepted(self, s: Sequence, drafts: list[int], start: int, out: list[tuple]) -> None:
+        """After verification: out holds the accepted drafts and the target's token after them, (token, logprob)
+        each. Counts, the next draft length, the rollback to the accepted rows, then the tokens streamed."""
+        n_acc = len(out) - 1
         s.drafted += len(drafts)
         s.accepted += n_acc
         self.totals["drafted_tokens"] += len(drafts)

@@ -194,7 +194,8 @@ def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
     """The GPU path (engine/runner/runner.py's slots, on the CPU as in CI, and on CUDA) drafts with the MTP block from the
     runner's hidden rows: greedy output equals decoding without drafts, with several sequences at once;
     a follow-up request continues its parked conversation's MTP cache and another conversation with the
-    same first chunk forks it; with nothing parked the MTP pool is empty again. oracle: the random block's
+    same first chunk forks it; the target's greedy tokens for the draft rows are chosen on the device (verify_chosen,
+    no logits to the host). oracle: the random block's
     drafts are all rejected, so its drafts are replaced (after it wrote its rows) by the undrafted output's
     next tokens, the third of them wrong: accepted drafts, bonus tokens and partial acceptance too."""
     follow = PROMPTS[0] + [5, 6, 7]
@@ -212,6 +213,11 @@ def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
     real_catch_up = es.catch_up
     if oracle:
         monkeypatch.setattr(es, "catch_up", oracle_catch_up)
+    calls = collections.Counter()   # greedy drafts are verified from the target tokens the device chose
+    for name in ("verify", "verify_chosen"):
+        real = getattr(es.Speculator, name)
+        monkeypatch.setattr(es.Speculator, name,
+                            lambda self, *a, _real=real, _name=name: (calls.update([_name]), _real(self, *a))[1])
 
     def serve(spec):
         eng = Engine(EngineConfig(model=str(mtp_model), spec=spec, ctx_size=256, prefill_chunk=16,
@@ -234,6 +240,7 @@ def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
     truth.extend(p + o for p, o in zip(prompts, off))
     on, totals, eng = serve("mtp")
     assert on == off
+    assert calls["verify_chosen"] > 10 and calls["verify"] == 0, calls
     assert totals["drafted_tokens"] > 40 and totals["mtp_drafted"] == totals["drafted_tokens"]
     if oracle:
         assert 0.4 * totals["drafted_tokens"] < totals["accepted_tokens"] < totals["drafted_tokens"], totals
