@@ -33,7 +33,7 @@ import torch
 
 from engine.sampling import SamplingParams, _check_samplable, _penalties_active
 
-__all__ = ["samples_on_device", "choose_tokens", "check_chosen", "NOT_SAMPLABLE"]
+__all__ = ["samples_on_device", "choose_tokens", "verify_drafts", "check_chosen", "NOT_SAMPLABLE"]
 
 NOT_SAMPLABLE = -1
 
@@ -97,6 +97,14 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], unifor
 
 def _draw(x: torch.Tensor, key: tuple, ps: list[SamplingParams], us: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """engine/sampling.py's Sampler._truncate and _draw, one row per params, batched: (ids, best logit)."""
+    w, ids, vmax, cols = _weights(x, key, ps, us)
+    return _inverse_cdf(w, ids, cols[0]), vmax[:, 0]
+
+
+def _weights(x: torch.Tensor, key: tuple, ps: list[SamplingParams], us: list[float]):
+    """The rows' candidates after top-k / top-p / min-p and temperature, as weights relative to the best one:
+    (w [rows, C], the candidates' ids [rows, C] or None when they are the whole vocabulary in order, the best
+    logit [rows, 1], the rows' numbers [6, rows, 1] in float64 with u first)."""
     dev = x.device
     ninf = float("-inf")
     cut_p = [p.top_p < 1.0 for p in ps]
@@ -138,8 +146,52 @@ def _draw(x: torch.Tensor, key: tuple, ps: list[SamplingParams], us: list[float]
     # weights relative to the best candidate (the inverse CDF needs no normalisation); a +inf logit makes
     # vmax +inf and only the +inf entries get weight
     w = torch.where(vals == vmax, torch.ones_like(vals), torch.exp(vals - vmax))
-    w = torch.nan_to_num(w, nan=0.0)
+    return torch.nan_to_num(w, nan=0.0), ids, vmax, cols
+
+
+def _inverse_cdf(w: torch.Tensor, ids: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from weights w [rows, C] at uniform u [rows, 1] (float64): the candidate ids."""
     cum = torch.cumsum(w.to(torch.float64), dim=1)
-    pos = torch.searchsorted(cum, cum[:, -1:] * cols[0], right=True).clamp_(max=C - 1)
-    tok = pos[:, 0] if ids is None else ids.gather(1, pos)[:, 0]
-    return tok, vmax[:, 0]
+    pos = torch.searchsorted(cum, cum[:, -1:] * u, right=True).clamp_(max=w.shape[1] - 1)
+    return pos[:, 0] if ids is None else ids.gather(1, pos)[:, 0]
+
+
+@torch.inference_mode()
+def verify_drafts(logits: torch.Tensor, params: Sequence[SamplingParams], drafts: Sequence[int],
+                  u_test: Sequence[float], u_resample: Sequence[float], vocab_size: int) -> torch.Tensor:
+    """Speculative sampling of drafted rows on the device (engine/spec/verify.py's accept_or_resample for one-hot
+    drafts, batched): row r, whose draft is drafts[r] (-1: the row after the last draft), under params[r] (not
+    greedy: choose_tokens takes those). A drafted row accepts its draft x with probability p(x), p the row's
+    sampling distribution (the Sampler's chain: top-k, top-p, min-p, temperature), decided by u_test[r] < p(x);
+    else a token is drawn from p without x at u_resample[r] (from p itself when x holds all its weight). A row
+    after the last draft draws from p at u_test[r]. Returns [rows, 2] long on the device: the row's token and
+    whether its draft was accepted (1 / 0). No host sync."""
+    if not (logits.dim() == 2 and logits.shape[0] == len(params) == len(drafts) == len(u_test) == len(u_resample)):
+        raise ValueError(f"expected logits [{len(params)}, V] and as many drafts and uniform numbers, got "
+                         f"{tuple(logits.shape)}, {len(drafts)}, {len(u_test)}, {len(u_resample)}")
+    x = logits[:, :vocab_size]
+    dev, R = x.device, x.shape[0]
+    groups: dict[tuple, list[int]] = {}
+    for r, p in enumerate(params):
+        if p.greedy:
+            raise ValueError("greedy rows are verified from choose_tokens' ids")
+        groups.setdefault(_group_key(p, vocab_size), []).append(r)
+    out = torch.empty(R, 2, dtype=torch.long, device=dev)
+    d_all = torch.tensor(list(drafts), dtype=torch.long).to(dev, non_blocking=True)
+    for key, rows in groups.items():
+        idx = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+        xs = x.index_select(0, idx).to(torch.float32)
+        w, ids, vmax, cols = _weights(xs, key, [params[r] for r in rows], [u_test[r] for r in rows])
+        d = d_all.index_select(0, idx)[:, None]
+        hit = (ids == d) if ids is not None else (torch.arange(w.shape[1], device=dev)[None, :] == d)
+        wx = (w * hit).sum(dim=1, keepdim=True).to(torch.float64)
+        total = w.to(torch.float64).sum(dim=1, keepdim=True)
+        accept = (d >= 0) & (cols[0] * total < wx)
+        rest = w.masked_fill(hit, 0.0)
+        rest = torch.where(rest.sum(dim=1, keepdim=True) > 0, rest, w)     # (p and x agree: fall back to p)
+        u_res = torch.tensor([u_resample[r] for r in rows], dtype=torch.float64).to(dev, non_blocking=True)[:, None]
+        drawn = torch.where(d >= 0, _inverse_cdf(rest, ids, u_res)[:, None], _inverse_cdf(w, ids, cols[0])[:, None])
+        tok = torch.where(accept, d, drawn)[:, 0]
+        bad = (vmax[:, 0] == float("-inf")) | torch.isnan(vmax[:, 0])
+        out.index_copy_(0, idx, torch.stack([tok.masked_fill(bad, NOT_SAMPLABLE), accept[:, 0].long()], dim=1))
+    return out

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sample_device import check_chosen, choose_tokens, samples_on_device
+from engine.sample_device import check_chosen, choose_tokens, samples_on_device, verify_drafts
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
@@ -30,7 +30,7 @@ class RunnerStep:
         self.decode: set[int] = set()        # sequences with a decode row among them (ahead rows, _finish)
         self._parts: list[torch.Tensor] = []
         self.ids: torch.Tensor | None = None          # [rows] long on the device
-        self.verify_ids: torch.Tensor | None = None   # the target's greedy tokens for drafting rows (device)
+        self.verify_ids: torch.Tensor | None = None   # drafting rows verified on the device: [rows, 2] (token, accepted)
         self._host: torch.Tensor | None = None
         self._event = None
 
@@ -167,8 +167,8 @@ class RunnerExecutor:
             if isinstance(lg, torch.Tensor):
                 self.speculator.verify(seq, start, lg.cpu())
         chosen = [(seq, start, n) for seq, start, n in spec if isinstance(n, int)]
-        if chosen:   # (greedy rows chosen on the device: their ids in one copy)
-            best, i = [check_chosen(t) for t in step.verify_ids.tolist()], 0
+        if chosen:   # (drafts verified on the device: the tokens and acceptances in one copy)
+            best, i = [(check_chosen(t), a) for t, a in step.verify_ids.tolist()], 0
             for seq, start, n in chosen:
                 self.speculator.verify_chosen(seq, start, best[i:i + n])
                 i += n
@@ -276,10 +276,8 @@ class RunnerExecutor:
             if s.dflash is not None:
                 dflash_rows.append((s, pos[i], r.features[rows]))
         if on_dev_rows:
-            n = len(on_dev_rows)
-            params = [p for s, _, k in spec if isinstance(k, int) for p in [s.params] * k]
-            step.verify_ids = choose_tokens(logits.index_select(0, torch.tensor(on_dev_rows).to(logits.device)),
-                                            params, [0.0] * n, self.spec.vocab_size)
+            step.verify_ids = self._verify_on_device([(s, k) for s, _, k in spec if isinstance(k, int)],
+                                                     logits.index_select(0, torch.tensor(on_dev_rows).to(logits.device)))
         step.decode = {s.id for s in step.seqs}
         self.ahead = step
         return spec
@@ -292,9 +290,42 @@ class RunnerExecutor:
                 and not s.drafts)
 
     def device_verify(self, s: Sequence) -> bool:
-        """GPU path: whether the target's tokens for s's drafts are chosen on the device (greedy, nothing
-        host-only): only the ids come back, not the rows' logits."""
-        return self.config.device_sampling and s.params.greedy and samples_on_device(s.params, s.req.constraint)
+        """GPU path: whether s's drafts are verified on the device (device_sampling and nothing host-only; the
+        drafts one-hot: not DFlash's sampled ones): only the tokens come back, not the rows' logits."""
+        return (self.config.device_sampling and samples_on_device(s.params, s.req.constraint)
+                and (s.params.greedy or s.draft_q is None))
+
+    def _verify_on_device(self, seqs: list, logits: torch.Tensor) -> torch.Tensor:
+        """The drafting rows of seqs [(sequence, rows)], their logits in order: [rows, 2] (the target's token after
+        each row, whether it accepted the row's draft) on the device. Greedy rows: the argmax (choose_tokens),
+        accepted when it is the draft; sampled rows: speculative sampling (sample_device.verify_drafts), two
+        uniform numbers per draft and one for the row after them from the request's stream, drawn now."""
+        greedy = [(s, k) for s, k in seqs if s.params.greedy]
+        dev, V = logits.device, self.spec.vocab_size
+        drafts = [d for s, k in seqs for d in s.drafts + [-1]]
+        if len(greedy) == len(seqs):
+            ids = choose_tokens(logits, [s.params for s, k in seqs for _ in range(k)], [0.0] * len(drafts), V)
+            return torch.stack([ids, (ids == torch.tensor(drafts).to(dev, non_blocking=True)).long()], dim=1)
+        params, u_test, u_res, rows = [], [], [], []
+        for s, k in seqs:
+            for i in range(k):
+                params.append(s.params)
+                if not s.params.greedy:
+                    u_test.append(s.sampler.next_uniform())
+                    u_res.append(s.sampler.next_uniform() if i < k - 1 else 0.0)
+        if not greedy:
+            return verify_drafts(logits, params, drafts, u_test, u_res, V)
+        out = torch.empty(len(drafts), 2, dtype=torch.long, device=dev)   # (both kinds in one step)
+        i = 0
+        for s, k in seqs:
+            rows.append((s.params.greedy, range(i, i + k)))
+            i += k
+        g = [r for is_g, rr in rows if is_g for r in rr]
+        o = [r for is_g, rr in rows if not is_g for r in rr]
+        out.index_copy_(0, torch.tensor(g).to(dev), self._verify_on_device(greedy, logits[g]))
+        out.index_copy_(0, torch.tensor(o).to(dev),
+                        verify_drafts(logits[o], [params[r] for r in o], [drafts[r] for r in o], u_test, u_res, V))
+        return out
 
     def _decode_inputs(self, dec: list[Sequence], prev: RunnerStep | None):
         """The decode rows' input tokens: a sequence's last token on the host, or the id the previous

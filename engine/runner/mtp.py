@@ -19,12 +19,12 @@ import torch
 from engine.kv.blocks import PoolFullError
 from engine.runner.attention import SlotAttention
 from engine.runner.batch import SlotBatch, capture_guard
+from engine.runner.graphs import BUCKETS
 from engine.runner.keyprep import KeyPreconditioner
 from kernels.attention.paged import decode_config
 from kernels.family import device_family
 from kernels.kvcodec import get_codec
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # (the runner's decode buckets)
 # eager passes' (rows, rows asked for) whose kernels compile apart: Triton specializes an integer of 1 and multiples
 # of 16 (warm_up)
 EAGER_WARM = ((96, 1), (97, 2), (96, 16))

@@ -247,15 +247,13 @@ class PrefillGraph:
     # ----- capture -----
     def _begin(self) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
-        g.capture_begin(pool=self.runner._graph_pool)
+        g.capture_begin(pool=self.runner.graph_pool())
         return g
 
     def _capture(self) -> None:
         """Capture the padded chunk as segments between attention layers (nothing runs: the buffers hold
         the eager chunk's inputs). On failure the chunk size stays eager."""
         r, dev = self.runner, self.runner.device
-        if r._graph_pool is None:
-            r._graph_pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

@@ -22,8 +22,8 @@ sequence's KV.
 
 So a decode step over B rows (one token per sequence) is a pure function of three small device
 buffers (tokens, positions, slots), the block tables and the slots' state. On CUDA it is captured
-once per row-count bucket (1, 2, 4, .., 64) as a CUDA graph and replayed: one launch per step instead
-of ~20 per layer. Everything a decode step decides per row (the new segment center of a row that is
+once per row-count bucket (1, 2, 4, .., 64) as a CUDA graph and replayed (engine/runner/graphs.py): one launch
+per step instead of ~20 per layer. Everything a decode step decides per row (the new segment center of a row that is
 the first of a segment, the row's center and weights) is computed on the device with torch.where /
 index_put, never by the host. Prefill (a chunk of one sequence) runs through the same model code, on
 CUDA as graphs between its attention layers (engine/runner/prefill.py). On the CPU the same code runs
@@ -46,7 +46,8 @@ import torch
 from engine.kv.tables import SlotTables
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.runner.attention import SlotAttention
-from engine.runner.batch import DecodeGraph, PromptInputs, SlotBatch, capture_guard
+from engine.runner.batch import PromptInputs, SlotBatch, capture_guard
+from engine.runner.graphs import BUCKETS, DecodeGraphs
 from engine.runner.checkpoints import StateCheckpoints
 from engine.runner.prefixes import PrefixMatch, SlotPrefixes
 from engine.runner.recurrent import RecurrentSlots
@@ -65,7 +66,6 @@ log = logging.getLogger("hivejet.engine")
 if TYPE_CHECKING:
     from engine.runner.prefill import PrefillGraph
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Several slots' short prompt pieces in one padded pass (Runner.prefill_pieces: the arriving requests of several
 # agents read the weights once, not once each). On by default: each piece gets the bits its prompt gets alone,
 # and 16 agents make 1420 tok/s instead of 1191 (H200, 27B, docs/decisions/shared-prompt-passes.md): always, unless
@@ -170,9 +170,7 @@ class Runner:
         """The decode graphs (captured per rows bucket, drafting or not and centers), the padded prompt passes and their
         graphs, and the step outputs they leave."""
         self.graphs_enabled = (self.device.type == "cuda") if graphs is None else graphs
-        self._graphs: dict[tuple, DecodeGraph] = {}    # (rows bucket, drafting, centers) -> decode graph
-        self._graph_layout: dict[tuple, torch.Tensor] = {}   # a drafting graph's rows layout (kernels/gdn/verify.py)
-        self._graph_pool = None
+        self.decode_graphs = DecodeGraphs(self)        # (rows bucket, drafting, centers) -> decode graph
         self.hidden: torch.Tensor | None = None        # the last step's output-normed hidden rows (decode, prefill)
         self.features: torch.Tensor | None = None      # and its rows at the model's capture_layers (DFlash)
         self._step_hidden: torch.Tensor | None = None
@@ -258,8 +256,8 @@ class Runner:
         """Free the device memory the runner holds (KV pool, slot states, checkpoints, graphs and their
         buffers) and hand it back to the driver, and host checkpoints' pinned memory to the OS; the runner
         is unusable after this."""
-        for d in (self._graphs, self._prefill_graphs, self._pass_graphs, self._graph_layout,
-                  self.k, self.v, self.kprep):
+        self.decode_graphs.clear()
+        for d in (self._prefill_graphs, self._pass_graphs, self.k, self.v, self.kprep):
             d.clear()
         self.extra_caches.clear()
         self.recurrent.clear()
@@ -730,8 +728,8 @@ class Runner:
                                         torch.tensor(lay, device=dev) if drafting else None, centers)
             self.hidden, self.features = self._step_hidden, self._step_features
             return logits
-        g = self._graph(B, drafting, centers)
-        self.fill(B, slots, tokens, positions, drafting, centers)
+        g = self.decode_graphs.get(B, drafting, centers)
+        self.decode_graphs.fill(B, slots, tokens, positions, drafting, centers)
         g.graph.replay()
         self.hidden = g.hidden[:n]
         self.features = g.features[:n] if g.features is not None else None
@@ -763,79 +761,17 @@ class Runner:
             if 0 <= slot < self.n_slots:
                 self.prefixes.decode_row(slot, p)
 
-    def fill(self, B: int, slots, tokens, positions, drafting: bool = False, centers: bool = False) -> None:
-        """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot), and a
-        drafting step's layout of them."""
-        key = (B, drafting, centers)
-        g = self._graphs[key]
-        tok, pos, sl = g.tokens, g.positions, g.slots
-        n = len(slots)
-        tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)
-        pos[:n].copy_(torch.as_tensor(positions), non_blocking=True)
-        sl[:n].copy_(torch.as_tensor(slots), non_blocking=True)
-        if n < B:
-            tok[n:].zero_()
-            pos[n:].zero_()
-            sl[n:].fill_(self.scratch)
-        if drafting:
-            lay = draft_layout(list(slots) + [self.scratch] * (B - n), self.scratch, always=True)
-            self._graph_layout[key].copy_(torch.tensor(lay, dtype=torch.long), non_blocking=True)
-
-    def _graph(self, B: int, drafting: bool = False, centers: bool = False) -> DecodeGraph:
-        """Bucket B's decode graph; drafting: the one for steps with draft rows of recurrent models (its
-        rows layout in _graph_layout); centers: the one for steps that make a key center (rotated K types,
-        a row at a new segment). Captured at first use."""
-        key = (B, bool(drafting), centers)
-        g = self._graphs.get(key)
-        if g is not None:
-            return g
-        dev = self.device
-        tok = torch.zeros(B, dtype=torch.long, device=dev)
-        pos = torch.zeros(B, dtype=torch.long, device=dev)
-        sl = torch.full((B,), self.scratch, dtype=torch.long, device=dev)
-        lay = None
-        if drafting:   # (a layout of B padding rows until filled; the graphs' kept-input buffers)
-            lay = torch.tensor(draft_layout([self.scratch] * B, self.scratch, always=True), device=dev)
-            self.recurrent.use_graph_buffers()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
-            for _ in range(2):
-                self._decode_eager(tok, pos, sl, lay, centers)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capture_guard(), torch.cuda.graph(graph, pool=self.graph_pool()), torch.inference_mode():
-            out = self._decode_eager(tok, pos, sl, lay, centers)
-        if drafting:
-            self._graph_layout[key] = lay
-        g = self._graphs[key] = DecodeGraph(graph, tok, pos, sl, out, self._step_hidden, self._step_features)
-        return g
-
-    def graph_pool(self):
-        """The memory pool the decode graphs share (and the MTP block's, engine/runner/mtp.py)."""
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
-
     def capture(self, buckets=BUCKETS) -> None:
-        """Capture the decode graphs ahead of time (largest first, so smaller ones reuse its memory)."""
-        if self.graphs_enabled:
-            with capture_guard():
-                for B in sorted(buckets, reverse=True):
-                    self._graph(B)
+        """Capture the decode graphs ahead of time (engine/runner/graphs.py: DecodeGraphs.capture)."""
+        self.decode_graphs.capture(buckets)
 
     def capture_drafting(self, max_rows: int) -> None:
-        """Capture ahead of time a recurrent model's drafting-step graphs of up to max_rows rows (a bucket of
-        2, 4, .. rows each; captured at first use they stalled that step 100-200 ms on the 27B; steps of more
-        rows capture theirs at first use)."""
-        if self.conv_state:
-            self.recurrent.kept_buffers()   # (their memory before the graphs')
-            self.recurrent.warm_up(list(BUCKETS))
-        if self.graphs_enabled and self.conv_state:
-            top = min(1 << (max(max_rows, 2) - 1).bit_length(), BUCKETS[-1])
-            with capture_guard():
-                for B in (w for w in sorted(BUCKETS, reverse=True) if 2 <= w <= top):
-                    self._graph(B, True)
+        """Capture a recurrent model's drafting-step graphs ahead of time (DecodeGraphs.capture_drafting)."""
+        self.decode_graphs.capture_drafting(max_rows)
+
+    def graph_pool(self):
+        """The memory pool the runner's CUDA graphs share (decode, prompt chunks, the MTP block's)."""
+        return self.decode_graphs.pool()
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:

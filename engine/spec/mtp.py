@@ -152,10 +152,13 @@ def _inputs(it: CatchUp) -> torch.Tensor | None:
             raise ValueError(f"MTP rows from position {lo} need the hidden state of {lo - 1}, before the step's "
                              f"first row ({it.start})")
         parts.append(it.hidden[lo - 1 - it.start:top - it.start])
-    if len(parts) > 1:
-        return torch.cat(parts)
-    # (a copy: the step's rows are views of the runner's graph buffers, and some rows may wait for a later step)
-    return parts[0] if held is not None else parts[0].clone()
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _kept(rows: torch.Tensor, it: CatchUp) -> torch.Tensor:
+    """Rows that wait for a later step, as a tensor of their own (the step's rows are views of the runner's graph
+    buffers, which the next step writes)."""
+    return rows.clone() if rows.untyped_storage().data_ptr() == it.hidden.untyped_storage().data_ptr() else rows
 
 
 def _prepare(rows_of, it: CatchUp, rows: torch.Tensor):
@@ -165,15 +168,15 @@ def _prepare(rows_of, it: CatchUp, rows: torch.Tensor):
     st = it.state
     p0, last = st.valid, min(it.start + it.n_final, len(it.tokens) - 1)    # last: the newest position with x_p known
     if (it.defer and it.k == 0 and rows.shape[0] <= MAX_DEFERRED) or last < p0:
-        st.deferred = rows
+        st.deferred = _kept(rows, it)
         return None
     end = rows_of.room(st, p0, last + max(it.k, 1))      # rows up to last + k - 1
     if end <= last:                                       # (no room in the pool for them now)
-        st.deferred = rows
+        st.deferred = _kept(rows, it)
         return None
     # the rows whose token is not on the host yet (an overlapped step's, engine/step_runner.py) wait
     rows, later = rows[:last + 1 - p0], rows[last + 1 - p0:]
-    st.deferred = later if later.shape[0] else None
+    st.deferred = _kept(later, it) if later.shape[0] else None
     rows_of.rewind(st, p0)
     st.tail = (last, rows[-1].clone())
     if st.mark_every:

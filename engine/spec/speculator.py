@@ -325,16 +325,19 @@ class Speculator:
                 break
         self._accepted(s, drafts, start, out)
 
-    def verify_chosen(self, s: Sequence, start: int, targets: list[int]) -> None:
-        """verify for a greedy request whose target tokens were chosen on the device: targets[i] is the target's
-        choice after row i of [last token, draft 1..k]; drafts are accepted while they equal it."""
+    def verify_chosen(self, s: Sequence, start: int, rows: list[tuple[int, int]]) -> None:
+        """verify for drafts verified on the device (engine/step_runner.py: _verify_on_device): rows[i] is, for row i
+        of [last token, draft 1..k], the target's token and whether it accepted the draft there (greedy: the
+        token is the draft; sampled: the draft passed the test, else the token is the resample)."""
         drafts, s.drafts = s.drafts, []
         s.draft_q = None
         out = []
-        for i, tok in enumerate(targets[:len(drafts) + 1]):
+        for i, (tok, acc) in enumerate(rows[:len(drafts) + 1]):
+            if i < len(drafts) and acc:
+                out.append((drafts[i], None))
+                continue
             out.append((tok, None))
-            if i == len(drafts) or tok != drafts[i]:
-                break
+            break
         self._accepted(s, drafts, start, out)
 
     def _accepted(self, s: Sequence, drafts: list[int], start: int, out: list[tuple]) -> None:

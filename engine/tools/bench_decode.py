@@ -33,11 +33,11 @@ def _tokens(n: int, vocab: int, seed: int):
 
 def _decode_loop(runner, slot: int, token: int, pos: int, n: int) -> float:
     """n greedy decode steps of one slot, fed back on the device; returns seconds."""
-    g = runner._graph(1)
+    g = runner.decode_graphs.get(1)
     graph, tok, posb, out = g.graph, g.tokens, g.positions, g.logits
     runner.reserve(slot, pos + n)        # the replays below write positions pos.. without asking the runner
     runner.sync_tables()
-    runner.fill(1, [slot], [token], [pos])
+    runner.decode_graphs.fill(1, [slot], [token], [pos])
     _sync()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -50,11 +50,11 @@ def _decode_loop(runner, slot: int, token: int, pos: int, n: int) -> float:
 
 def ready_rows(runner, B: int, pos: int):
     """The B-row decode graph, its inputs set to slots 0..B-1 at position pos: replayable."""
-    graph = runner._graph(B).graph
+    graph = runner.decode_graphs.get(B).graph
     for s in range(B):                   # blocks up to pos for each row's slot (never prefilled: any bytes)
         runner.reserve(s, pos + 1)
     runner.sync_tables()
-    runner.fill(B, list(range(B)), [1] * B, [pos] * B)
+    runner.decode_graphs.fill(B, list(range(B)), [1] * B, [pos] * B)
     return graph
 
 
@@ -185,7 +185,7 @@ def _record_ceiling(res: dict, torch, model_path: str, card) -> None:
 def _bench_depths(res: dict, runner, V: int, depths, n_prompt: int, n_gen: int, save) -> None:
     """One sequence: pp{n_prompt} and tg{n_gen} at each depth, into res["hivejet"]."""
     runner.prefill(0, _tokens(n_prompt, V, 0))          # compile and warm up the prefill kernels
-    runner._graph(1)
+    runner.decode_graphs.get(1)
     _log("warm")
     for d in depths:
         runner.prefill(0, _tokens(n_prompt, V, 3), start=d)   # warm: torch's attention picks kernels per shape

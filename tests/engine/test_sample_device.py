@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from engine.sample_device import NOT_SAMPLABLE, check_chosen, choose_tokens, samples_on_device
+from engine.sample_device import NOT_SAMPLABLE, check_chosen, choose_tokens, samples_on_device, verify_drafts
 from engine.sampling import Sampler, SamplingParams
 
 
@@ -136,6 +136,42 @@ def test_device_draws_follow_the_samplers_distribution(chain):
     chi2 = float(((counts[keep] - e) ** 2 / e).sum())
     pval = _chi2_sf(chi2, int(keep.sum()) - 1)
     assert pval > 0.001, (chi2, pval)
+
+
+@pytest.mark.parametrize("chain", [dict(top_k=20, top_p=0.9, min_p=0.02, temperature=0.7),
+                                   dict(top_k=0, top_p=1.0, min_p=0.0, temperature=0.8)])
+@pytest.mark.parametrize("draft", ["likely", "unlikely", "cut"])
+def test_verified_drafts_are_distributed_as_the_target(chain, draft):
+    """Speculative sampling on the device (verify_drafts) with a one-hot draft x: the draft is accepted with
+    probability p(x) and the output token, accepted or resampled, follows p, the Sampler's distribution (softmax
+    of final_logits). 20000 rows with independent uniform numbers; Pearson chi-square over the surviving tokens
+    (p > 0.001) and the number accepted within 4 standard deviations (+ 3) of N p(x). A draft the chain cuts is never
+    accepted. A row after the last draft (-1) is a plain draw from p."""
+    V, N = 64, 20000
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(V, generator=g) * 1.5
+    p = SamplingParams(seed=1, **chain)
+    final = Sampler(p, V).final_logits(logits, [])
+    expected = torch.softmax(final.double(), 0)
+    keep = torch.isfinite(final)
+    order = torch.argsort(expected, descending=True)
+    x = int(order[0] if draft == "likely" else order[int(keep.sum()) - 1] if draft == "unlikely" else order[-1])
+    ur = torch.Generator().manual_seed(11)
+    u1 = torch.rand(N, generator=ur, dtype=torch.float64).tolist()
+    u2 = torch.rand(N, generator=ur, dtype=torch.float64).tolist()
+    out = verify_drafts(logits.expand(N, V), [p] * N, [x] * N, u1, u2, V)
+    tok, acc = out[:, 0], out[:, 1]
+    assert torch.equal(tok[acc == 1], torch.full_like(tok[acc == 1], x))
+    px = float(expected[x])
+    assert abs(int(acc.sum()) - N * px) <= 4 * math.sqrt(N * px * (1 - px)) + 3      # (counts: px may be tiny)
+    for ids in (tok, verify_drafts(logits.expand(N, V), [p] * N, [-1] * N, u1, u2, V)[:, 0]):
+        counts = torch.bincount(ids, minlength=V).double()
+        assert int(counts[~keep].sum()) == 0
+        e = expected[keep] * N
+        chi2 = float(((counts[keep] - e) ** 2 / e).sum())
+        assert _chi2_sf(chi2, int(keep.sum()) - 1) > 0.001, chi2
+    with pytest.raises(ValueError, match="greedy"):
+        verify_drafts(logits[None], [SamplingParams(temperature=0.0)], [x], [0.5], [0.5], V)
 
 
 def test_nothing_samplable_is_marked_and_raises_like_the_sampler():

@@ -41,7 +41,14 @@ def test_greedy_identical_with_mtp_drafts(mtp_model):
 
 
 @pytest.mark.parametrize("slots", [False, True], ids=["cpu_path", "gpu_path"])
-def test_sampled_distribution_with_mtp(mtp_model, slots):
+def test_sampled_distribution_with_mtp(mtp_model, slots, monkeypatch):
+    """The first 3 tokens at temperature 0.8 (top-k 4) with MTP drafts and without, 500 seeds each: the same
+    distribution (chi-square). The GPU path verifies the drafts on the device (speculative sampling in
+    engine/sample_device.py: verify_drafts, only tokens back), the CPU path on the host."""
+    import engine.spec.speculator as es
+    calls = collections.Counter()
+    real = es.Speculator.verify_chosen
+    monkeypatch.setattr(es.Speculator, "verify_chosen", lambda self, *a: (calls.update(["device"]), real(self, *a))[1])
     n = 500
     samples = {}
     for spec in ("off", "mtp"):
@@ -57,6 +64,7 @@ def test_sampled_distribution_with_mtp(mtp_model, slots):
             if spec == "mtp":   # (a random MTP block's argmax is rarely in the target's top 4: mostly the
                 # rejection branch runs here; tests/engine/test_spec_ngram.py exercises both with one verifier)
                 assert eng.stats()["totals"]["drafted_tokens"] >= n // 2   # (adaptive lengths: timing-dependent)
+                assert (calls["device"] > n // 4) if slots else not calls, calls
         finally:
             eng.shutdown()
     p = _chi2_p(samples["off"], samples["mtp"])

@@ -1,0 +1,105 @@
+"""A runner's decode steps as CUDA graphs: one per rows bucket (1, 2, 4, .., 64), and apart for drafting steps of
+recurrent models (their rows' layout an input of its own, kernels/gdn/verify.py) and for steps that make a key
+center (rotated K types, a row at a new segment). A graph is the runner's eager decode step (Runner._decode_eager)
+captured over static input buffers (tokens, positions, slots; padding rows in the scratch slot): `fill` writes a
+step's rows into them, the runner replays it. Captured at first use or ahead of time (capture, capture_drafting);
+all of a runner's graphs share one memory pool (`pool`).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.runner.batch import DecodeGraph, capture_guard
+from kernels.gdn.verify import draft_layout
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeGraphs:
+    """The decode graphs of `runner` (engine/runner/runner.py)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs: dict[tuple, DecodeGraph] = {}      # (rows bucket, drafting, centers) -> decode graph
+        self.layout: dict[tuple, torch.Tensor] = {}     # a drafting graph's rows layout (kernels/gdn/verify.py)
+        self._pool = None
+
+    def pool(self):
+        """The memory pool the runner's graphs share."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.layout.clear()
+
+    def fill(self, B: int, slots, tokens, positions, drafting: bool = False, centers: bool = False) -> None:
+        """Write a step's rows into bucket B's input buffers (padding rows go to the scratch slot), and a
+        drafting step's layout of them."""
+        key = (B, drafting, centers)
+        g, scratch = self.graphs[key], self.runner.scratch
+        tok, pos, sl = g.tokens, g.positions, g.slots
+        n = len(slots)
+        tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)
+        pos[:n].copy_(torch.as_tensor(positions), non_blocking=True)
+        sl[:n].copy_(torch.as_tensor(slots), non_blocking=True)
+        if n < B:
+            tok[n:].zero_()
+            pos[n:].zero_()
+            sl[n:].fill_(scratch)
+        if drafting:
+            lay = draft_layout(list(slots) + [scratch] * (B - n), scratch, always=True)
+            self.layout[key].copy_(torch.tensor(lay, dtype=torch.long), non_blocking=True)
+
+    def get(self, B: int, drafting: bool = False, centers: bool = False) -> DecodeGraph:
+        """Bucket B's decode graph; drafting: the one for steps with draft rows of recurrent models (its
+        rows layout in `layout`); centers: the one for steps that make a key center (rotated K types,
+        a row at a new segment). Captured at first use."""
+        key = (B, bool(drafting), centers)
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        r = self.runner
+        dev = r.device
+        tok = torch.zeros(B, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, dtype=torch.long, device=dev)
+        sl = torch.full((B,), r.scratch, dtype=torch.long, device=dev)
+        lay = None
+        if drafting:   # (a layout of B padding rows until filled; the graphs' kept-input buffers)
+            lay = torch.tensor(draft_layout([r.scratch] * B, r.scratch, always=True), device=dev)
+            r.recurrent.use_graph_buffers()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
+            for _ in range(2):
+                r._decode_eager(tok, pos, sl, lay, centers)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capture_guard(), torch.cuda.graph(graph, pool=self.pool()), torch.inference_mode():
+            out = r._decode_eager(tok, pos, sl, lay, centers)
+        if drafting:
+            self.layout[key] = lay
+        g = self.graphs[key] = DecodeGraph(graph, tok, pos, sl, out, r._step_hidden, r._step_features)
+        return g
+
+    def capture(self, buckets=BUCKETS) -> None:
+        """Capture the decode graphs ahead of time (largest first, so smaller ones reuse its memory)."""
+        if self.runner.graphs_enabled:
+            with capture_guard():
+                for B in sorted(buckets, reverse=True):
+                    self.get(B)
+
+    def capture_drafting(self, max_rows: int) -> None:
+        """Capture ahead of time a recurrent model's drafting-step graphs of up to max_rows rows (a bucket of
+        2, 4, .. rows each; captured at first use they stalled that step 100-200 ms on the 27B; steps of more
+        rows capture theirs at first use)."""
+        r = self.runner
+        if r.conv_state:
+            r.recurrent.kept_buffers()   # (their memory before the graphs')
+            r.recurrent.warm_up(list(BUCKETS))
+        if r.graphs_enabled and r.conv_state:
+            top = min(1 << (max(max_rows, 2) - 1).bit_length(), BUCKETS[-1])
+            with capture_guard():
+                for B in (w for w in sorted(BUCKETS, reverse=True) if 2 <= w <= top):
+                    self.get(B, True)
