@@ -113,17 +113,19 @@ class RecurrentSlots:
         self._step_kept = None
         if lay is None:
             return False
-        for gi, n in enumerate(lay[5]):   # (checked before anything is recorded)
-            p0, first = positions[lay[4][gi]] if n > 1 else 0, lay[4][gi]
-            if n > 1 and positions[first:first + n] != list(range(p0, p0 + n)):
-                raise ValueError(f"slot {lay[3][gi]}'s rows are not at consecutive positions")
+        drafting = {}   # slot -> (first position, first row, rows): checked before anything is recorded
+        for gi, n in enumerate(lay[5]):
+            if n > 1:
+                first = lay[4][gi]
+                p0 = positions[first]
+                if positions[first:first + n] != list(range(p0, p0 + n)):
+                    raise ValueError(f"slot {lay[3][gi]}'s rows are not at consecutive positions")
+                drafting[lay[3][gi]] = (p0, first, n)
         # (the graphs' buffers; an eager step with more rows than a graph holds gets its own for this step)
         kept = self._step_kept = self.kept_buffers(None if rows <= self.max_rows else rows)
         m = self.model
         self._pending_step = (kept, delta_block_v(rows, m.n_v_heads, m.d_state))
-        for gi, n in enumerate(lay[5]):
-            if n > 1:
-                self.pending[lay[3][gi]] = (positions[lay[4][gi]], lay[4][gi], n)
+        self.pending.update(drafting)
         return True
 
     def use_graph_buffers(self) -> None:
