@@ -71,8 +71,9 @@ class MtpSlots:
         """Let the MTP rows of positions [start, end) of st's slot be written: blocks taken for positions the slot
         holds no block for yet (a block it shares with another slot is written in place: the rows of positions
         both conversations have are the same). Returns the end that has room (end, or less when the pool is
-        full)."""
+        full, or the slot's context ends)."""
         t = self.runner.tables
+        end = min(end, self.runner.max_ctx)     # (no rows past the slot's context)
         have = t.held(st.slot) * t.block_size
         if end <= have:
             return end

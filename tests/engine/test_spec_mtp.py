@@ -258,3 +258,32 @@ def test_gpu_path_mtp_drafts(mtp_model, oracle, device, monkeypatch):
     for slot in list(eng.speculator.parked_mtp):
         eng.speculator.drop_parked(slot)
     assert not eng.speculator.parked_mtp
+
+
+def test_mtp_rows_room_in_the_runners_pool(mtp_model):
+    """MtpSlots.room (the chained drafts' MTP rows past a slot's positions): blocks taken from the runner's pool up to
+    the end asked for, never past the slot's context, only what is free when the pool runs short; done gives back
+    what room took beyond the state's final rows."""
+    from engine.models import open_model
+    from engine.runner import Runner
+    from engine.runner.mtp import MtpSlots
+    from engine.spec.mtp import MtpState
+    m = open_model(mtp_model)
+    try:
+        r = Runner(m, device="cpu", n_slots=2, max_ctx=48, n_blocks=5)
+        mtp = MtpSlots(r, "f16")
+        a, b = MtpState(None, slot=0), MtpState(None, slot=1)
+        r.reserve(0, 38, 0)                                   # slot 0 holds positions 0..37: 3 blocks
+        assert mtp.room(a, 38, 52) == 48 and r.held(0) == 3   # (the context ends at 48)
+        r.truncate(0, 30)
+        assert mtp.room(a, 30, 40) == 40 and r.held(0) == 3 and r.pool.n_free == 2
+        a.valid = 31
+        mtp.done(a)                                           # row 30 is final: its block stays
+        assert r.held(0) == 2 and r.pool.n_free == 3
+        r.reserve(1, 40, 0)                                   # slot 1 takes the 3 free blocks
+        assert mtp.room(a, 31, 36) == 32 and r.held(0) == 2   # nothing free: what slot 0 holds
+        mtp.done(a)
+        assert r.held(0) == 2 and r.held(1) == 3
+        assert mtp.room(b, 40, 48) == 48                      # (within what it holds)
+    finally:
+        m.close()
