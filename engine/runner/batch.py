@@ -1,50 +1,16 @@
 """What a runner step is made of, as data: a step's rows in slots (SlotBatch, the stand-in for the model's
-Batch), a prompt chunk's inputs besides its ids (PromptInputs), a found shared prefix (PrefixMatch), a captured
-decode step (DecodeGraph), and the guard around CUDA graph captures."""
+Batch), a prompt chunk's inputs besides its ids (PromptInputs). (Captured decode steps and the guard around
+captures: engine/runner/graphs.py.)"""
 from __future__ import annotations
 
-import contextlib
-import gc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 
 if TYPE_CHECKING:
     from engine.runner.runner import Runner
-
-
-class DecodeGraph(NamedTuple):
-    """A captured decode step: its static inputs (tokens, positions, slots) and outputs (logits, the rows'
-    output-normed hidden states, and their hidden states at the model's capture_layers or None)."""
-    graph: object
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    features: torch.Tensor | None
-
-
-@contextlib.contextmanager
-def capture_guard():
-    """Around a CUDA graph's capture: CUDA graphs left in dead reference cycles (a closed runner's, a
-    failed request's traceback) are destroyed when Python's garbage collector reaches them, and one
-    destroyed while another graph is being captured invalidates that capture
-    (cudaErrorStreamCaptureInvalidated: torch 2.11 no longer collects before capturing). So collect
-    first and keep the collector off until the capture has ended. Nested in another guard (a batch of
-    captures: Runner.capture, capture_drafting, capture_prefill) it does not collect again: one collect
-    per batch (each takes a full pass over the heap)."""
-    was_on = gc.isenabled()
-    if was_on:
-        gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
 
 
 @dataclass

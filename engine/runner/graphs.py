@@ -3,16 +3,51 @@ recurrent models (their rows' layout an input of its own, kernels/gdn/verify.py)
 center (rotated K types, a row at a new segment). A graph is the runner's eager decode step (Runner._decode_eager)
 captured over static input buffers (tokens, positions, slots; padding rows in the scratch slot): `fill` writes a
 step's rows into them, the runner replays it. Captured at first use or ahead of time (capture, capture_drafting);
-all of a runner's graphs share one memory pool (`pool`).
+all of a runner's graphs share one memory pool (`pool`). Also the guard every capture runs in (capture_guard).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+from typing import NamedTuple
+
 import torch
 
-from engine.runner.batch import DecodeGraph, capture_guard
 from kernels.gdn.verify import draft_layout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeGraph(NamedTuple):
+    """A captured decode step: its static inputs (tokens, positions, slots) and outputs (logits, the rows'
+    output-normed hidden states, and their hidden states at the model's capture_layers or None)."""
+    graph: object
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+
+
+@contextlib.contextmanager
+def capture_guard():
+    """Around a CUDA graph's capture: CUDA graphs left in dead reference cycles (a closed runner's, a
+    failed request's traceback) are destroyed when Python's garbage collector reaches them, and one
+    destroyed while another graph is being captured invalidates that capture
+    (cudaErrorStreamCaptureInvalidated: torch 2.11 no longer collects before capturing). So collect
+    first and keep the collector off until the capture has ended. Nested in another guard (a batch of
+    captures: Runner.capture, capture_drafting, capture_prefill) it does not collect again: one collect
+    per batch (each takes a full pass over the heap)."""
+    was_on = gc.isenabled()
+    if was_on:
+        gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 class DecodeGraphs:

@@ -18,8 +18,8 @@ import torch
 
 from engine.kv.blocks import PoolFullError
 from engine.runner.attention import SlotAttention
-from engine.runner.batch import SlotBatch, capture_guard
-from engine.runner.graphs import BUCKETS
+from engine.runner.batch import SlotBatch
+from engine.runner.graphs import BUCKETS, capture_guard
 from engine.runner.keyprep import KeyPreconditioner
 from kernels.attention.paged import decode_config
 from kernels.family import device_family

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.runner.batch import SlotBatch, capture_guard
+from engine.runner.batch import SlotBatch
+from engine.runner.graphs import capture_guard
 
 if TYPE_CHECKING:
     from engine.runner.runner import Runner

@@ -46,8 +46,8 @@ import torch
 from engine.kv.tables import SlotTables
 from engine.models.common import PREFILL_ROWS, DecoderModel, rms_norm
 from engine.runner.attention import SlotAttention
-from engine.runner.batch import PromptInputs, SlotBatch, capture_guard
-from engine.runner.graphs import BUCKETS, DecodeGraphs
+from engine.runner.batch import PromptInputs, SlotBatch
+from engine.runner.graphs import BUCKETS, DecodeGraphs, capture_guard
 from engine.runner.checkpoints import StateCheckpoints
 from engine.runner.prefixes import PrefixMatch, SlotPrefixes
 from engine.runner.recurrent import RecurrentSlots

@@ -647,7 +647,7 @@ def test_capture_guard_collects_once_per_batch(monkeypatch):
     the collector off inside, on again after, and left off when it was off."""
     import gc
 
-    from engine.runner import batch as R
+    from engine.runner import graphs as R
     calls = []
     monkeypatch.setattr(R.gc, "collect", lambda *a: calls.append(1) or 0)
     assert gc.isenabled()
@@ -670,7 +670,7 @@ def test_capture_guard_collects_once_per_batch(monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 def test_captures_survive_dead_runners_graphs(tiny):
-    """engine/runner/runner.py capture_guard: collecting first and not during a capture keeps a dead runner's
+    """engine/runner/graphs.py capture_guard: collecting first and not during a capture keeps a dead runner's
     graphs from invalidating a new runner's captures (torch 2.11 stopped collecting before captures)."""
     model = open_model(tiny("llama"))
     try:
