@@ -15,8 +15,7 @@ step's expected tokens per second, from measured acceptance and measured costs.
 - Choice (`choose_k`): with the step's other rows and expected tokens fixed, k maximizes
   (E(k) + E_others) / (T(base + k) + D(k) + D_others); k = 0 (one row) unless some k > 0 beats it by
   `margin`. With one sequence this is its own tokens per second; with several it is the step's, so one
-  sequence's drafts do not slow the others down for less than they gain; `choose_together` then tries one k
-  for all drafting sequences (what drafting costs a step whoever drafts is paid once).
+  sequence's drafts do not slow the others down for less than they gain.
 - Back-off (`DraftLength`): when k = 0 wins the sequence stops drafting with that drafter, but after
   16 steps it drafts once with a small k (a probe: 2 drafts), so a sequence whose text becomes
   predictable (a code edit) takes speculation up again. A fully accepted probe is followed at once by
@@ -78,30 +77,6 @@ def choose_k(alpha: float, k_max: int, step_time: Callable[[int], float | None],
         if r > best:
             best_k, best = k, r
     return best_k
-
-
-def choose_together(alphas: list[float], k_max: int, step_time: Callable[[int], float | None], rows: int,
-                    draft_cost: Callable[[int], float], chosen: list[int], margin: float = MARGIN) -> list[int]:
-    """The step's draft counts, given each drafting sequence's own choice `chosen` (choose_k, the others as they
-    are): replaced by one k for all of them when that gives the step more tokens per second by margin. Each
-    sequence on its own weighs its drafts against the whole step's cost, so where drafting costs the step a
-    fixed part whoever drafts (a drafting step is not overlapped with the next) none may start though all
-    together gain (the H100's 27B: 4 agents with 3 drafts each 1.39x, with each one's choice 0.74x). alphas:
-    the drafting sequences' acceptance estimates; rows: the step's rows without drafts (every sequence's one);
-    draft_cost(k): one sequence's avoidable drafting time for k drafts."""
-    if not alphas or k_max <= 0 or step_time(rows) is None:
-        return chosen
-
-    def rate(ks: list[int]) -> float:
-        t = step_time(rows + sum(ks)) + sum(draft_cost(k) for k in ks if k)
-        return (sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) + rows - len(alphas)) / max(t, 1e-12)
-
-    best, best_rate = chosen, rate(chosen) * (1.0 + margin)
-    for k in range(1, k_max + 1):
-        r = rate([k] * len(alphas))
-        if r > best_rate:
-            best, best_rate = [k] * len(alphas), r
-    return best
 
 
 def draft_units(drafter: str, k: int) -> int:

@@ -23,7 +23,6 @@ from engine.spec.adaptive import (
     DraftLength,
     StepCosts,
     choose_k,
-    choose_together,
     expected_tokens,
 )
 from engine.spec.dflash import DFlashError, DraftRequest, load_drafter, propose
@@ -210,7 +209,6 @@ class Speculator:
             mine[s.id] = (n, expected_tokens(dl.alpha, nd) if dl else 1.0,
                           costs.draft_time(s.draft_src, nd) if dl else 0.0)
         rows, tokens, draft_s = (sum(v[i] for v in mine.values()) for i in range(3))
-        picks = []   # (length state, drafter, its own choice)
         for s, _, _ in live:
             src = self.draft_source(s)
             s.spec_src = src
@@ -218,16 +216,9 @@ class Speculator:
             if dl is None:
                 continue
             r, e, d = mine[s.id]
-            picks.append((dl, src, choose_k(dl.alpha, dl.k_max, costs.step_time, rows - r + 1,
-                                            lambda k, src=src: costs.draft_time(src, k), others_tokens=tokens - e,
-                                            others_time=draft_s - d)))
-        if len(picks) > 1 and len({src for _, src, _ in picks}) == 1:   # (one drafter: its costs for all)
-            src = picks[0][1]
-            ks = choose_together([dl.alpha for dl, _, _ in picks], min(dl.k_max for dl, _, _ in picks),
-                                 costs.step_time, len(mine), lambda k: costs.draft_time(src, k),
-                                 [k for _, _, k in picks])
-            picks = [(dl, src, k) for (dl, src, _), k in zip(picks, ks)]
-        for dl, _, k in picks:
+            k = choose_k(dl.alpha, dl.k_max, costs.step_time, rows - r + 1,
+                         lambda k, src=src: costs.draft_time(src, k), others_tokens=tokens - e,
+                         others_time=draft_s - d)
             dl.decide(k)
 
     def length_stats(self, s: Sequence) -> dict:

@@ -15,7 +15,7 @@ from engine.engine import Engine, EngineConfig
 from engine.models import open_model
 from engine.models.common import SeqChunk
 from engine.sampling import SamplingParams
-from engine.spec.adaptive import DraftLength, StepCosts, choose_k, choose_together, expected_tokens
+from engine.spec.adaptive import DraftLength, StepCosts, choose_k, expected_tokens
 from engine.spec.dflash import load_drafter
 from engine.tools.synth_dflash import write_synthetic_dflash
 from engine.spec.mtp import CatchUp, MtpState, SequenceRows, catch_up
@@ -74,21 +74,6 @@ def test_shared_step_counts_the_other_sequences():
     assert choose_k(0.5, 8, t, 1, lambda k: 0.0) > 0                    # alone: its drafts pay
     # with 7 others in the step, its extra rows slow all 8 for half a token each: no
     assert choose_k(0.5, 8, t, 8, lambda k: 0.0, others_tokens=7.0) == 0
-
-
-def test_drafting_together_pays_where_alone_it_does_not():
-    """A step of 4 sequences where any drafting costs the step a fixed 4 ms (a drafting step is not overlapped
-    with the next) beside 0.2 ms per row: each one alone does not draft (its gain does not cover the fixed part),
-    all four together with 3 drafts each do; with 16 sequences a row costs enough that none drafts."""
-    def t(n, seqs):
-        return 10.0 + 0.2 * (n - seqs) + (4.0 if n > seqs else 0.0)
-    draft = lambda k: 0.7 * max(0, k - 1)   # noqa: E731
-    alone = [choose_k(0.8, 3, lambda n: t(n, 4), 4, draft, others_tokens=3.0) for _ in range(4)]
-    assert alone == [0, 0, 0, 0]
-    assert choose_together([0.8] * 4, 3, lambda n: t(n, 4), 4, draft, alone) == [3, 3, 3, 3]
-    dear = lambda n: 10.0 + 1.5 * (n - 16) + (4.0 if n > 16 else 0.0)   # noqa: E731
-    assert choose_together([0.8] * 16, 3, dear, 16, draft, [0] * 16) == [0] * 16
-    assert choose_together([0.8, 0.8], 3, lambda n: None, 2, draft, [1, 0]) == [1, 0]   # (nothing measured)
 
 
 def test_nothing_measured_is_optimistic():
