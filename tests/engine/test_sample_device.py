@@ -110,6 +110,15 @@ def test_sampled_rows_pick_the_samplers_token(V, scale):
     assert all(torch.equal(h.generator.get_state(), d.generator.get_state()) for h, d in zip(host, dev))
 
 
+def _target(chain: dict, V: int, seed: int):
+    """Random logits [V] (seed), the chain's params, the Sampler's distribution (softmax of final_logits) and the
+    tokens that survive the chain."""
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 1.5
+    p = SamplingParams(seed=1, **chain)
+    final = Sampler(p, V).final_logits(logits, [])
+    return logits, p, torch.softmax(final.double(), 0), torch.isfinite(final)
+
+
 @pytest.mark.parametrize("chain", [dict(top_k=20, top_p=0.9, min_p=0.02, temperature=0.7),
                                    dict(top_k=0, top_p=0.8, min_p=0.0, temperature=1.3),
                                    dict(top_k=0, top_p=1.0, min_p=0.05, temperature=0.9)])
@@ -121,12 +130,7 @@ def test_device_draws_follow_the_samplers_distribution(chain):
     are correlated); the test asks p > 0.001. Drawing at temperature 1 instead gives p < 1e-160 for the
     first two. Tokens cut by the chain never come."""
     V, N = 64, 20000
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(V, generator=g) * 1.5
-    p = SamplingParams(seed=1, **chain)
-    final = Sampler(p, V).final_logits(logits, [])
-    expected = torch.softmax(final.double(), 0)
-    keep = torch.isfinite(final)
+    logits, p, expected, keep = _target(chain, V, 3)
     assert 4 <= int(keep.sum()) < V
     us = torch.rand(N, generator=torch.Generator().manual_seed(7), dtype=torch.float64).tolist()
     ids = choose_tokens(logits.expand(N, V), [p] * N, us, V)
@@ -148,12 +152,7 @@ def test_verified_drafts_are_distributed_as_the_target(chain, draft):
     (p > 0.001) and the number accepted within 4 standard deviations (+ 3) of N p(x). A draft the chain cuts is never
     accepted. A row after the last draft (-1) is a plain draw from p."""
     V, N = 64, 20000
-    g = torch.Generator().manual_seed(5)
-    logits = torch.randn(V, generator=g) * 1.5
-    p = SamplingParams(seed=1, **chain)
-    final = Sampler(p, V).final_logits(logits, [])
-    expected = torch.softmax(final.double(), 0)
-    keep = torch.isfinite(final)
+    logits, p, expected, keep = _target(chain, V, 5)
     order = torch.argsort(expected, descending=True)
     x = int(order[0] if draft == "likely" else order[int(keep.sum()) - 1] if draft == "unlikely" else order[-1])
     ur = torch.Generator().manual_seed(11)
