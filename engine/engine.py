@@ -312,7 +312,7 @@ class Engine:
         self.speculator.runner = self.runner
         self.ctx_size = self.speculator.ctx_size = min(self.ctx_size, self.runner.max_ctx)
         dev = torch.device(self.config.device)
-        self.speculator.open_mtp_pool(self.runner, fit.cache_types())
+        self.speculator.open_mtp(self.runner, fit.cache_types())
         self._clock = StepClock(self._pacer, dev)
         fit.capture()
         self.slots = SlotTable(self.runner, self.config.max_seqs, self.speculator)
@@ -564,7 +564,7 @@ class Engine:
         self._resident.clear()
         if self.runner is not None and not self._thread.is_alive():   # (a step still running uses them)
             self.model.release_device()    # the device memory back at once (runner.close empties torch's
-            self.speculator.close_mtp_pool()
+            self.speculator.close_mtp()
             self.runner.close()            # cache): a next engine sizes its KV pool to what is free
         self.model.close()
         if self.vision is not None:

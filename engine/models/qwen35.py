@@ -261,11 +261,9 @@ class Qwen35Model(DecoderModel):
     # ------------------------------------------------------------------------------------------
     # MTP (NextN) block
 
-    def new_mtp_kv(self, dtype: torch.dtype | None = None, pool=None) -> SequenceKV:
-        """The MTP block's own KV cache (one layer) for one sequence: in `pool` (the GPU path's MTP pool,
-        shared by its sequences), else its own pool with `dtype` for K and V, else the model's cache types."""
-        if pool is not None:
-            return SequenceKV(1, pool=pool)
+    def new_mtp_kv(self, dtype: torch.dtype | None = None) -> SequenceKV:
+        """The MTP block's own KV cache (one layer) for one sequence (the CPU path; the GPU path keeps the rows in
+        the runner's blocks: engine/runner/mtp.py): `dtype` for K and V, else the model's cache types."""
         if dtype is not None:
             return SequenceKV(1, dtype)
         return SequenceKV(1, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)

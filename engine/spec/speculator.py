@@ -1,5 +1,5 @@
 """The Speculator: speculative decoding for the engine's steps (both paths). It owns the drafters (n-gram
-lookup with the shared n-gram pool, the MTP block's states and their KV pool on the GPU path, the DFlash
+lookup with the shared n-gram pool, the MTP block's states and, on the GPU path, the block over the runner's slots, the DFlash
 drafter), decides which drafter drafts for a sequence and how many tokens (adaptive lengths,
 engine/spec/adaptive.py), hands a step its drafts (take_drafts) and verifies them after the forward
 (verify: accepted tokens go to the engine's `emit`), keeps the model drafters up to date after each step
@@ -53,7 +53,7 @@ class Speculator:
     """Drafts for the running sequences of one engine. kinds: the drafters of its spec mode (ngram, mtp,
     dflash); running, totals: the engine's running list and counters; emit(s, token, logprob): the engine's
     way of streaming a sampled token. The runner (GPU path, set once it is open) verifies drafts as extra
-    decode rows of their sequence and keeps the MTP rows in its slots' blocks (open_mtp_pool)."""
+    decode rows of their sequence and keeps the MTP rows in its slots' blocks (open_mtp)."""
 
     def __init__(self, config, model, kinds: set[str], running: list, totals: collections.Counter,
                  emit: Callable, ctx_size: int):
@@ -378,7 +378,7 @@ class Speculator:
             s.adapt and self.draft_len(s) > 0 for s in self.running)
 
     def stats(self) -> dict:
-        """stats()["spec"]: the mode, per-drafter acceptance, the measured costs, the MTP pool."""
+        """stats()["spec"]: the mode, per-drafter acceptance, the measured costs, the MTP block's cache (mtp_pool)."""
         return dict(mode=self.config.spec, active=bool(self.active),
                     drafters=acceptance_by_drafter(self.totals),
                     adaptive=self.config.spec_adaptive, costs=self.costs.summary(),
@@ -410,10 +410,10 @@ class Speculator:
         s = spec
         return mtp_token_bytes(s.n_head_kv, s.head_dim, s.head_dim_v, *cache_types)
 
-    def open_mtp_pool(self, runner, cache_types: tuple[str, str]) -> None:
+    def open_mtp(self, runner, cache_types: tuple[str, str]) -> None:
         """The MTP block over the runner's slots: its one layer's K/V in the pool's block layout (the fit counted
         them per pool token: mtp_bytes_per_token)."""
-        self.close_mtp_pool()
+        self.close_mtp()
         self.parked_mtp = {}
         self.parked_dflash = {}
         if "mtp" not in self.kinds:
@@ -422,7 +422,7 @@ class Speculator:
         from engine.runner.mtp import MtpSlots
         self.mtp_slots = MtpSlots(runner, mtp_cache_type(*cache_types))
 
-    def close_mtp_pool(self) -> None:
+    def close_mtp(self) -> None:
         if self.mtp_slots is not None:
             self.mtp_slots.close()
             self.mtp_slots = None
