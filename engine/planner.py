@@ -527,7 +527,7 @@ def mtp_token_bytes(n_head_kv: int, head_dim: int, head_dim_v: int, kv_type: str
     return n_head_kv * (head_bytes(head_dim, t) + head_bytes(head_dim_v, t))
 
 
-def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, n_seqs: int, kv_type: str, kv_type_v: str | None = None) -> int:
+def mtp_kv_bytes(facts: ModelFacts, pool_tokens: int, kv_type: str, kv_type_v: str | None = None) -> int:
     """The MTP block's KV on the GPU path (engine/runner/mtp.py: MtpSlots): one more layer in the pool's block
     layout (its rows in the slots' blocks), the pool's 16-token blocks and the scratch block."""
     if not facts.n_layer_nextn:
@@ -571,7 +571,7 @@ def plan(facts: ModelFacts, ctx: int, kv_type: str = "f16", n_seqs: int = 1, vra
                 workspace=workspace_bytes(facts, n_seqs, step_tokens, seq_ctx, kv_type, shared_passes), vram=vram,
                 vision=facts.vision_bytes, kv_type_v=kv_type_v if kv_type_v != kv_type else "",
                 prep=(n_seqs + 1) * prep_bytes(facts, seq_ctx, kv_type), seq_ctx=seq_ctx,
-                mtp=mtp_kv_bytes(facts, n_seqs * ctx, n_seqs, kv_type, kv_type_v) if mtp else 0,
+                mtp=mtp_kv_bytes(facts, n_seqs * ctx, kv_type, kv_type_v) if mtp else 0,
                 drafter=drafter_bytes(drafter, n_seqs * ctx) if drafter is not None else 0)
 
 

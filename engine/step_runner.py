@@ -30,7 +30,8 @@ class RunnerStep:
         self.decode: set[int] = set()        # sequences with a decode row among them (ahead rows, _finish)
         self._parts: list[torch.Tensor] = []
         self.ids: torch.Tensor | None = None          # [rows] long on the device
-        self.verify_ids: torch.Tensor | None = None   # drafting rows verified on the device: [rows, 2] (token, accepted)
+        self.verified: list[tuple] = []               # (sequence, first position, rows) whose drafts the device verified
+        self.verify_ids: torch.Tensor | None = None   # and their rows' [rows, 2] (token, accepted), in that order
         self._host: torch.Tensor | None = None
         self._event = None
 
@@ -164,12 +165,10 @@ class RunnerExecutor:
                     self.totals["prompt_tokens"] += s.n_prompt
                 self.on_logits(s, lg)
         for seq, start, lg in spec:   # drafts: accepted as the target would have decoded them, the rest cut off
-            if isinstance(lg, torch.Tensor):
-                self.speculator.verify(seq, start, lg.cpu())
-        chosen = [(seq, start, n) for seq, start, n in spec if isinstance(n, int)]
-        if chosen:   # (drafts verified on the device: the tokens and acceptances in one copy)
+            self.speculator.verify(seq, start, lg.cpu())
+        if step.verified:   # (drafts verified on the device: the tokens and acceptances in one copy)
             best, i = [(check_chosen(t), a) for t, a in step.verify_ids.tolist()], 0
-            for seq, start, n in chosen:
+            for seq, start, n in step.verified:
                 self.speculator.verify_chosen(seq, start, best[i:i + n])
                 i += n
         if self.speculator.active and dec:
@@ -233,9 +232,8 @@ class RunnerExecutor:
         drafts (positions p, p+1, .. of its slot; the previous step's tokens are read then). Device-chosen rows go to `step`,
         host-sampled rows to host / host_lg, the hidden rows of sequences with an MTP state to mtp_rows,
         those with a DFlash state their target-layer rows to dflash_rows;
-        returns (sequence, its first row's position, its rows' logits, or their number when the device chose the
-        target's tokens for them: greedy requests, step.verify_ids) of the sequences with drafts, verified once the
-        step's other work is done."""
+        returns (sequence, its first row's position, its rows' logits) of the sequences with drafts verified on the
+        host once the step's other work is done; those the device verifies go to step.verified / step.verify_ids."""
         r = self.runner
         spec = []
         pos = [s.n_computed for s in dec]
@@ -267,7 +265,7 @@ class RunnerExecutor:
         for i, s in enumerate(dec):
             if s.drafts and self.device_verify(s):
                 on_dev_rows += range(row0[i], row0[i] + 1 + len(s.drafts))
-                spec.append((s, pos[i], 1 + len(s.drafts)))
+                step.verified.append((s, pos[i], 1 + len(s.drafts)))
             elif s.drafts:
                 spec.append((s, pos[i], logits[row0[i]:row0[i] + 1 + len(s.drafts)].float()))
             rows = slice(row0[i], row0[i] + 1 + len(s.drafts))   # (views of the graph's buffers: read
@@ -276,7 +274,7 @@ class RunnerExecutor:
             if s.dflash is not None:
                 dflash_rows.append((s, pos[i], r.features[rows]))
         if on_dev_rows:
-            step.verify_ids = self._verify_on_device([(s, k) for s, _, k in spec if isinstance(k, int)],
+            step.verify_ids = self._verify_on_device([(s, k) for s, _, k in step.verified],
                                                      logits.index_select(0, torch.tensor(on_dev_rows).to(logits.device)))
         step.decode = {s.id for s in step.seqs}
         self.ahead = step
@@ -300,31 +298,26 @@ class RunnerExecutor:
         each row, whether it accepted the row's draft) on the device. Greedy rows: the argmax (choose_tokens),
         accepted when it is the draft; sampled rows: speculative sampling (sample_device.verify_drafts), two
         uniform numbers per draft and one for the row after them from the request's stream, drawn now."""
-        greedy = [(s, k) for s, k in seqs if s.params.greedy]
         dev, V = logits.device, self.spec.vocab_size
-        drafts = [d for s, k in seqs for d in s.drafts + [-1]]
-        if len(greedy) == len(seqs):
-            ids = choose_tokens(logits, [s.params for s, k in seqs for _ in range(k)], [0.0] * len(drafts), V)
-            return torch.stack([ids, (ids == torch.tensor(drafts).to(dev, non_blocking=True)).long()], dim=1)
-        params, u_test, u_res, rows = [], [], [], []
-        for s, k in seqs:
-            for i in range(k):
-                params.append(s.params)
-                if not s.params.greedy:
-                    u_test.append(s.sampler.next_uniform())
-                    u_res.append(s.sampler.next_uniform() if i < k - 1 else 0.0)
-        if not greedy:
-            return verify_drafts(logits, params, drafts, u_test, u_res, V)
-        out = torch.empty(len(drafts), 2, dtype=torch.long, device=dev)   # (both kinds in one step)
-        i = 0
-        for s, k in seqs:
-            rows.append((s.params.greedy, range(i, i + k)))
-            i += k
-        g = [r for is_g, rr in rows if is_g for r in rr]
-        o = [r for is_g, rr in rows if not is_g for r in rr]
-        out.index_copy_(0, torch.tensor(g).to(dev), self._verify_on_device(greedy, logits[g]))
-        out.index_copy_(0, torch.tensor(o).to(dev),
-                        verify_drafts(logits[o], [params[r] for r in o], [drafts[r] for r in o], u_test, u_res, V))
+        rows = [(s, i == k - 1) for s, k in seqs for i in range(k)]             # (sequence, the row after its drafts)
+        drafts = torch.tensor([d for s, _ in seqs for d in s.drafts + [-1]])
+        greedy = [r for r, (s, _) in enumerate(rows) if s.params.greedy]
+        sampled = [r for r, (s, _) in enumerate(rows) if not s.params.greedy]
+        out = torch.empty(len(rows), 2, dtype=torch.long, device=dev)
+        if greedy:
+            g = torch.tensor(greedy)
+            lg = logits if not sampled else logits[g.to(dev)]   # (all greedy: no copy of the rows)
+            ids = choose_tokens(lg, [rows[r][0].params for r in greedy], [0.0] * len(greedy), V)
+            out[g.to(dev)] = torch.stack([ids, (ids == drafts[g].to(dev, non_blocking=True)).long()], dim=1)
+        if sampled:
+            u_test, u_res = [], []
+            for r in sampled:
+                s, after = rows[r]
+                u_test.append(s.sampler.next_uniform())
+                u_res.append(0.0 if after else s.sampler.next_uniform())
+            o = torch.tensor(sampled)
+            out[o.to(dev)] = verify_drafts(logits[o.to(dev)], [rows[r][0].params for r in sampled],
+                                           drafts[o].tolist(), u_test, u_res, V)
         return out
 
     def _decode_inputs(self, dec: list[Sequence], prev: RunnerStep | None):

@@ -3,7 +3,8 @@ recurrent models (their rows' layout an input of its own, kernels/gdn/verify.py)
 center (rotated K types, a row at a new segment). A graph is the runner's eager decode step (Runner._decode_eager)
 captured over static input buffers (tokens, positions, slots; padding rows in the scratch slot): `fill` writes a
 step's rows into them, the runner replays it. Captured at first use or ahead of time (capture, capture_drafting);
-all of a runner's graphs share one memory pool (`pool`). Also the guard every capture runs in (capture_guard).
+all of a runner's graphs share one memory pool (`pool`). Also what every capture of the runner's uses: the guard
+around it (capture_guard), the capture itself (capture_graph) and a graph's row inputs (fill_rows).
 """
 from __future__ import annotations
 
@@ -50,6 +51,34 @@ def capture_guard():
             gc.enable()
 
 
+def capture_graph(fn, args: tuple, pool, device: torch.device):
+    """fn(*args) captured as a CUDA graph in memory pool `pool`, after two runs on a side stream (they compile the
+    Triton kernels and warm the allocator): (graph, fn's output, whose buffers the replays write)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with capture_guard(), torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+        out = fn(*args)
+    return graph, out
+
+
+def fill_rows(tok: torch.Tensor, pos: torch.Tensor, sl: torch.Tensor, tokens, positions, slots, scratch: int) -> None:
+    """A graph's row inputs [B] set to a step's n rows (tokens may be on the device); the rows after them are
+    padding: token 0 at position 0 of the scratch slot."""
+    n, B = len(slots), tok.shape[0]
+    tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)
+    pos[:n].copy_(torch.as_tensor(positions), non_blocking=True)
+    sl[:n].copy_(torch.as_tensor(slots), non_blocking=True)
+    if n < B:
+        tok[n:].zero_()
+        pos[n:].zero_()
+        sl[n:].fill_(scratch)
+
+
 class DecodeGraphs:
     """The decode graphs of `runner` (engine/runner/runner.py)."""
 
@@ -74,15 +103,8 @@ class DecodeGraphs:
         drafting step's layout of them."""
         key = (B, drafting, centers)
         g, scratch = self.graphs[key], self.runner.scratch
-        tok, pos, sl = g.tokens, g.positions, g.slots
+        fill_rows(g.tokens, g.positions, g.slots, tokens, positions, slots, scratch)
         n = len(slots)
-        tok[:n].copy_(torch.as_tensor(tokens), non_blocking=True)
-        pos[:n].copy_(torch.as_tensor(positions), non_blocking=True)
-        sl[:n].copy_(torch.as_tensor(slots), non_blocking=True)
-        if n < B:
-            tok[n:].zero_()
-            pos[n:].zero_()
-            sl[n:].fill_(scratch)
         if drafting:
             lay = draft_layout(list(slots) + [scratch] * (B - n), scratch, always=True)
             self.layout[key].copy_(torch.tensor(lay, dtype=torch.long), non_blocking=True)
@@ -104,15 +126,7 @@ class DecodeGraphs:
         if drafting:   # (a layout of B padding rows until filled; the graphs' kept-input buffers)
             lay = torch.tensor(draft_layout([r.scratch] * B, r.scratch, always=True), device=dev)
             r.recurrent.use_graph_buffers()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
-            for _ in range(2):
-                r._decode_eager(tok, pos, sl, lay, centers)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capture_guard(), torch.cuda.graph(graph, pool=self.pool()), torch.inference_mode():
-            out = r._decode_eager(tok, pos, sl, lay, centers)
+        graph, out = capture_graph(r._decode_eager, (tok, pos, sl, lay, centers), self.pool(), dev)
         if drafting:
             self.layout[key] = lay
         g = self.graphs[key] = DecodeGraph(graph, tok, pos, sl, out, r._step_hidden, r._step_features)

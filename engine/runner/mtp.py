@@ -10,7 +10,8 @@ blocks of the pool before they are written (`room`) and give them back once the 
 A pass runs rows of several slots at once (row r: token, hidden input h_{p-1}, position, slot) and returns, for the
 rows asked for, the block's argmax token and its output row (the hidden input of a further draft). On CUDA a pass of
 up to 64 rows replays CUDA graphs captured per rows bucket (as the runner's decode steps do): the block's over all
-rows, then the head's over the drafting rows only; longer passes (a prompt chunk's catch-up) run eagerly. Padding rows go to the runner's scratch slot.
+rows, then the head's over the drafting rows only; longer passes (a prompt chunk's catch-up) run eagerly. Padding
+rows go to the runner's scratch slot.
 """
 from __future__ import annotations
 
@@ -19,10 +20,8 @@ import torch
 from engine.kv.blocks import PoolFullError
 from engine.runner.attention import SlotAttention
 from engine.runner.batch import SlotBatch
-from engine.runner.graphs import BUCKETS, capture_guard
+from engine.runner.graphs import BUCKETS, capture_graph, capture_guard, fill_rows
 from engine.runner.keyprep import KeyPreconditioner
-from kernels.attention.paged import decode_config
-from kernels.family import device_family
 from kernels.kvcodec import get_codec
 
 # eager passes' (rows, rows asked for) whose kernels compile apart: Triton specializes an integer of 1 and multiples
@@ -45,12 +44,10 @@ class MtpSlots:
         self.v = {0: torch.zeros(shape + (codec.row_bytes(s.head_dim_v),), dtype=torch.uint8, device=dev)}
         r.extra_caches.extend((self.k[0], self.v[0]))
         keys = KeyPreconditioner(r.model, [], r.n_slots + 1, r.max_ctx, r.block_size, False, r.triton, None, dev)
-        cfg = decode_config(codec, codec, device_family(dev) if dev.type == "cuda" else None)
         self.attention = SlotAttention(s, self.k, self.v, codec, codec, r.block_table, r.block_size, keys,
                                        r._read_rows, triton=r.triton, prefill_dot=r.attention.prefill_dot,
                                        decoded_prefill=False, n_split=r.attention.n_split,
-                                       decode_dot=cfg["dot"] if dev.type == "cuda" and codec.name != "f32" else "ieee")
-        self.graphs_enabled = r.graphs_enabled
+                                       decode_dot=r.decode_dot(codec, codec))
         self._blocks: dict[int, tuple] = {}   # rows bucket -> the block's graph (_block_graph)
         self._heads: dict[int, tuple] = {}    # drafting rows bucket -> the head's graph (_head_graph)
         self._before: dict[int, int] = {}     # slot -> positions its blocks held before room() took more
@@ -115,26 +112,19 @@ class MtpSlots:
         r = self.runner
         r.sync_tables()
         dev = r.device
-        if not self.graphs_enabled or R > BUCKETS[-1]:
+        graphs = r.graphs_enabled and R <= BUCKETS[-1]
+        if graphs:
+            graph, tok, hid, ps, sl, out = self._block_graph(next(b for b in BUCKETS if b >= R))
+            fill_rows(tok, ps, sl, tokens, pos, slots, r.scratch)
+            hid[:R].copy_(hidden, non_blocking=True)
+            graph.replay()
+        else:
             out = self._block(tokens.to(dev), hidden, torch.tensor(pos, device=dev), torch.tensor(slots, device=dev))
-            if not sel:   # (rows only: no head)
-                return torch.zeros(0, dtype=torch.long, device=dev), out[:0]
-            rows = out.index_select(0, torch.tensor(sel, device=dev))
-            return self._head(rows), rows
-        B = next(b for b in BUCKETS if b >= R)
-        graph, tok, hid, ps, sl, out = self._block_graph(B)
-        tok[:R].copy_(tokens, non_blocking=True)
-        hid[:R].copy_(hidden, non_blocking=True)
-        ps[:R].copy_(torch.tensor(pos), non_blocking=True)
-        sl[:R].copy_(torch.tensor(slots), non_blocking=True)
-        if R < B:
-            tok[R:].zero_()
-            ps[R:].zero_()
-            sl[R:].fill_(r.scratch)
-        graph.replay()
-        if not sel:
+        if not sel:   # (rows only: no head)
             return torch.zeros(0, dtype=torch.long, device=dev), out[:0]
         rows = out.index_select(0, torch.tensor(sel).to(dev, non_blocking=True))
+        if not graphs:
+            return self._head(rows), rows
         graph, inp, ids = self._head_graph(next(b for b in BUCKETS if b >= S))
         inp[:S].copy_(rows)
         graph.replay()
@@ -157,7 +147,7 @@ class MtpSlots:
                    torch.zeros(B, r.spec.n_embd, dtype=torch.float32, device=dev),
                    torch.zeros(B, dtype=torch.long, device=dev),
                    torch.full((B,), r.scratch, dtype=torch.long, device=dev))
-            g = self._blocks[B] = (*self._capture(self._block, ins), )
+            g = self._blocks[B] = self._capture(self._block, ins)
         return g
 
     def _head_graph(self, S: int) -> tuple:
@@ -172,33 +162,24 @@ class MtpSlots:
 
     def _capture(self, fn, ins: tuple) -> tuple:
         """fn(*ins) as a CUDA graph in the runner's graph pool: (graph, *ins, its output)."""
-        dev = self.runner.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.inference_mode():   # compile the Triton kernels, warm allocators
-            for _ in range(2):
-                fn(*ins)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capture_guard(), torch.cuda.graph(graph, pool=self.runner.graph_pool()), torch.inference_mode():
-            out = fn(*ins)
+        graph, out = capture_graph(fn, ins, self.runner.graph_pool(), self.runner.device)
         return (graph, *ins, out)
 
-    def warm_up(self, max_rows: int = BUCKETS[-1]) -> None:
+    def warm_up(self) -> None:
         """Before the first requests: on CUDA the passes' graphs captured (largest first, so smaller ones reuse its
         memory) and the eager passes' kernels compiled (EAGER_WARM), all on the scratch slot; on the CPU nothing
         (no compiling)."""
         r = self.runner
         if r.device.type != "cuda":
             return
-        if self.graphs_enabled:
+        if r.graphs_enabled:
             with capture_guard():
-                for B in sorted((b for b in BUCKETS if b <= max(1, max_rows)), reverse=True):
+                for B in sorted(BUCKETS, reverse=True):
                     self._block_graph(B)
                     self._head_graph(B)
         E = r.spec.n_embd
         for R, S in EAGER_WARM:
             self.run_slots([(r.scratch, 0, R - S + 1)] + [(r.scratch, 0, 1)] * (S - 1),
-                     torch.zeros(R, dtype=torch.long, device=r.device),
-                     torch.zeros(R, E, device=r.device), [True] * S)
+                           torch.zeros(R, dtype=torch.long, device=r.device),
+                           torch.zeros(R, E, device=r.device), [True] * S)
         torch.cuda.synchronize(r.device)

@@ -194,15 +194,21 @@ class Runner:
         # this many; fixed for the runner's life, as it decides how each row's keys are split)
         cfg = decode_config(self.codec_k, self.codec_v, device_family(dev) if dev.type == "cuda" else None)
         n_split = n_split or max(1, min(cfg["max_split"], -(-self.max_ctx // cfg["min_keys"])))
-        # an f32 cache asks for full precision; tensor cores otherwise (the interpreter computes in fp32)
-        f32 = "f32" in (self.codec_k.name, self.codec_v.name)
         # prompt chunks over compressed caches: decoded pieces through FlashAttention (_prefill_decoded)
         # where torch has it for these head sizes, else the paged Triton kernel
         decoded = s.head_dim == s.head_dim_v and flash_supported(dev, s.head_dim) and flash_lse_works(dev)
         return SlotAttention(s, self.k, self.v, self.codec_k, self.codec_v, self.block_table, self.block_size,
                              self.keys, self._read_rows, triton=self.triton, prefill_dot=prefill_dot,
                              decoded_prefill=decoded, n_split=n_split,
-                             decode_dot=cfg["dot"] if dev.type == "cuda" and not f32 else "ieee")
+                             decode_dot=self.decode_dot(self.codec_k, self.codec_v))
+
+    def decode_dot(self, codec_k, codec_v) -> str:
+        """The decode attention's dot precision over caches of these codecs: an f32 cache asks for full precision;
+        tensor cores otherwise (the interpreter computes in fp32)."""
+        dev = self.device
+        if dev.type != "cuda" or "f32" in (codec_k.name, codec_v.name):
+            return "ieee"
+        return decode_config(codec_k, codec_v, device_family(dev))["dot"]
 
     # ----- memory -----
     def kv_bytes(self) -> int:

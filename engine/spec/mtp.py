@@ -133,10 +133,11 @@ class SequenceRows:
         return torch.cat(ids), torch.stack(h)
 
 
-def _inputs(it: CatchUp) -> torch.Tensor | None:
+def _inputs(it: CatchUp) -> tuple[torch.Tensor, bool] | None:
     """The hidden inputs h_{p-1} of positions state.valid .. top (top = it.start + it.n_final: the newest position
-    whose h_{p-1} is known): the deferred ones, then zeros for position 0, then the step's rows. None when top is
-    below the state's rows."""
+    whose h_{p-1} is known): the deferred ones, then zeros for position 0, then the step's rows; and whether they are
+    a tensor of their own (else a view of the step's rows, the runner's graph buffers, which the next step writes).
+    None when top is below the state's rows."""
     st = it.state
     top, p0 = it.start + it.n_final, st.valid
     if top < p0:
@@ -152,31 +153,28 @@ def _inputs(it: CatchUp) -> torch.Tensor | None:
             raise ValueError(f"MTP rows from position {lo} need the hidden state of {lo - 1}, before the step's "
                              f"first row ({it.start})")
         parts.append(it.hidden[lo - 1 - it.start:top - it.start])
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) > 1:
+        return torch.cat(parts), True
+    return parts[0], lo > top     # (one part: the step's rows themselves unless none were taken)
 
 
-def _kept(rows: torch.Tensor, it: CatchUp) -> torch.Tensor:
-    """Rows that wait for a later step, as a tensor of their own (the step's rows are views of the runner's graph
-    buffers, which the next step writes)."""
-    return rows.clone() if rows.untyped_storage().data_ptr() == it.hidden.untyped_storage().data_ptr() else rows
-
-
-def _prepare(rows_of, it: CatchUp, rows: torch.Tensor):
+def _prepare(rows_of, it: CatchUp, rows: torch.Tensor, owned: bool):
     """Record it's final rows in its state and return the pass group (first position, tokens, hidden inputs) and the
     drafts it may make, or None when its rows wait (deferred: drafting backed off, the newest token not on the host
     yet, or no room for the rows)."""
     st = it.state
     p0, last = st.valid, min(it.start + it.n_final, len(it.tokens) - 1)    # last: the newest position with x_p known
+    kept = (lambda t: t) if owned else torch.Tensor.clone    # (rows that wait for a later step: a tensor of their own)
     if (it.defer and it.k == 0 and rows.shape[0] <= MAX_DEFERRED) or last < p0:
-        st.deferred = _kept(rows, it)
+        st.deferred = kept(rows)
         return None
     end = rows_of.room(st, p0, last + max(it.k, 1))      # rows up to last + k - 1
     if end <= last:                                       # (no room in the pool for them now)
-        st.deferred = _kept(rows, it)
+        st.deferred = kept(rows)
         return None
     # the rows whose token is not on the host yet (an overlapped step's, engine/step_runner.py) wait
     rows, later = rows[:last + 1 - p0], rows[last + 1 - p0:]
-    st.deferred = _kept(later, it) if later.shape[0] else None
+    st.deferred = kept(later) if later.shape[0] else None
     rows_of.rewind(st, p0)
     st.tail = (last, rows[-1].clone())
     if st.mark_every:
@@ -194,10 +192,10 @@ def catch_up(rows_of, items: list[CatchUp], timing: dict | None = None) -> None:
     groups, toks, hids, want, todo = [], [], [], [], []
     for it in items:
         it.state.drafts = []
-        rows = _inputs(it)
-        if rows is None:
+        inputs = _inputs(it)
+        if inputs is None:
             continue
-        got = _prepare(rows_of, it, rows)
+        got = _prepare(rows_of, it, *inputs)
         if got is None:
             continue
         (p0, tok, hid), k = got

@@ -67,6 +67,7 @@ class Speculator:
         self.dflash = None            # engine/spec/dflash.py: the DFlash drafter
         self.costs = StepCosts()      # engine/spec/adaptive.py: measured step / drafting times
         self.draft_s = 0.0            # avoidable drafting seconds of the current step
+        self.mtp_rows = SequenceRows(model)   # the MTP block's passes on the CPU path's own caches
         self.mtp_slots = None         # GPU path: the MTP block over the runner's slots (engine/runner/mtp.py)
         # `hivejet bench spec --accept` (engine/spec/controlled.py: ControlledAcceptance): the drafters'
         # tokens replaced so that they are accepted at given rates; None everywhere else
@@ -145,7 +146,7 @@ class Speculator:
             items.append(CatchUp(s.mtp, s.tokens, start, h, s.n_computed - start, k,
                                  defer=(dl is not None and dl.backed_off) or not self.alive(s)))
         timing = {}
-        catch_up(self.mtp_slots if self.mtp_slots is not None else SequenceRows(self.model), items, timing)
+        catch_up(self.mtp_slots if self.mtp_slots is not None else self.mtp_rows, items, timing)
         if timing:
             self.costs.add_draft("mtp", timing["chain_s"], timing["chain_rows"])
             self.draft_s += timing["chain_s"]

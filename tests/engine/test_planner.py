@@ -288,7 +288,7 @@ def test_mtp_kv_matches_the_engines_pool(tmp_path, kv):
     m = open_model(tiny)
     try:
         r = Runner(m, device="cpu", n_slots=seqs, max_ctx=256, cache_type=kv)
-        assert MtpSlots(r, t).nbytes() == P.mtp_kv_bytes(P.model_facts(tiny), seqs * 256, seqs, kv)
+        assert MtpSlots(r, t).nbytes() == P.mtp_kv_bytes(P.model_facts(tiny), seqs * 256, kv)
     finally:
         m.close()
 
