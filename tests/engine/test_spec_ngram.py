@@ -4,7 +4,6 @@ model's distribution (chi-square homogeneity test, stated p-value)."""
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,23 +13,37 @@ from engine.sampling import SamplingParams
 from engine.tools.synth import write_synthetic
 from engine.types import EngineError, Request
 
-CODE = (Path(__file__).resolve().parents[2] / "engine" / "prefix.py").read_text()[:1200]
+# A fixed file (not one of ours: its text must not change under the test), edited by a rename.
+CODE = """def add(a, b):
+    return a + b
+
+
+def multiply(a, b):
+    return a * b
+
+
+def subtract(a, b):
+    return a - b
+"""
 
 
 def test_greedy_code_edit_is_identical_and_accepts_drafts(smollm2_path):
-    msgs = [{"role": "user", "content": "Here is a file:\n```python\n" + CODE + "\n```\nRewrite it exactly, "
-             "but rename `common_prefix` to `shared_prefix`. Output only the code."}]
+    """Fixed draft lengths (spec_adaptive=False): whether drafts pay on this CPU is the adaptive policy's
+    business (tests/engine/test_spec_adaptive.py); here the drafts must be accepted and save steps."""
+    msgs = [{"role": "user", "content": "Here is a file:\n```python\n" + CODE + "```\nRewrite it exactly, "
+             "but rename `add` to `plus`. Output only the code."}]
     out = {}
     for spec in ("off", "ngram"):
-        eng = Engine(EngineConfig(model=str(smollm2_path), spec=spec, ctx_size=1024, resident_tokens=0))
+        eng = Engine(EngineConfig(model=str(smollm2_path), spec=spec, ctx_size=1024, resident_tokens=0,
+                                  spec_adaptive=False))
         try:
-            _, ids, _ = eng.submit(Request(messages=msgs, sampling=SamplingParams(max_tokens=40, temperature=0.0))).result()
+            _, ids, _ = eng.submit(Request(messages=msgs, sampling=SamplingParams(max_tokens=60, temperature=0.0))).result()
             out[spec] = (ids, eng.stats()["totals"])
         finally:
             eng.shutdown()
     assert out["ngram"][0] == out["off"][0]
     t = out["ngram"][1]
-    assert t["accepted_tokens"] > 0 and t["steps"] < out["off"][1]["steps"]
+    assert t["accepted_tokens"] >= 5 and t["steps"] <= out["off"][1]["steps"] - 5, t
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen35"])
