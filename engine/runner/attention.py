@@ -1,9 +1,12 @@
 """Attention on the runner's path: how the Runner's rows attend over the paged KV pool (engine/runner/runner.py),
 the Runner's `attention` (a SlotAttention).
-Decode rows: the paged Triton kernel (kernels/attention/paged.py) for every cache type, or its torch
-reference. Prompt chunks: FlashAttention over the slot's gathered K/V for float caches, over K/V decoded in
-pieces for compressed ones (CUDA), else the paged prefill kernel / its reference. The rows' new K/V are
-encoded into the pool first (and, for rotated K types, preconditioned: engine/runner/keyprep.py)."""
+Decode rows: the paged Triton kernel (kernels/attention/paged.py) for every cache type; without Triton (the CPU)
+the numba kernel of kernels/cpu/paged_decode.py for 16-bit caches, else the torch reference. Prompt chunks:
+FlashAttention over the slot's gathered K/V for float caches, over K/V decoded in pieces for compressed ones
+(CUDA), else the paged prefill kernel; without Triton kernels/cpu/causal.py over the slot's gathered blocks (the
+torch reference where keys are preconditioned). The rows' new K/V are encoded into the pool first (and, for
+rotated K types, preconditioned: engine/runner/keyprep.py). On the CPU these are the CPU path's kernels: the same
+bits as model.forward over a SequenceKV (tests/engine/test_runner.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -14,6 +17,8 @@ import torch.nn.functional as F
 from engine.models.common import HeadPrep
 from kernels.attention.flash import attention_lse, flash_chunk_attention, flash_fits, merge_attention
 from kernels.attention.ref import ref_paged_attention, ref_paged_decode
+from kernels.cpu.causal import paged_attention
+from kernels.cpu.paged_decode import paged_decode
 
 if TYPE_CHECKING:
     from engine.runner.batch import SlotBatch
@@ -110,6 +115,8 @@ class SlotAttention:
         if b.decode:
             if tk:
                 return self._decode_attention(b, il, q, scale, window, bias, seg_len)
+            if bias is None:   # (kernels/cpu/paged_decode.py: the reference's bits, read in place; else the reference)
+                return paged_decode(q, kc, vc, b.tables(), b.lengths(), ck, cv, scale, s.head_dim_v, window)
             return ref_paged_decode(q, kc, vc, b.tables(), b.lengths(), ck, cv, scale, s.head_dim_v, window,
                                     seg_bias=bias, seg_len=seg_len)
         bt = self.block_table[b.slot]
@@ -126,6 +133,8 @@ class SlotAttention:
             starts = torch.tensor([b.start], dtype=torch.int32)
             return paged_prefill_attention(q, kc, vc, bt[None], cu, starts, ck, cv, scale, s.head_dim_v, window,
                                            seg_bias=bias, seg_len=seg_len, precision=self.prefill_dot, longest=n)
+        if bias is None:   # (kernels/cpu/causal.py: the reference's bits, numba where it applies)
+            return paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window)
         return ref_paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window,
                                    seg_bias=bias, seg_len=seg_len)
 

@@ -94,6 +94,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "cuda); decode --device cpu: the CPU path's prompt and decode tok/s (engine/tools/bench_cpu.py)")
     p.add_argument("-t", "--threads", type=int, default=None, help="decode --device cpu: threads (default: the engine's)")
     p.add_argument("--reps", type=int, default=3, help="decode --device cpu: repeats of each figure")
+    p.add_argument("--runner", action="store_true",
+                   help="decode --device cpu: the same figures through the runner too (engine/runner, one slot)")
     p.add_argument("--rows-json", default=None, help="spec: a decode result whose row table models the speedup")
     p.add_argument("--verify-rows", action="store_true",
                    help="spec: time steps verifying 0/3/4/8/15 drafts for 1, 4 and 16 sequences, up to 64 rows "
@@ -189,7 +191,7 @@ def run_bench(args) -> int:
             from engine.catalog import ensure_model
             model = str(ensure_model("demo"))
         res = bench_cpu(model, n_prompt=args.n_prompt, n_gen=args.n_gen, threads=args.threads, reps=args.reps,
-                        llamacpp=args.llamacpp, json_path=args.json)
+                        llamacpp=args.llamacpp, json_path=args.json, runner=args.runner)
         print_cpu(res)
     elif args.scenario == "decode":
         if not args.model:

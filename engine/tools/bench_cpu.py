@@ -5,7 +5,9 @@
 - tg{n_gen}: n_gen single-token decode steps after the prompt, greedy (the argmax fed back), the tok/s of the whole
   run and the min / median step;
 - with llamacpp (a folder holding llama-bench, or "build": engine/tools/llamacpp_cpu.py builds llama.cpp b11434's
-  CPU version once into the cache folder): `llama-bench -m MODEL -p P -n N -t THREADS -r REPS -o json` in the same run.
+  CPU version once into the cache folder): `llama-bench -m MODEL -p P -n N -t THREADS -r REPS -o json` in the same run;
+- with runner: the same prompt and decode steps through engine/runner/runner.py on the CPU (one slot, the prompt in
+  one chunk; what `static_slots` steps through), so the two step paths' speeds come from one run.
 Both at the same thread count: the engine's default (engine/engine.py: default_threads) unless -t is given. The
 machine may be shared: the figures are the min and median of the repeats, and the load average is recorded.
 Tokens are random ids (speed does not depend on them).
@@ -48,6 +50,42 @@ def _decode_run(model, tokens, n_gen: int) -> list[float]:
     return steps
 
 
+def _runner_prompt_runs(runner, tokens, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        runner.reset(0)
+        t = time.perf_counter()
+        runner.prefill(0, tokens.tolist(), chunk=len(tokens))
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _runner_decode_run(runner, tokens, n_gen: int) -> list[float]:
+    """_decode_run through the runner's slot 0."""
+    runner.reset(0)
+    logits = runner.prefill(0, tokens.tolist(), chunk=len(tokens))
+    tok, pos, steps = int(logits[-1].argmax()), len(tokens), []
+    for _ in range(n_gen):
+        t = time.perf_counter()
+        logits = runner.decode([0], [tok], [pos])
+        tok = int(logits[-1].argmax())
+        steps.append(time.perf_counter() - t)
+        pos += 1
+    return steps
+
+
+def _figures(n_prompt: int, n_gen: int, prompt_s: list[float], runs: list[list[float]]) -> list[dict]:
+    """The pp and tg entries of a result from the prompt runs' seconds and the decode runs' step seconds."""
+    pp = [n_prompt / t for t in prompt_s]
+    tg = [n_gen / sum(r) for r in runs]
+    steps = sorted(s for r in runs for s in r)
+    _log(f"pp{n_prompt}: median {statistics.median(pp):.1f} tok/s, best {max(pp):.1f}; "
+         f"tg{n_gen}: median {statistics.median(tg):.1f} tok/s, best {max(tg):.1f}")
+    return [dict(test=f"pp{n_prompt}", tok_s=statistics.median(pp), tok_s_max=max(pp), tok_s_runs=pp),
+            dict(test=f"tg{n_gen}", tok_s=statistics.median(tg), tok_s_max=max(tg), tok_s_runs=tg,
+                 step_ms_min=steps[0] * 1e3, step_ms_median=steps[len(steps) // 2] * 1e3)]
+
+
 def run_llama_bench_cpu(exe: str, model: str, n_prompt: int, n_gen: int, threads: int, reps: int) -> list[dict]:
     cmd = [exe, "-m", model, "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads), "-r", str(reps), "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -69,7 +107,7 @@ def _llama_bench_path(llamacpp: str) -> str:
 
 
 def bench_cpu(model_path: str, n_prompt: int = 512, n_gen: int = 128, threads: int | None = None, reps: int = 3,
-              llamacpp: str | None = None, json_path: str | None = None) -> dict:
+              llamacpp: str | None = None, json_path: str | None = None, runner: bool = False) -> dict:
     import torch
 
     from engine.engine import default_threads
@@ -78,7 +116,7 @@ def bench_cpu(model_path: str, n_prompt: int = 512, n_gen: int = 128, threads: i
     threads = threads or default_threads()
     torch.set_num_threads(threads)
     res: dict = dict(device="cpu", cpu=_cpu_name(), cores=os.cpu_count(), threads=threads,
-                     model=os.path.basename(model_path), date=time.strftime("%Y-%m-%d %H:%M"), hivejet=[],
+                     model=os.path.basename(model_path), date=time.strftime("%Y-%m-%d %H:%M"),
                      load_before=_loadavg())
     t0 = time.perf_counter()
     model = open_model(model_path)
@@ -87,15 +125,20 @@ def bench_cpu(model_path: str, n_prompt: int = 512, n_gen: int = 128, threads: i
     model.forward([SeqChunk(tokens[:16], 0, model.new_kv())])
     res["load_s"] = time.perf_counter() - t0        # opening, repacking the weights, compiling or loading kernels
     _log(f"loaded and warm in {res['load_s']:.1f} s, {threads} threads")
-    pp = [n_prompt / t for t in _prompt_runs(model, tokens, reps)]
-    res["hivejet"].append(dict(test=f"pp{n_prompt}", tok_s=statistics.median(pp), tok_s_max=max(pp), tok_s_runs=pp))
-    _log(f"pp{n_prompt}: median {statistics.median(pp):.1f} tok/s, best {max(pp):.1f}")
-    runs = [_decode_run(model, tokens, n_gen) for _ in range(max(1, reps - 1))]
-    tg = [n_gen / sum(r) for r in runs]
-    steps = sorted(s for r in runs for s in r)
-    res["hivejet"].append(dict(test=f"tg{n_gen}", tok_s=statistics.median(tg), tok_s_max=max(tg), tok_s_runs=tg,
-                               step_ms_min=steps[0] * 1e3, step_ms_median=steps[len(steps) // 2] * 1e3))
-    _log(f"tg{n_gen}: median {statistics.median(tg):.1f} tok/s, best {max(tg):.1f}")
+    prompt_s = _prompt_runs(model, tokens, reps)
+    res["hivejet"] = _figures(n_prompt, n_gen, prompt_s, [_decode_run(model, tokens, n_gen)
+                                                          for _ in range(max(1, reps - 1))])
+    if runner:
+        from engine.runner import Runner
+        r = Runner(model, device="cpu", n_slots=1, max_ctx=n_prompt + n_gen + 16, cache_type="f16")
+        try:
+            r.prefill(0, tokens[:16].tolist(), chunk=16)
+            _log("runner:")
+            prompt_s = _runner_prompt_runs(r, tokens, reps)
+            res["runner"] = _figures(n_prompt, n_gen, prompt_s, [_runner_decode_run(r, tokens, n_gen)
+                                                                 for _ in range(max(1, reps - 1))])
+        finally:
+            r.close()
     if llamacpp:
         exe = _llama_bench_path(llamacpp)
         _log(f"llama-bench ({exe}) ...")
@@ -137,5 +180,8 @@ def print_cpu(res: dict) -> None:
         ratio = f"{r['tok_s'] / o['tok_s']:6.2f}" if o else "     -"
         both = f"{r['tok_s']:.1f}, {r['tok_s_max']:.1f}"
         print(f"{r['test']:8s} {both:>30s} {(o['tok_s'] if o else float('nan')):16.1f} {ratio}")
+    for r in res.get("runner", []):
+        print(f"{r['test'] + ' runner':15s} {r['tok_s']:.1f}, {r['tok_s_max']:.1f} "
+              f"({r['tok_s'] / res['hivejet'][0 if r['test'].startswith('pp') else 1]['tok_s']:.2f}x the CPU path)")
     tg = res["hivejet"][-1]
     print(f"decode step: min {tg['step_ms_min']:.1f} ms, median {tg['step_ms_median']:.1f} ms")

@@ -10,6 +10,9 @@ another order: a last-bit float64 difference, which the one rounding to float32 
 (tests/kernels/cpu/test_causal.py checks the float32 bits; kernels/cpu/paged_decode.py computes a decode row the
 same way). The kernel takes float32 q, k, v with neither `bidirectional` spans nor `seg_bias` (the f16 / bf16 /
 f32 caches, the default); the other inputs take the reference.
+
+`paged_attention` is kernels/attention/ref.py's `ref_paged_attention` (its reference, the same leading arguments)
+with this causal_attention: a runner slot's prompt chunk over its gathered, decoded blocks (engine/runner/attention.py).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from kernels.attention.ref import causal_attention as ref_causal_attention
+from kernels.attention.ref import gather_blocks
 from kernels.cpu.jit import LazyKernels, parallel_launch
 
 ROWS = 16   # query rows per work item (with one query head)
@@ -64,3 +68,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         kern["causal_rows"](q.contiguous().numpy(), kt, vh, int(q_start), int(k_start), float(scale), int(window),
                             ROWS, out)
     return torch.from_numpy(out)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    q_start: int, codec_k, codec_v, scale: float, head_dim_v: int, window: int = 0) -> torch.Tensor:
+    """ref_paged_attention without gate and score bias: q [T, H, D] at positions q_start.. over the cache through
+    q_start + T (the chunk's own K/V written). Returns float32 [T, H, head_dim_v]."""
+    T = q.shape[0]
+    first, kp = gather_blocks(k_cache, block_table, q_start + T)
+    _, vp = gather_blocks(v_cache, block_table, q_start + T)
+    K = codec_k.decode_stored(kp, impl="ref")
+    V = codec_v.decode_stored(vp, impl="ref")
+    out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first)
+    return codec_v.from_stored(out, head_dim_v)

@@ -8,8 +8,12 @@ Hkv, D] and v [1, Hkv, Dv] at position `start` (blocks of `table`, a long tensor
 sliding window dropped; `first`: the first position still held), then attend q [1, H, D] (GQA: head i reads KV head
 i // (H / Hkv)) over positions first..start (window > 0: the last `window` of them). Returns float32 [1, H, Dv].
 `ref_decode_attention` is the torch code the CPU path runs otherwise (engine/kv/sequence.py: encode, indexed write,
-gather, decode, causal_attention), with the same signature. Cache types f16 and bf16 (the values themselves, 16
-bits: `supported`); the others take the reference.
+gather, decode, causal_attention), with the same signature.
+`paged_decode(q, k_cache, v_cache, block_tables, seq_lens, codec_k, codec_v, scale, head_dim_v, window)`: the
+runner's decode rows (engine/runner/attention.py), their K/V already in the pool: row r's q [H, D] at position
+seq_lens[r] - 1 over the blocks of block_tables[r]; its reference is kernels/attention/ref.py's `ref_paged_decode`
+(the same leading arguments). Cache types f16 and bf16 (the values themselves, 16 bits: `supported`); the others
+take the reference.
 
 The K / V rows are encoded as torch's .to(float16) / .to(bfloat16) rounds them (nearest even) and decoded exactly
 (fp16: the bits moved into a float32 and scaled by 2^112; bf16: the float32's upper half). The float64 products and exp are IEEE
@@ -23,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.attention.ref import causal_attention, gather_blocks
+from kernels.attention.ref import causal_attention, gather_blocks, ref_paged_decode
 from kernels.cpu.jit import LazyKernels
 
 _KINDS = {"f16": 0, "bf16": 1}
@@ -31,8 +35,8 @@ _KINDS = {"f16": 0, "bf16": 1}
 
 def _compile() -> dict:
     from kernels.cpu import paged_decode_numba as m
-    return {"decode_attend": m.decode_attend, "encode_row": m.encode_row, "decode_row": m.decode_row,
-            "decode_rows": m.decode_rows}
+    return {"decode_attend": m.decode_attend, "attend_rows": m.attend_rows, "encode_row": m.encode_row,
+            "decode_row": m.decode_row, "decode_rows": m.decode_rows}
 
 
 def _warm(k: dict) -> None:
@@ -40,6 +44,8 @@ def _warm(k: dict) -> None:
     bits = np.ones((1, 4), np.float32).view(np.int32)
     k["decode_attend"](np.ones((1, 4), np.float32), bits, bits, kc, kc.copy(), np.zeros(1, np.int64), 0, 0, 0.5, 0,
                        0, 0, np.empty((1, 4), np.float32))
+    k["attend_rows"](np.ones((1, 1, 4), np.float32), kc, kc.copy(), np.zeros((1, 1), np.int64),
+                     np.ones(1, np.int64), 0.5, 0, 0, 0, np.empty((1, 1, 4), np.float32))
 
 
 _KERNELS = LazyKernels(_compile, _warm)
@@ -71,6 +77,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                           v_cache.view(torch.int16).numpy(), table.numpy(), int(first), int(start), float(scale),
                           int(window), kk, kv, out)
     return torch.from_numpy(out).view(1, H, dv)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, codec_k, codec_v, scale: float, head_dim_v: int,
+                 window: int = 0) -> torch.Tensor:
+    """Decode rows over the pool, their K/V written (see the module docstring); float32 [rows, H, head_dim_v].
+    Takes the reference (kernels/attention/ref.py: ref_paged_decode) where the kernel does not apply."""
+    if not supported(codec_k, codec_v) or q.dtype != torch.float32 or q.device.type != "cpu":
+        return ref_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, codec_k, codec_v, scale, head_dim_v,
+                                window)
+    kern = _KERNELS.get()
+    out = np.empty((q.shape[0], q.shape[1], head_dim_v), np.float32)
+    kern["attend_rows"](q.contiguous().numpy(), k_cache.view(torch.int16).numpy(), v_cache.view(torch.int16).numpy(),
+                        block_tables.to(torch.int64).numpy(), seq_lens.to(torch.int64).numpy(), float(scale),
+                        int(window), _KINDS[codec_k.name], _KINDS[codec_v.name], out)
+    return torch.from_numpy(out)
 
 
 def ref_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -104,19 +104,13 @@ def decode_row(src, kind, bits, dst):
 
 
 @njit(nogil=True, cache=True)
-def decode_attend(q, kbits, vbits, kc, vc, table, first, start, scale, window, kind_k, kind_v, out):
-    # q float32 [H, D]; kbits / vbits: the new row's float32 bits, int32 [Hkv, D] / [Hkv, Dv]; kc / vc: the
-    # layer's cache as int16 [n_blocks, block_size, Hkv, D|Dv]; table int64 block ids; out float32 [H, Dv]
+def attend_at(q, kc, vc, table, first, start, scale, window, kind_k, kind_v, out):
+    # q float32 [H, D] at position `start` over positions first..start (window > 0: the last `window`) of the
+    # cache through `table`; out float32 [H, Dv]
     H, D = q.shape
-    hkv = kbits.shape[0]
-    dv = vbits.shape[1]
+    hkv = kc.shape[2]
+    dv = vc.shape[3]
     g = H // hkv
-    bs = kc.shape[1]
-    blk = table[start // bs]
-    slot = start % bs
-    for hk in range(hkv):
-        encode_row(kbits[hk], kind_k, kc[blk, slot, hk])
-        encode_row(vbits[hk], kind_v, vc[blk, slot, hk])
     lo = first
     if window > 0 and start - window + 1 > lo:
         lo = start - window + 1
@@ -147,3 +141,24 @@ def decode_attend(q, kbits, vbits, kc, vc, table, first, start, scale, window, k
                     acc[d] += pj * vj[d]
             for d in range(dv):
                 out[h, d] = np.float32(acc[d])
+
+
+@njit(nogil=True, cache=True)
+def decode_attend(q, kbits, vbits, kc, vc, table, first, start, scale, window, kind_k, kind_v, out):
+    # q float32 [H, D]; kbits / vbits: the new row's float32 bits, int32 [Hkv, D] / [Hkv, Dv]; kc / vc: the
+    # layer's cache as int16 [n_blocks, block_size, Hkv, D|Dv]; table int64 block ids; out float32 [H, Dv]
+    bs = kc.shape[1]
+    blk = table[start // bs]
+    slot = start % bs
+    for hk in range(kbits.shape[0]):
+        encode_row(kbits[hk], kind_k, kc[blk, slot, hk])
+        encode_row(vbits[hk], kind_v, vc[blk, slot, hk])
+    attend_at(q, kc, vc, table, first, start, scale, window, kind_k, kind_v, out)
+
+
+@njit(nogil=True, cache=True)
+def attend_rows(q, kc, vc, tables, lengths, scale, window, kind_k, kind_v, out):
+    # decode rows whose K/V are in the cache: row r's q float32 [H, D] at position lengths[r] - 1 over the blocks
+    # of tables[r] (int64), every block held (first = 0); out float32 [rows, H, Dv]
+    for r in range(q.shape[0]):
+        attend_at(q[r], kc, vc, tables[r], 0, lengths[r] - 1, scale, window, kind_k, kind_v, out[r])

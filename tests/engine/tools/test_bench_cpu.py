@@ -67,18 +67,22 @@ def test_decode_result_prints_its_ceiling_and_family():
 
 def test_bench_decode_on_the_cpu_path(tmp_path, capsys):
     """`hivejet bench decode --device cpu` (engine/tools/bench_cpu.py) end to end on a tiny model: both figures,
-    their repeats, the decode steps' times, the table printed (speed is not asserted)."""
+    their repeats, the decode steps' times, the same figures through the runner, the table printed (speed is
+    not asserted)."""
     from engine.tools.bench_cpu import bench_cpu, print_cpu
     path = tmp_path / "llama.gguf"
     write_synthetic(path, "llama", "tiny", seed=2)
-    res = bench_cpu(str(path), n_prompt=8, n_gen=3, threads=1, reps=2, json_path=str(tmp_path / "r.json"))
+    res = bench_cpu(str(path), n_prompt=8, n_gen=3, threads=1, reps=2, json_path=str(tmp_path / "r.json"),
+                    runner=True)
     tests = {r["test"]: r for r in res["hivejet"]}
     assert set(tests) == {"pp8", "tg3"} and res["threads"] == 1
+    assert [r["test"] for r in res["runner"]] == ["pp8", "tg3"] and len(res["runner"][1]["tok_s_runs"]) == 1
     assert len(tests["pp8"]["tok_s_runs"]) == 2 and all(t > 0 for t in tests["pp8"]["tok_s_runs"])
     assert tests["tg3"]["step_ms_min"] <= tests["tg3"]["step_ms_median"]
     assert json.loads((tmp_path / "r.json").read_text())["model"] == "llama.gguf"
     print_cpu(res)
-    assert "pp8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "pp8" in out and "tg3 runner" in out
 
 
 def test_llamacpp_cpu_build_errors_are_clear(tmp_path, monkeypatch):

@@ -53,3 +53,22 @@ def test_what_the_kernel_does_not_take_goes_to_the_reference():
                        ref(q, k, v, 8, 0.3, seg_bias=bias, seg_len=256))
     qd, kd, vd = q.double(), k.double(), v.double()
     assert torch.equal(causal.causal_attention(qd, kd, vd, 8, 0.3), ref(qd, kd, vd, 8, 0.3))
+
+
+@pytest.mark.parametrize("name,window", [("f16", 0), ("bf16", 0), ("f32", 24), ("q8_0", 0)])
+def test_paged_attention_gives_the_references_bits(name, window):
+    """A runner slot's prompt chunk (20 rows after 37 positions) over scattered blocks: ref_paged_attention's bits,
+    the 16-bit and f32 caches through the kernel, q8_0 through the reference's float path."""
+    from kernels.attention.ref import ref_paged_attention
+    from kernels.kvcodec import get_codec
+    codec = get_codec(name)
+    g = torch.Generator().manual_seed(len(name) + window)
+    H, Hkv, D, nb, start, T = 6, 2, 32, 8, 37, 20
+    x = torch.randn(nb * 16, Hkv, D, generator=g)
+    kc = codec.encode(x).view(nb, 16, Hkv, -1)
+    vc = codec.encode(torch.randn(nb * 16, Hkv, D, generator=g)).view(nb, 16, Hkv, -1)
+    table = torch.randperm(nb, generator=g).to(torch.int32)
+    q = torch.randn(T, H, D, generator=g)
+    got = causal.paged_attention(q, kc, vc, table, start, codec, codec, 0.2, D, window)
+    want = ref_paged_attention(q, kc, vc, table, start, codec, codec, 0.2, D, window)
+    assert got.shape == (T, H, D) and torch.equal(got, want)

@@ -1,12 +1,14 @@
 """kernels/cpu/paged_decode.py: one query row's K/V write and attention over a paged cache, read in place through the
 block table, gives its torch reference's bits (the write into the pool and the float32 output): f16 and bf16 caches,
-GQA, sliding windows with dropped blocks, scattered block ids; and its fp16 / bf16 rounding is torch's."""
+GQA, sliding windows with dropped blocks, scattered block ids; and its fp16 / bf16 rounding is torch's. The runner's
+decode rows (paged_decode: several rows, their K/V already in the pool) give ref_paged_decode's bits."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from kernels.attention.ref import ref_paged_decode
 from kernels.cpu import paged_decode as pd
 from kernels.kvcodec import get_codec
 
@@ -67,6 +69,26 @@ def test_mixed_cache_types_and_one_kv_head():
     got = pd.decode_attention(q, k, v, kc, vc, table, first, 70, 0.3, 0, f16, bf16)
     assert torch.equal(got, pd.ref_decode_attention(q, k, v, kc2, vc2, table, first, 70, 0.3, 0, f16, bf16))
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@needs_numba
+@pytest.mark.parametrize("kname,vname", [("f16", "f16"), ("bf16", "bf16"), ("f16", "bf16")])
+@pytest.mark.parametrize("window", [0, 20])
+def test_runner_rows_give_the_references_bits(kname, vname, window):
+    """Rows of several slots at several lengths, two of them one slot's consecutive positions (a draft row
+    after its sequence's row), tables padded past their ends as the runner's are."""
+    ck, cv = get_codec(kname), get_codec(vname)
+    g = torch.Generator().manual_seed(window)
+    H, Hkv, D, nb = 8, 2, 64, 20
+    kc = torch.randn(nb, 16, Hkv, D, generator=g).to(ck.dtype).view(torch.uint8).view(nb, 16, Hkv, 2 * D)
+    vc = torch.randn(nb, 16, Hkv, D, generator=g).to(cv.dtype).view(torch.uint8).view(nb, 16, Hkv, 2 * D)
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    tables = torch.stack([perm[0:6], perm[6:12], perm[6:12], perm[12:18]])
+    lengths = torch.tensor([1, 40, 41, 96], dtype=torch.int32)
+    q = torch.randn(4, H, D, generator=g) * 2
+    got = pd.paged_decode(q, kc, vc, tables, lengths, ck, cv, 0.125, D, window)
+    want = ref_paged_decode(q, kc, vc, tables, lengths, ck, cv, 0.125, D, window)
+    assert got.shape == (4, H, D) and torch.equal(got, want)
 
 
 def test_other_cache_types_take_the_reference():
