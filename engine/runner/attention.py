@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from engine.models.common import HeadPrep
 from kernels.attention.flash import attention_lse, flash_chunk_attention, flash_fits, merge_attention
-from kernels.attention.ref import ref_paged_attention, ref_paged_decode
 from kernels.cpu.causal import paged_attention
 from kernels.cpu.paged_decode import paged_decode
 
@@ -115,10 +114,8 @@ class SlotAttention:
         if b.decode:
             if tk:
                 return self._decode_attention(b, il, q, scale, window, bias, seg_len)
-            if bias is None:   # (kernels/cpu/paged_decode.py: the reference's bits, read in place; else the reference)
-                return paged_decode(q, kc, vc, b.tables(), b.lengths(), ck, cv, scale, s.head_dim_v, window)
-            return ref_paged_decode(q, kc, vc, b.tables(), b.lengths(), ck, cv, scale, s.head_dim_v, window,
-                                    seg_bias=bias, seg_len=seg_len)
+            return paged_decode(q, kc, vc, b.tables(), b.lengths(), ck, cv, scale, s.head_dim_v, window,
+                                seg_bias=bias, seg_len=seg_len)
         bt = self.block_table[b.slot]
         if b.bidirectional:
             return self._prefill_two_way(b, il, q_orig, kp, scale, window)
@@ -133,10 +130,8 @@ class SlotAttention:
             starts = torch.tensor([b.start], dtype=torch.int32)
             return paged_prefill_attention(q, kc, vc, bt[None], cu, starts, ck, cv, scale, s.head_dim_v, window,
                                            seg_bias=bias, seg_len=seg_len, precision=self.prefill_dot, longest=n)
-        if bias is None:   # (kernels/cpu/causal.py: the reference's bits, numba where it applies)
-            return paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window)
-        return ref_paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window,
-                                   seg_bias=bias, seg_len=seg_len)
+        return paged_attention(q, kc, vc, bt, b.start, ck, cv, scale, s.head_dim_v, window,
+                               seg_bias=bias, seg_len=seg_len)
 
     def _prefill_sdpa(self, b: SlotBatch, kc, vc, q, scale, window):
         """A chunk's queries over its slot's float KV with torch's fused attention (cuDNN / memory-efficient

@@ -19,59 +19,72 @@ import os
 import statistics
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
 from engine.tools.bench_decode import _log
 
-
-def _prompt_runs(model, tokens, reps: int) -> list[float]:
-    from engine.models.common import SeqChunk
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        model.forward([SeqChunk(tokens, 0, model.new_kv())])
-        times.append(time.perf_counter() - t)
-    return times
-
-
-def _decode_run(model, tokens, n_gen: int) -> list[float]:
-    """Per-step seconds of n_gen greedy decode steps after the prompt."""
+if TYPE_CHECKING:
     import torch
 
-    from engine.models.common import SeqChunk
-    kv = model.new_kv()
-    logits = model.forward([SeqChunk(tokens, 0, kv)])[0]
-    tok, pos, steps = int(logits[-1].argmax()), len(tokens), []
-    for _ in range(n_gen):
-        t = time.perf_counter()
-        logits = model.forward([SeqChunk(torch.tensor([tok]), pos, kv)])[0]
-        tok = int(logits[-1].argmax())
-        steps.append(time.perf_counter() - t)
-        pos += 1
-    return steps
+
+class _ModelPath:
+    """The CPU path's steps: model.forward over a fresh SequenceKV per prompt."""
+
+    def __init__(self, model):
+        self.model, self.kv = model, None
+
+    def prompt(self, tokens) -> torch.Tensor:
+        from engine.models.common import SeqChunk
+        self.kv = self.model.new_kv()
+        return self.model.forward([SeqChunk(tokens, 0, self.kv)])[0]
+
+    def step(self, tok: int, pos: int) -> torch.Tensor:
+        import torch
+
+        from engine.models.common import SeqChunk
+        return self.model.forward([SeqChunk(torch.tensor([tok]), pos, self.kv)])[0]
 
 
-def _runner_prompt_runs(runner, tokens, reps: int) -> list[float]:
+class _RunnerPath:
+    """The runner's steps on the CPU: slot 0, reset before each prompt, the prompt in one chunk."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def prompt(self, tokens) -> torch.Tensor:
+        self.runner.reset(0)
+        return self.runner.prefill(0, tokens.tolist(), chunk=len(tokens))
+
+    def step(self, tok: int, pos: int) -> torch.Tensor:
+        return self.runner.decode([0], [tok], [pos])
+
+
+def _prompt_runs(path, tokens, reps: int) -> list[float]:
     times = []
     for _ in range(reps):
-        runner.reset(0)
         t = time.perf_counter()
-        runner.prefill(0, tokens.tolist(), chunk=len(tokens))
+        path.prompt(tokens)
         times.append(time.perf_counter() - t)
     return times
 
 
-def _runner_decode_run(runner, tokens, n_gen: int) -> list[float]:
-    """_decode_run through the runner's slot 0."""
-    runner.reset(0)
-    logits = runner.prefill(0, tokens.tolist(), chunk=len(tokens))
+def _decode_run(path, tokens, n_gen: int) -> list[float]:
+    """Per-step seconds of n_gen greedy decode steps after the prompt."""
+    logits = path.prompt(tokens)
     tok, pos, steps = int(logits[-1].argmax()), len(tokens), []
     for _ in range(n_gen):
         t = time.perf_counter()
-        logits = runner.decode([0], [tok], [pos])
+        logits = path.step(tok, pos)
         tok = int(logits[-1].argmax())
         steps.append(time.perf_counter() - t)
         pos += 1
     return steps
+
+
+def _measure(path, tokens, n_gen: int, reps: int) -> list[dict]:
+    """pp and tg of one step path: reps prompts, then reps - 1 (at least one) decode runs."""
+    prompt_s = _prompt_runs(path, tokens, reps)
+    return _figures(len(tokens), n_gen, prompt_s, [_decode_run(path, tokens, n_gen) for _ in range(max(1, reps - 1))])
 
 
 def _figures(n_prompt: int, n_gen: int, prompt_s: list[float], runs: list[list[float]]) -> list[dict]:
@@ -125,18 +138,14 @@ def bench_cpu(model_path: str, n_prompt: int = 512, n_gen: int = 128, threads: i
     model.forward([SeqChunk(tokens[:16], 0, model.new_kv())])
     res["load_s"] = time.perf_counter() - t0        # opening, repacking the weights, compiling or loading kernels
     _log(f"loaded and warm in {res['load_s']:.1f} s, {threads} threads")
-    prompt_s = _prompt_runs(model, tokens, reps)
-    res["hivejet"] = _figures(n_prompt, n_gen, prompt_s, [_decode_run(model, tokens, n_gen)
-                                                          for _ in range(max(1, reps - 1))])
+    res["hivejet"] = _measure(_ModelPath(model), tokens, n_gen, reps)
     if runner:
         from engine.runner import Runner
         r = Runner(model, device="cpu", n_slots=1, max_ctx=n_prompt + n_gen + 16, cache_type="f16")
         try:
             r.prefill(0, tokens[:16].tolist(), chunk=16)
             _log("runner:")
-            prompt_s = _runner_prompt_runs(r, tokens, reps)
-            res["runner"] = _figures(n_prompt, n_gen, prompt_s, [_runner_decode_run(r, tokens, n_gen)
-                                                                 for _ in range(max(1, reps - 1))])
+            res["runner"] = _measure(_RunnerPath(r), tokens, n_gen, reps)
         finally:
             r.close()
     if llamacpp:
@@ -180,8 +189,9 @@ def print_cpu(res: dict) -> None:
         ratio = f"{r['tok_s'] / o['tok_s']:6.2f}" if o else "     -"
         both = f"{r['tok_s']:.1f}, {r['tok_s_max']:.1f}"
         print(f"{r['test']:8s} {both:>30s} {(o['tok_s'] if o else float('nan')):16.1f} {ratio}")
+    cpu = {r["test"]: r for r in res["hivejet"]}
     for r in res.get("runner", []):
         print(f"{r['test'] + ' runner':15s} {r['tok_s']:.1f}, {r['tok_s_max']:.1f} "
-              f"({r['tok_s'] / res['hivejet'][0 if r['test'].startswith('pp') else 1]['tok_s']:.2f}x the CPU path)")
+              f"({r['tok_s'] / cpu[r['test']]['tok_s']:.2f}x the CPU path)")
     tg = res["hivejet"][-1]
     print(f"decode step: min {tg['step_ms_min']:.1f} ms, median {tg['step_ms_median']:.1f} ms")

@@ -66,6 +66,15 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, end: int) -> t
     return fb * bs, cache[ids].flatten(0, 1)[: end - fb * bs]
 
 
+def gathered_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, end: int, codec_k: KVCodec,
+                codec_v: KVCodec) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(first, K, V): a sequence's held keys and values through position end - 1, gathered from its blocks and
+    decoded into the stored domain (the torch reference's decode)."""
+    first, kp = gather_blocks(k_cache, block_table, end)
+    _, vp = gather_blocks(v_cache, block_table, end)
+    return first, codec_k.decode_stored(kp, impl="ref"), codec_v.decode_stored(vp, impl="ref")
+
+
 def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         q_start: int, codec_k: KVCodec, codec_v: KVCodec, scale: float, head_dim_v: int,
                         window: int = 0, gate: torch.Tensor | None = None, seg_bias: torch.Tensor | None = None,
@@ -74,11 +83,7 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_start + T (the chunk's own K/V already written; q and seg_bias/seg_len as the keys were
     stored, see SequenceKV.prep_query / score_bias). Returns float32 [T, H, head_dim_v];
     `gate` [T, H, head_dim_v]: qwen35's gated attention, output * sigmoid(gate)."""
-    T = q.shape[0]
-    first, kp = gather_blocks(k_cache, block_table, q_start + T)
-    _, vp = gather_blocks(v_cache, block_table, q_start + T)
-    K = codec_k.decode_stored(kp, impl="ref")
-    V = codec_v.decode_stored(vp, impl="ref")
+    first, K, V = gathered_kv(k_cache, v_cache, block_table, q_start + q.shape[0], codec_k, codec_v)
     out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first, seg_bias=seg_bias,
                            seg_len=seg_len)
     out = codec_v.from_stored(out, head_dim_v)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kernels.attention.ref import causal_attention as ref_causal_attention
-from kernels.attention.ref import gather_blocks
+from kernels.attention.ref import gathered_kv
 from kernels.cpu.jit import LazyKernels, parallel_launch
 
 ROWS = 16   # query rows per work item (with one query head)
@@ -71,13 +71,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    q_start: int, codec_k, codec_v, scale: float, head_dim_v: int, window: int = 0) -> torch.Tensor:
-    """ref_paged_attention without gate and score bias: q [T, H, D] at positions q_start.. over the cache through
-    q_start + T (the chunk's own K/V written). Returns float32 [T, H, head_dim_v]."""
-    T = q.shape[0]
-    first, kp = gather_blocks(k_cache, block_table, q_start + T)
-    _, vp = gather_blocks(v_cache, block_table, q_start + T)
-    K = codec_k.decode_stored(kp, impl="ref")
-    V = codec_v.decode_stored(vp, impl="ref")
-    out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first)
+                    q_start: int, codec_k, codec_v, scale: float, head_dim_v: int, window: int = 0,
+                    seg_bias: torch.Tensor | None = None, seg_len: int = 0) -> torch.Tensor:
+    """ref_paged_attention without its gate: q [T, H, D] at positions q_start.. over the cache through q_start + T
+    (the chunk's own K/V written). Returns float32 [T, H, head_dim_v]."""
+    first, K, V = gathered_kv(k_cache, v_cache, block_table, q_start + q.shape[0], codec_k, codec_v)
+    out = causal_attention(codec_k.to_stored(q), K, V, q_start, scale, window, k_start=first, seg_bias=seg_bias,
+                           seg_len=seg_len)
     return codec_v.from_stored(out, head_dim_v)

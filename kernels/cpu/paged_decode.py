@@ -44,8 +44,8 @@ def _warm(k: dict) -> None:
     bits = np.ones((1, 4), np.float32).view(np.int32)
     k["decode_attend"](np.ones((1, 4), np.float32), bits, bits, kc, kc.copy(), np.zeros(1, np.int64), 0, 0, 0.5, 0,
                        0, 0, np.empty((1, 4), np.float32))
-    k["attend_rows"](np.ones((1, 1, 4), np.float32), kc, kc.copy(), np.zeros((1, 1), np.int64),
-                     np.ones(1, np.int64), 0.5, 0, 0, 0, np.empty((1, 1, 4), np.float32))
+    k["attend_rows"](np.ones((1, 1, 4), np.float32), kc, kc.copy(), np.zeros((1, 1), np.int32),
+                     np.ones(1, np.int32), 0.5, 0, 0, 0, np.empty((1, 1, 4), np.float32))
 
 
 _KERNELS = LazyKernels(_compile, _warm)
@@ -80,18 +80,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, codec_k, codec_v, scale: float, head_dim_v: int,
-                 window: int = 0) -> torch.Tensor:
+                 seq_lens: torch.Tensor, codec_k, codec_v, scale: float, head_dim_v: int, window: int = 0,
+                 seg_bias: torch.Tensor | None = None, seg_len: int = 0) -> torch.Tensor:
     """Decode rows over the pool, their K/V written (see the module docstring); float32 [rows, H, head_dim_v].
-    Takes the reference (kernels/attention/ref.py: ref_paged_decode) where the kernel does not apply."""
-    if not supported(codec_k, codec_v) or q.dtype != torch.float32 or q.device.type != "cpu":
+    block_tables, seq_lens: int32, as the runner keeps them (read as they are, no copy). Takes the reference
+    (kernels/attention/ref.py: ref_paged_decode) where the kernel does not apply (another cache type, a score bias)."""
+    if (not supported(codec_k, codec_v) or seg_bias is not None or q.dtype != torch.float32
+            or q.device.type != "cpu" or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32):
         return ref_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, codec_k, codec_v, scale, head_dim_v,
-                                window)
+                                window, seg_bias=seg_bias, seg_len=seg_len)
     kern = _KERNELS.get()
     out = np.empty((q.shape[0], q.shape[1], head_dim_v), np.float32)
     kern["attend_rows"](q.contiguous().numpy(), k_cache.view(torch.int16).numpy(), v_cache.view(torch.int16).numpy(),
-                        block_tables.to(torch.int64).numpy(), seq_lens.to(torch.int64).numpy(), float(scale),
-                        int(window), _KINDS[codec_k.name], _KINDS[codec_v.name], out)
+                        block_tables.contiguous().numpy(), seq_lens.contiguous().numpy(), float(scale), int(window),
+                        _KINDS[codec_k.name], _KINDS[codec_v.name], out)
     return torch.from_numpy(out)
 
 

@@ -159,6 +159,6 @@ def decode_attend(q, kbits, vbits, kc, vc, table, first, start, scale, window, k
 @njit(nogil=True, cache=True)
 def attend_rows(q, kc, vc, tables, lengths, scale, window, kind_k, kind_v, out):
     # decode rows whose K/V are in the cache: row r's q float32 [H, D] at position lengths[r] - 1 over the blocks
-    # of tables[r] (int64), every block held (first = 0); out float32 [rows, H, Dv]
+    # of tables[r] (int32, the runner's), every block held (first = 0); out float32 [rows, H, Dv]
     for r in range(q.shape[0]):
         attend_at(q[r], kc, vc, tables[r], 0, lengths[r] - 1, scale, window, kind_k, kind_v, out[r])
