@@ -31,7 +31,7 @@ from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.pacing import PrefillPacer, StepClock
 from engine.planner import auto_prefill_chunk
-from engine.hostmem import physical_memory
+from engine.hostmem import default_kv_memory
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.runner_fit import RunnerFit
 from engine.scheduler import Scheduler
@@ -79,8 +79,9 @@ class EngineConfig:
                                     # acceptance only (doubling after a fully accepted step, else accepted + 1)
     spec_ngram_min_match: int = 4   # chains: a step takes the n-gram drafts instead of the model drafter's
                                     # when the conversation's suffix repeats an earlier span this long
-    kv_memory: int = 0              # bytes the CPU path's KV pool may use (0: a quarter of the RAM); when
-                                    # full: resident conversations are evicted, then the newest request
+    kv_memory: int = 0              # bytes the KV cache may use on the CPU (0: a quarter of the RAM), either
+                                    # path (static slots: the shared pool's size, at most max_seqs x ctx_size);
+                                    # when full: resident conversations are evicted, then the newest request
                                     # waits (its KV recomputed later)
     resident_tokens: int = 32768    # tokens of finished conversations kept for follow-ups and shared
                                     # prefixes (both paths); 0 turns prefix reuse off
@@ -88,7 +89,8 @@ class EngineConfig:
                                     # on the CPU this tests the GPU path's scheduling without a GPU
     ctx_pool_tokens: int = 0        # GPU path: tokens of the one KV pool all sequences share (one may use
                                     # it all); 0: as much as fits in 90 % of the GPU memory left after the
-                                    # weights and per-slot state (static slots on the CPU: max_seqs x ctx_size)
+                                    # weights and per-slot state (static slots on the CPU: what kv_memory
+                                    # holds, at most max_seqs x ctx_size)
     state_checkpoints: int = -1     # GPU path, recurrent models (qwen35): snapshots of a slot's recurrent
                                     # states at prompt chunk ends, so other requests can share shorter
                                     # prefixes (and a regenerated or edited reply, or a follow-up whose
@@ -114,11 +116,6 @@ class EngineConfig:
 
 
 CHECKPOINT_MEMORY = ("auto", "device", "host")   # EngineConfig.checkpoint_memory
-
-
-def _default_kv_memory() -> int:
-    """A quarter of the machine's RAM (8 GiB where that cannot be read)."""
-    return physical_memory(32 << 30) // 4
 
 
 def resolve_auto_device(config: EngineConfig) -> str:
@@ -267,7 +264,7 @@ class Engine:
         if self.runner is None:
             pool = self.model.kv_pool()
             if pool.groups:   # (a model with no attention layers has no KV to limit)
-                budget = config.kv_memory or _default_kv_memory()
+                budget = config.kv_memory or default_kv_memory()
                 pool.set_limit(max(256, budget // max(pool.bytes_per_token(), 1)))
                 self._pool_tokens = pool.max_tokens
         self._open_core()
@@ -368,7 +365,7 @@ class Engine:
             raise EngineError("the prompt is empty")
         r = self.runner
         if r is not None and len(ids) >= r.max_ctx < (self.config.ctx_size or self.spec.context_length):
-            raise KVPoolTooSmallError(len(ids), r.max_ctx)   # the pool, not the context, is the limit
+            raise KVPoolTooSmallError(len(ids), r.max_ctx, r.device.type)   # the pool, not the context, is the limit
         if len(ids) >= self.ctx_size:
             raise ContextTooLongError(len(ids), self.ctx_size)
         if self._pool_tokens is not None and len(ids) >= self._pool_tokens:

@@ -27,3 +27,9 @@ def physical_memory(default: int = 8 << 30) -> int:
     except (AttributeError, OSError):
         pass
     return default
+
+
+def default_kv_memory() -> int:
+    """The KV cache's memory on the CPU when EngineConfig.kv_memory is 0: a quarter of the machine's RAM (8 GiB
+    where that cannot be read)."""
+    return physical_memory(32 << 30) // 4

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.hostmem import default_kv_memory
 from engine.planner import (
     DEVICE_CHECKPOINT_SHARE,
     MIN_DEVICE_CHECKPOINTS,
@@ -17,7 +18,7 @@ from engine.planner import (
     facts_from_file,
     host_checkpoint_count,
 )
-from engine.runner import BUCKETS
+from engine.runner import BUCKETS, slot_bytes_per_token, slot_fixed_bytes
 from engine.scheduler import RUNNER_BLOCK
 from engine.types import EngineError
 
@@ -81,7 +82,7 @@ class RunnerFit:
                     raise EngineError(f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free after "
                                       f"the weights, for {c.max_seqs} sequences' state and a pool of 256 tokens")
             else:
-                pool = c.max_seqs * want
+                pool = self.cpu_pool(want)
             blocks = max(1, pool // RUNNER_BLOCK)
             self.runner = Runner(self.model, device=dev, n_slots=c.max_seqs, n_blocks=blocks, block_size=RUNNER_BLOCK,
                                  max_ctx=min(want, blocks * RUNNER_BLOCK), rope_offsets=self.mrope_images(),
@@ -171,18 +172,25 @@ class RunnerFit:
         """checkpoint_memory "auto": the default state checkpoints go to host memory when fewer than
         MIN_DEVICE_CHECKPOINTS fit in the 2 % of a `pool`-token KV cache on a GPU (a 24 GiB card: none
         of the 27B's 150 MB each, so a regenerated reply would read its whole conversation again)."""
-        from engine.runner import slot_bytes_per_token
         c = self.config
         if dev.type != "cuda" or not ckpt_share or c.checkpoint_memory != "auto":
             return False
         kv = pool * slot_bytes_per_token(self.model, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
         return device_checkpoint_count(kv, one_ckpt) < MIN_DEVICE_CHECKPOINTS
 
+    def cpu_pool(self, want: int) -> int:
+        """Static slots on the CPU: the pool tokens kv_memory holds (default_kv_memory when 0; its KV and the model
+        drafters' caches per token, at least 256 tokens as on the CPU path), at most max_seqs x the context."""
+        c = self.config
+        per_token = max(1, slot_bytes_per_token(self.model, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
+                        + self.speculator.drafter_bytes_per_token(self.cache_types(), self.spec))
+        budget = c.kv_memory or default_kv_memory()
+        return min(c.max_seqs * want, max(256, budget // per_token))
+
     def fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
         (recurrent states, key preconditioning sized for min(want, pool) positions, the scratch slot's
         too), the given checkpoints and a `ckpt_share` of the KV for the default checkpoints."""
-        from engine.runner import slot_bytes_per_token, slot_fixed_bytes
         c = self.config
         types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
         per_token = max(1, slot_bytes_per_token(self.model, **types) + self.speculator.drafter_bytes_per_token(self.cache_types(), self.spec))

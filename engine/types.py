@@ -94,10 +94,12 @@ class ContextTooLongError(EngineError, ValueError):
 
 
 class KVPoolTooSmallError(ContextTooLongError):
-    """GPU path: the prompt does not fit even the whole shared KV pool (the limit is the pool, not the model)."""
+    """The runner's path: the prompt does not fit even the whole shared KV pool (the limit is the pool, not the
+    model). device: the pool's ("cuda": sized to the GPU memory left; "cpu": to kv_memory)."""
 
-    def __init__(self, n_prompt: int, pool_tokens: int):
+    def __init__(self, n_prompt: int, pool_tokens: int, device: str = "cuda"):
         super().__init__(n_prompt, pool_tokens)
+        more = ("raise kv_memory / --kv-memory" if device == "cpu" else
+                "leave the pool more GPU memory: fewer parallel sequences, a smaller model")
         self.args = (f"the prompt has {n_prompt} tokens but the KV pool holds {pool_tokens} in all, even with "
-                     f"no other conversation in it (use a smaller KV cache type, or leave the pool more GPU "
-                     f"memory: fewer parallel sequences, a smaller model)",)
+                     f"no other conversation in it (use a smaller KV cache type, or {more})",)

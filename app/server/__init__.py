@@ -45,7 +45,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "turbo2_tcq (default f16; the CPU and GPU paths alike)")
     p.add_argument("--cache-type-v", default="f16", help="KV cache type for V (same choices)")
     p.add_argument("--kv-memory", type=float, default=0.0, metavar="GIB",
-                   help="KV cache memory on the CPU path in GiB (default: a quarter of the RAM); when full, "
+                   help="KV cache memory on the CPU in GiB (default: a quarter of the RAM); when full, "
                         "finished conversations are evicted and the newest request waits")
     p.add_argument("--prefill-share", type=float, default=0.5, metavar="F",
                    help="GPU path: while conversations generate, a long prompt's chunks after its first take "

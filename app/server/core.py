@@ -192,7 +192,7 @@ def overflow_error(e, what: str = "messages") -> ApiError:
            f"{at_least}{n} tokens ({n - limit + 1} too many to generate even one token). Please reduce the length "
            f"of the {what}.")
     from engine.types import KVPoolTooSmallError
-    if isinstance(e, KVPoolTooSmallError):           # the GPU KV pool, not the model, is the limit
+    if isinstance(e, KVPoolTooSmallError):           # the shared KV pool, not the model, is the limit
         msg += f" ({e})"
     return ApiError(400, msg, param=what, code="context_length_exceeded",
                     anthropic_message=f"prompt is too long: {n} tokens > {limit - 1} maximum")
