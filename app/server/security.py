@@ -9,7 +9,6 @@ import hmac
 import http.client
 import ipaddress
 import os
-import re
 import socket
 import threading
 import urllib.error
