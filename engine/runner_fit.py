@@ -115,7 +115,7 @@ class RunnerFit:
             try:
                 self.runner.capture([b for b in BUCKETS if b <= top])
                 if self.speculator.active and c.spec_max_drafts > 0:   # (drafts of recurrent models: graphs of their own)
-                    self.runner.capture_drafting(1 + c.spec_max_drafts)
+                    self.runner.capture_drafting(min(c.max_seqs, top) * (1 + c.spec_max_drafts))
                     self.speculator.warm_up()   # (the MTP block's pass graphs, its eager kernels compiled)
                 self.runner.capture_prefill(c.prefill_chunk)   # (prompt chunks: engine/runner/prefill.py)
             except (RuntimeError, torch.OutOfMemoryError) as e:
