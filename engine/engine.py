@@ -31,7 +31,7 @@ from engine.gguf.reader import GGUFError
 from engine.models import open_model
 from engine.pacing import PrefillPacer, StepClock
 from engine.planner import auto_prefill_chunk
-from engine.hostmem import default_kv_memory
+from engine.hostmem import kv_memory_tokens
 from engine.prefix import Entry, ResidentCache, add_checkpoint
 from engine.runner_fit import RunnerFit
 from engine.scheduler import Scheduler
@@ -264,8 +264,7 @@ class Engine:
         if self.runner is None:
             pool = self.model.kv_pool()
             if pool.groups:   # (a model with no attention layers has no KV to limit)
-                budget = config.kv_memory or default_kv_memory()
-                pool.set_limit(max(256, budget // max(pool.bytes_per_token(), 1)))
+                pool.set_limit(kv_memory_tokens(config.kv_memory, pool.bytes_per_token()))
                 self._pool_tokens = pool.max_tokens
         self._open_core()
         self.model_name = md.get("general.name") or path.stem

@@ -29,7 +29,7 @@ def physical_memory(default: int = 8 << 30) -> int:
     return default
 
 
-def default_kv_memory() -> int:
-    """The KV cache's memory on the CPU when EngineConfig.kv_memory is 0: a quarter of the machine's RAM (8 GiB
-    where that cannot be read)."""
-    return physical_memory(32 << 30) // 4
+def kv_memory_tokens(kv_memory: int, per_token: int) -> int:
+    """The KV cache tokens EngineConfig.kv_memory holds on the CPU at per_token bytes each (kv_memory 0: a
+    quarter of the machine's RAM, 8 GiB where that cannot be read), at least 256."""
+    return max(256, (kv_memory or physical_memory(32 << 30) // 4) // max(1, per_token))

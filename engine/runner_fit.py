@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.hostmem import default_kv_memory
+from engine.hostmem import kv_memory_tokens
 from engine.planner import (
     DEVICE_CHECKPOINT_SHARE,
     MIN_DEVICE_CHECKPOINTS,
@@ -115,7 +115,7 @@ class RunnerFit:
             try:
                 self.runner.capture([b for b in BUCKETS if b <= top])
                 if self.speculator.active and c.spec_max_drafts > 0:   # (drafts of recurrent models: graphs of their own)
-                    self.runner.capture_drafting(min(c.max_seqs, top) * (1 + c.spec_max_drafts))
+                    self.runner.capture_drafting(c.max_seqs * (1 + c.spec_max_drafts))
                     self.speculator.warm_up()   # (the MTP block's pass graphs, its eager kernels compiled)
                 self.runner.capture_prefill(c.prefill_chunk)   # (prompt chunks: engine/runner/prefill.py)
             except (RuntimeError, torch.OutOfMemoryError) as e:
@@ -179,13 +179,15 @@ class RunnerFit:
         return device_checkpoint_count(kv, one_ckpt) < MIN_DEVICE_CHECKPOINTS
 
     def cpu_pool(self, want: int) -> int:
-        """Static slots on the CPU: the pool tokens kv_memory holds (default_kv_memory when 0; its KV and the model
-        drafters' caches per token, at least 256 tokens as on the CPU path), at most max_seqs x the context."""
+        """Static slots on the CPU: the pool tokens kv_memory holds (engine/hostmem.py kv_memory_tokens, at
+        pool_bytes_per_token each), at most max_seqs x the context."""
+        return min(self.config.max_seqs * want, kv_memory_tokens(self.config.kv_memory, self.pool_bytes_per_token()))
+
+    def pool_bytes_per_token(self) -> int:
+        """Bytes per pool token: the slots' KV and the model drafters' caches."""
         c = self.config
-        per_token = max(1, slot_bytes_per_token(self.model, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
-                        + self.speculator.drafter_bytes_per_token(self.cache_types(), self.spec))
-        budget = c.kv_memory or default_kv_memory()
-        return min(c.max_seqs * want, max(256, budget // per_token))
+        return max(1, slot_bytes_per_token(self.model, cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
+                   + self.speculator.drafter_bytes_per_token(self.cache_types(), self.spec))
 
     def fit_pool(self, budget: int, want: int, ckpt_bytes: int, ckpt_share: float) -> int:
         """The most pool tokens (whole blocks) that fit in `budget` bytes beside every slot's fixed state
@@ -193,7 +195,7 @@ class RunnerFit:
         too), the given checkpoints and a `ckpt_share` of the KV for the default checkpoints."""
         c = self.config
         types = dict(cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v)
-        per_token = max(1, slot_bytes_per_token(self.model, **types) + self.speculator.drafter_bytes_per_token(self.cache_types(), self.spec))
+        per_token = self.pool_bytes_per_token()
 
         def fits(blocks: int) -> bool:
             tokens = blocks * RUNNER_BLOCK

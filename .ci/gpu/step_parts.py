@@ -9,8 +9,6 @@ import sys
 import time
 import random
 
-import os
-DEV = os.environ.get("DEV", "cuda")
 
 import engine.step_runner as SR
 import engine.spec.speculator as SP
@@ -64,18 +62,6 @@ def catch_up(*a, **k):
 
 SP.catch_up = catch_up
 
-# the GPU's busy time per step: events around Runner.decode and MtpSlots.run_slots
-gpu = collections.defaultdict(list)
-
-
-def _engine(model, device, spec, drafter, max_seqs, ctx, k, prompt_len, adaptive=True):
-    from engine.engine import Engine, EngineConfig
-    eng = Engine(EngineConfig(model=model, device=device, spec=spec, spec_drafter=drafter, spec_max_drafts=max(1, k),
-                              max_seqs=max_seqs, ctx_size=ctx, resident_tokens=0, spec_adaptive=adaptive,
-                              static_slots=True))
-    B._run(eng, [[5 + i % 50 for i in range(prompt_len)] for _ in range(2)], 16)
-    return eng
-
 
 def report(title, steps):
     print(f"--- {title}: {steps} steps")
@@ -91,7 +77,7 @@ def main():
     prompt_len, n_gen = 32, 128
     ctx = prompt_len + n_gen + 64
     rng = random.Random(0)
-    eng = _engine(model, DEV, "off", None, max(agents), ctx, 0, prompt_len)
+    eng = B._engine(model, "cuda", "off", None, max(agents), ctx, 0, prompt_len)
     vocab = eng.spec.vocab_size
     prompts = {n: B._prompts(n, prompt_len, vocab, rng) for n in agents}
     off = {}
@@ -101,7 +87,7 @@ def main():
         print(f"off {n} agents: {off[n]['tok_s']:.1f} tok/s, {off[n]['steps']} steps")
         report(f"off {n}", off[n]["steps"])
     eng.shutdown()
-    eng = _engine(model, DEV, "mtp", None, max(agents), ctx, len(rates), prompt_len, adaptive)
+    eng = B._engine(model, "cuda", "mtp", None, max(agents), ctx, len(rates), prompt_len, adaptive)
     for n in agents:
         truth = [p + o for p, o in zip(prompts[n], off[n]["outs"])]
         for prof in (False, True):
@@ -109,14 +95,7 @@ def main():
             acc.clear(); cnt.clear()
             p = cProfile.Profile() if prof else None
             if p:
-                orig = E.Engine._loop
-                def loop(self, orig=orig):
-                    p.enable()
-                    try:
-                        orig(self)
-                    finally:
-                        p.disable()
-                # the loop thread is running already: profile the step instead
+                # (the steps run on the engine thread: profiled there)
                 f = SR.RunnerExecutor.step
                 def step(self, f=f):
                     p.enable()
